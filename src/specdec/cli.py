@@ -1,0 +1,217 @@
+"""Command line: ``specdec generate PROMPT [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from specdec.config import DRAFTER_METHODS, SamplingParams, SpeculativeConfig
+from specdec.llm import LLM, GenerationOutput
+from specdec.models.loading import DEFAULT_MODEL
+
+#: Built-in prompt for ``--demo-prompt``: rewriting a paragraph with a small change, where
+#: most of the output is copied from the prompt and prompt lookup shines.
+DEMO_PROMPT = (
+    "Rewrite the following paragraph, changing only the name of the town from Millbrook "
+    "to Ashford. Keep every other word exactly the same.\n\n"
+    "Millbrook is a small town in the hills, known for its old stone bridge and its weekly "
+    "farmers' market. Every Saturday morning, people from the nearby villages come to "
+    "Millbrook to buy fresh bread, honey, cheese and vegetables. The town library, built "
+    "more than a hundred years ago, still opens its doors every day, and the children of "
+    "Millbrook spend their afternoons reading there after school. In the autumn, the hills "
+    "around the town turn red and gold, and visitors walk along the river to see the "
+    "leaves fall into the water."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="specdec: %(message)s")
+    _quiet_transformers()
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"specdec: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec", description="Speculative decoding: faster generation, identical output."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt",
+        description="Generate text for one prompt with speculative decoding.",
+    )
+    gen.add_argument("prompt", nargs="?", help="the prompt ('-' reads standard input)")
+    gen.add_argument(
+        "--demo-prompt",
+        action="store_true",
+        help="use the built-in paragraph-rewrite prompt instead of PROMPT",
+    )
+    gen.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"target: embedded name, .gguf file, HF directory or hub id "
+        f"(default: {DEFAULT_MODEL})",
+    )
+    gen.add_argument(
+        "--drafter",
+        default="ngram",
+        choices=DRAFTER_METHODS,
+        help="how draft tokens are proposed (default: ngram)",
+    )
+    gen.add_argument("--draft-model", help="draft model for --drafter draft-model")
+    gen.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=5,
+        metavar="K",
+        help="draft tokens per verification step (default: 5)",
+    )
+    gen.add_argument(
+        "--ngram-min", type=int, default=1, help="smallest n-gram to match (default 1)"
+    )
+    gen.add_argument("--ngram-max", type=int, default=4, help="largest n-gram to match (default 4)")
+    gen.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
+    )
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the model's chat template (default: when it has one)",
+    )
+    gen.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    gen.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    gen.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run plain autoregressive decoding; report speedup and identity",
+    )
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    speculative = SpeculativeConfig(
+        method=args.drafter,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        draft_model=args.draft_model,
+    )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    llm = LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device)
+    llm.target.warmup((1, speculative.num_speculative_tokens + 1))
+    if args.json:
+        output = llm.generate(prompt, params, chat=args.chat)
+    else:
+        output = _print_stream(llm, prompt, params, args.chat)
+    baseline = None
+    if args.compare:
+        baseline = llm.generate(
+            prompt, params, chat=args.chat, speculative=SpeculativeConfig(method="none")
+        )
+    if args.json:
+        print(json.dumps(_json_record(output, baseline)))
+    else:
+        _print_metrics(output, baseline, params)
+    return 0
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.demo_prompt:
+        return DEMO_PROMPT
+    if args.prompt is None:
+        raise ValueError("give a PROMPT (or '-' to read standard input, or --demo-prompt)")
+    return sys.stdin.read() if args.prompt == "-" else args.prompt
+
+
+def _print_stream(llm: LLM, prompt: str, params: SamplingParams, chat) -> GenerationOutput:
+    output = None
+    for chunk in llm.stream(prompt, params, chat=chat):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        output = chunk.output or output
+    sys.stdout.write("\n")
+    return output
+
+
+def _json_record(output: GenerationOutput, baseline: GenerationOutput | None) -> dict:
+    record = output.to_dict()
+    if baseline is not None:
+        record["baseline"] = {
+            "text": baseline.text,
+            "token_ids": baseline.token_ids,
+            "elapsed_s": baseline.metrics.elapsed_s,
+            "tokens_per_s": baseline.metrics.tokens_per_s,
+        }
+        record["speedup"] = _speedup(output, baseline)
+        record["identical"] = output.token_ids == baseline.token_ids
+    return record
+
+
+def _speedup(output: GenerationOutput, baseline: GenerationOutput) -> float:
+    """Ratio of wall times in this run (baseline / speculative)."""
+    return (
+        baseline.metrics.elapsed_s / output.metrics.elapsed_s if output.metrics.elapsed_s else 0.0
+    )
+
+
+def _print_metrics(output: GenerationOutput, baseline, params: SamplingParams) -> None:
+    m = output.metrics
+    per_position = ", ".join(f"{r:.2f}" for r in m.per_position_acceptance_rate) or "-"
+    print("-" * 60)
+    print(f"finish reason            {output.finish_reason}")
+    print(f"tokens / steps           {m.num_output_tokens} / {m.num_steps}")
+    print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")
+    print(
+        f"acceptance rate          {m.acceptance_rate:.1%} "
+        f"({m.num_accepted_tokens}/{m.num_draft_tokens} drafted)"
+    )
+    print(f"per-position acceptance  {per_position}")
+    print(f"time                     {m.elapsed_s:.2f} s ({m.tokens_per_s:.1f} tokens/s)")
+    if baseline is None:
+        return
+    b = baseline.metrics
+    identical = output.token_ids == baseline.token_ids
+    print(f"autoregressive baseline  {b.elapsed_s:.2f} s ({b.tokens_per_s:.1f} tokens/s)")
+    print(f"speedup                  {_speedup(output, baseline):.2f}x")
+    if params.greedy:
+        print(f"identical to baseline    {'yes' if identical else 'NO'}")
+    else:
+        print(
+            f"identical to baseline    {'yes' if identical else 'no'} (sampling: outputs "
+            "differ by chance; the distribution is the same)"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

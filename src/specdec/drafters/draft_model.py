@@ -1,0 +1,136 @@
+"""An independent draft model: a smaller causal LM sharing the target's tokenizer.
+
+Source: Leviathan et al. 2023 (arXiv:2211.17192), Chen et al. 2023 (arXiv:2302.01318): the
+draft samples γ tokens autoregressively; the target verifies them in one forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import DraftProposal
+from specdec.models.hf import HFModel
+from specdec.sampling import logits_to_probs, sample
+
+
+def check_vocab_compatible(target: HFModel, draft: HFModel) -> None:
+    """Refuse a draft whose tokenizer maps tokens to ids differently from the target's.
+
+    Padded embedding matrices (``vocab_size`` larger than the tokenizer) are fine; the
+    token -> id mappings themselves must be identical.
+
+    Raises:
+        ValueError: the vocabularies differ (the message names the sizes and an example).
+    """
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])
+    example = differing[0] if differing else None
+    raise ValueError(
+        f"draft model {draft.name!r} and target {target.name!r} have different vocabularies "
+        f"({len(draft_vocab)} vs {len(target_vocab)} tokens; e.g. {example!r} is not shared). "
+        "A draft model must use the target's tokenizer."
+    )
+
+
+def align_draft_logits(
+    logits: torch.Tensor, num_real_tokens: int, target_vocab_size: int
+) -> torch.Tensor:
+    """Map draft logits onto the target's logit width.
+
+    Draft columns >= ``num_real_tokens`` (embedding padding, no token behind them) are set
+    to -inf so the draft never proposes them; the result is cut or -inf-padded to
+    ``target_vocab_size`` columns.
+
+    Args:
+        logits: ``[N, V_draft]`` float draft logits.
+        num_real_tokens: tokens the shared tokenizer knows (``len(tokenizer)``).
+        target_vocab_size: width of the target's logits.
+
+    Returns:
+        ``[N, target_vocab_size]`` float logits.
+    """
+    width = logits.shape[-1]
+    if width > num_real_tokens:
+        logits = logits.clone()
+        logits[..., num_real_tokens:] = float("-inf")
+    if width > target_vocab_size:
+        return logits[..., :target_vocab_size]
+    if width < target_vocab_size:
+        pad = logits.new_full((*logits.shape[:-1], target_vocab_size - width), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+    return logits
+
+
+class DraftModelDrafter:
+    """Drafts with a separate causal LM, keeping its own KV cache across steps.
+
+    The draft cache is synchronised lazily: at each ``propose`` the longest prefix shared by
+    the cached tokens and the current sequence is kept (rollback is moving the cursor) and
+    the rest is fed in one forward.
+
+    Args:
+        draft: the draft model.
+        target_vocab_size: width of the target's logits (draft probabilities use it).
+        num_real_tokens: size of the shared tokenizer vocabulary.
+    """
+
+    def __init__(self, draft: HFModel, target_vocab_size: int, num_real_tokens: int) -> None:
+        self.draft = draft
+        self.target_vocab_size = target_vocab_size
+        self.num_real_tokens = num_real_tokens
+        self._params = SamplingParams()
+        self._cache = None
+        self._cached_ids: list[int] = []
+        self._synced = 0
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self._params = params
+        capacity = len(prompt_ids) + params.max_new_tokens + 16
+        self._cache = self.draft.new_cache(capacity)
+        self._cached_ids = []
+        self._synced = 0
+        if len(prompt_ids) > 1:  # prefill all but the last token (cursor rule)
+            self.draft.forward(list(prompt_ids[:-1]), self._cache, num_logits=1)
+            self._cached_ids = list(prompt_ids[:-1])
+
+    def propose(
+        self, token_ids: Sequence[int], num_tokens: int, generator: torch.Generator
+    ) -> DraftProposal:
+        if num_tokens <= 0:
+            return DraftProposal([])
+        pending = self._sync(token_ids)
+        proposed: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(num_tokens):
+            logits = self.draft.forward(pending, self._cache, num_logits=1)
+            self._cached_ids.extend(pending)
+            logits = align_draft_logits(logits, self.num_real_tokens, self.target_vocab_size)
+            if self._params.greedy:
+                token = int(torch.argmax(logits[-1]))
+            else:
+                step_probs = logits_to_probs(logits[-1:], self._params)
+                token = int(sample(step_probs, generator))
+                probs.append(step_probs[0])
+            proposed.append(token)
+            pending = [token]
+            if i == num_tokens - 1:
+                break
+        self._synced = len(token_ids)
+        draft_probs = torch.stack(probs) if probs else None
+        return DraftProposal(proposed, draft_probs)
+
+    def _sync(self, token_ids: Sequence[int]) -> list[int]:
+        """Roll the draft cache back to the prefix it shares with ``token_ids``; return the rest."""
+        n = min(self._synced, len(self._cached_ids))
+        limit = min(len(self._cached_ids), len(token_ids) - 1)
+        while n < limit and self._cached_ids[n] == token_ids[n]:
+            n += 1
+        self._cache.truncate(n)
+        del self._cached_ids[n:]
+        return list(token_ids[n:])

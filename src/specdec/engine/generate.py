@@ -1,0 +1,147 @@
+"""Single-sequence speculative decoding loop (the reference every faster engine must match).
+
+One step: the drafter proposes up to k tokens; the target runs the pending token plus the
+drafts in one forward pass at explicit positions; the verifier keeps the accepted prefix
+and adds one recovered or bonus token; the target cache is truncated so that it holds every
+token except the new last one (cursor rule).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import Drafter, DraftProposal
+from specdec.engine.stops import StopChecker
+from specdec.metrics import SpecStats
+from specdec.models.hf import HFModel
+from specdec.sampling import logits_to_probs
+from specdec.verify.greedy import verify_greedy
+from specdec.verify.rejection import rejection_sample
+from specdec.verify.result import VerifyResult
+
+
+@dataclass
+class StepOutput:
+    """What one verification step added.
+
+    Attributes:
+        new_token_ids: tokens appended to the output (after stop truncation).
+        finish_reason: ``"stop"`` (stop token or string), ``"length"`` (max_new_tokens or
+            the context limit), or ``None`` while generation goes on.
+        text_end: for a stop string, where the output text ends (character offset).
+        stats: the generation's running :class:`SpecStats` (same object every step).
+    """
+
+    new_token_ids: list[int]
+    finish_reason: str | None
+    stats: SpecStats
+    text_end: int | None = None
+
+
+def verify(
+    proposal: DraftProposal,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> VerifyResult:
+    """Greedy match for temperature 0, lossless rejection sampling otherwise.
+
+    Args:
+        proposal: the step's draft tokens (k) and draft probabilities (or ``None``).
+        target_logits: ``[k + 1, V]`` float32 target logits.
+    """
+    draft_ids = torch.tensor(proposal.token_ids, dtype=torch.long, device=target_logits.device)
+    if params.greedy:
+        return verify_greedy(draft_ids, target_logits)
+    target_probs = logits_to_probs(target_logits, params)
+    return rejection_sample(draft_ids, proposal.draft_probs, target_probs, generator)
+
+
+def generate(
+    target: HFModel,
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    num_speculative_tokens: int,
+    stop_checker: StopChecker,
+    generator: torch.Generator,
+) -> Iterator[StepOutput]:
+    """Run speculative decoding for one sequence, yielding after every step.
+
+    Args:
+        target: the target model.
+        drafter: proposes draft tokens (``NoDrafter`` gives plain autoregressive decoding).
+        prompt_ids: ``[L]`` prompt token ids, 1 <= L < ``target.max_context``.
+        params: sampling parameters (greedy when temperature is 0).
+        num_speculative_tokens: most draft tokens per step (k >= 0); capped by the
+            remaining token budget so ``max_new_tokens`` is never exceeded.
+        stop_checker: stop tokens / strings.
+        generator: source of every random draw.
+
+    Yields:
+        :class:`StepOutput` per step; the last one has a ``finish_reason``.
+
+    Raises:
+        ValueError: empty prompt or a prompt that fills the context.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    if len(prompt_ids) >= target.max_context:
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens; {target.name} holds at most "
+            f"{target.max_context} tokens in total, so nothing could be generated"
+        )
+    stats = SpecStats()
+    max_total = min(len(prompt_ids) + params.max_new_tokens, target.max_context)
+    tokens = list(prompt_ids)
+    t0 = time.perf_counter()
+    cache = target.new_cache(max_total + num_speculative_tokens + 1)
+    if len(tokens) > 1:
+        target.forward(tokens[:-1], cache, num_logits=1)
+    stats.prefill_s = time.perf_counter() - t0
+    drafter.start(prompt_ids, params)
+    stats.draft_s += time.perf_counter() - t0 - stats.prefill_s
+    stats.elapsed_s = time.perf_counter() - t0
+    while True:
+        t_step = time.perf_counter()
+        budget = max_total - len(tokens)
+        proposal = drafter.propose(tokens, min(num_speculative_tokens, budget - 1), generator)
+        t_drafted = time.perf_counter()
+        logits = target.forward([tokens[-1], *proposal.token_ids], cache)
+        result = verify(proposal, logits, params, generator)
+        tokens.extend(result.output_token_ids)
+        cache.truncate(len(tokens) - 1)  # cursor rule: the new last token is pending
+        stats.draft_s += t_drafted - t_step
+        stats.verify_s += time.perf_counter() - t_drafted
+        step = _finish_step(
+            tokens, len(prompt_ids), len(result.output_token_ids), max_total, stop_checker, stats
+        )
+        stats.record_step(len(proposal), result.num_accepted, len(step.new_token_ids))
+        stats.elapsed_s += time.perf_counter() - t_step
+        yield step
+        if step.finish_reason is not None:
+            return
+
+
+def _finish_step(
+    tokens: list[int],
+    num_prompt: int,
+    num_new: int,
+    max_total: int,
+    stop_checker: StopChecker,
+    stats: SpecStats,
+) -> StepOutput:
+    """Apply stops and the length limit to the tokens this step appended (in place)."""
+    output = tokens[num_prompt:]
+    match = stop_checker.check(output, num_new)
+    if match is not None:
+        del tokens[num_prompt + match.num_tokens :]
+        new = output[len(output) - num_new : match.num_tokens]
+        return StepOutput(new, "stop", stats, match.text_end)
+    new = output[len(output) - num_new :]
+    return StepOutput(new, "length" if len(tokens) >= max_total else None, stats)

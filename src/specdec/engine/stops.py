@@ -1,0 +1,74 @@
+"""Stop conditions: stop tokens (EOS, end-of-turn, user ids) and stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass
+class StopMatch:
+    """Where output must end.
+
+    Attributes:
+        num_tokens: output tokens to keep (a stop token is kept as the last id).
+        text_end: for a stop string, the character offset in the decoded output at which
+            text ends (the stop string is dropped); ``None`` for a stop token.
+    """
+
+    num_tokens: int
+    text_end: int | None = None
+
+
+class StopChecker:
+    """Finds the first stop inside the tokens one step added.
+
+    Args:
+        stop_token_ids: ids that end generation (kept in the ids, not in the text).
+        stop_strings: strings that end generation (dropped with everything after them).
+        decode: detokenizer ``list[int] -> str``; needed only with stop strings.
+    """
+
+    def __init__(
+        self,
+        stop_token_ids: Iterable[int],
+        stop_strings: Iterable[str] = (),
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.stop_strings = tuple(stop_strings)
+        if self.stop_strings and decode is None:
+            raise ValueError("stop strings need a decode function")
+        self.decode = decode
+
+    def check(self, output_ids: list[int], num_new: int) -> StopMatch | None:
+        """Return where output must end, or ``None`` to go on.
+
+        Args:
+            output_ids: all generated ids so far (prompt excluded), the step's new ones last.
+            num_new: how many of them this step added.
+        """
+        start = len(output_ids) - num_new
+        stop_at = next(
+            (i + 1 for i in range(start, len(output_ids)) if output_ids[i] in self.stop_token_ids),
+            None,
+        )
+        if self.stop_strings:
+            limit = len(output_ids) if stop_at is None else stop_at
+            match = self._find_stop_string(output_ids, start, limit)
+            if match is not None:
+                return match
+        return None if stop_at is None else StopMatch(stop_at)
+
+    def _find_stop_string(self, output_ids: list[int], start: int, limit: int) -> StopMatch | None:
+        text = self.decode(output_ids[:limit])
+        hits = [(text.find(s), s) for s in self.stop_strings]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return None
+        text_end = min(pos for pos, _ in hits)
+        # Fewest tokens whose text already contains a stop string: nothing after it leaks.
+        for n in range(max(start, 1), limit + 1):
+            if any(s in self.decode(output_ids[:n]) for s in self.stop_strings):
+                return StopMatch(n, text_end)
+        return StopMatch(limit, text_end)

@@ -1,0 +1,238 @@
+"""The public entry point: ``LLM(model, draft=..., speculative=...).generate(prompt, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.base import Drafter, NoDrafter
+from specdec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine.generate import generate
+from specdec.engine.stops import StopChecker
+from specdec.metrics import SpecStats
+from specdec.models.hf import HFModel
+from specdec.models.loading import DEFAULT_MODEL, load
+from specdec.sampling import make_generator
+
+Prompt = str | list[dict] | list[int]
+
+
+@dataclass
+class GenerationOutput:
+    """Result of one generation.
+
+    Attributes:
+        text: generated text (special tokens and anything from a stop on removed).
+        token_ids: generated token ids (a stop token, e.g. EOS, is kept as the last id).
+        prompt_token_ids: the prompt as the target saw it (after the chat template).
+        finish_reason: ``"stop"`` (EOS / end-of-turn / stop token / stop string) or
+            ``"length"`` (max_new_tokens or the model's context).
+        metrics: :class:`SpecStats` of this generation.
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    metrics: SpecStats = field(repr=False)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict: ``text``, ``token_ids``, ``finish_reason``, ``metrics``."""
+        return {
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "metrics": self.metrics.to_dict(),
+        }
+
+
+@dataclass
+class GenerationChunk:
+    """A streamed piece: new text and ids; the last chunk also carries the full output."""
+
+    text: str
+    token_ids: list[int]
+    output: GenerationOutput | None = None
+
+
+class LLM:
+    """A target model with a drafter: speculative generation with unchanged output.
+
+    Args:
+        model: target model name/path (see :func:`specdec.models.load`) or a loaded
+            :class:`~specdec.models.HFModel`. Default: the embedded SmolLM2-135M-Instruct.
+        draft: draft model (name/path or loaded) for ``method="draft-model"``.
+        speculative: drafter settings; default ``ngram`` (or ``draft-model`` when
+            ``draft`` is given).
+        dtype, device: for models loaded by name.
+
+    Raises:
+        ValueError: invalid configuration, or a draft whose vocabulary differs from the
+            target's.
+
+    Example:
+        >>> llm = LLM(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=8))
+        >>> out = llm.generate("Repeat: the cat sat on the mat.", SamplingParams(max_new_tokens=32))
+        >>> out.text, out.metrics.mean_acceptance_length  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: str | HFModel = DEFAULT_MODEL,
+        draft: str | HFModel | None = None,
+        speculative: SpeculativeConfig | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> None:
+        if speculative is None:
+            speculative = SpeculativeConfig(method="draft-model" if draft is not None else "ngram")
+        self.speculative = speculative
+        self._dtype, self._device = dtype, device
+        self.target = model if isinstance(model, HFModel) else load(model, dtype, device)
+        self._draft_source = draft
+        self._draft: HFModel | None = None
+        self._drafters: dict[SpeculativeConfig, Drafter] = {}
+        self.drafter(speculative)  # load and check the draft now, not mid-generation
+
+    def drafter(self, config: SpeculativeConfig) -> Drafter:
+        """The drafter for ``config`` (built once per config; a draft model loads once)."""
+        if config not in self._drafters:
+            self._drafters[config] = self._build_drafter(config)
+        return self._drafters[config]
+
+    def _build_drafter(self, config: SpeculativeConfig) -> Drafter:
+        if config.method == "none":
+            return NoDrafter()
+        if config.method == "ngram":
+            return NgramDrafter(config.ngram_min, config.ngram_max)
+        draft = self._load_draft(config)
+        return DraftModelDrafter(draft, self.target.vocab_size, len(self.target.tokenizer))
+
+    def _load_draft(self, config: SpeculativeConfig) -> HFModel:
+        source = config.draft_model or self._draft_source
+        if source is None:
+            raise ValueError(
+                "method 'draft-model' needs a draft model (draft=... or draft_model=...)"
+            )
+        if isinstance(source, HFModel):
+            draft = source
+        elif self._draft is not None and self._draft.name == source:
+            draft = self._draft
+        else:
+            draft = load(source, self._dtype, self._device)
+        check_vocab_compatible(self.target, draft)
+        self._draft = draft
+        return draft
+
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Prompt -> token ids (chat template for strings when the model has one).
+
+        Raises:
+            ValueError: empty prompt or token ids outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt is empty")
+            return self.target.encode(prompt, chat)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
+            return list(prompt)
+        if all(isinstance(m, dict) for m in prompt):
+            return self.target.encode(prompt, chat)
+        raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        speculative: SpeculativeConfig | None = None,
+        chat: bool | None = None,
+    ) -> GenerationOutput:
+        """Generate a completion.
+
+        Args:
+            prompt: a user message (str; chat template applied when the model has one and
+                ``chat`` is not False), a list of chat messages, or prompt token ids.
+            sampling_params: defaults to greedy with 256 new tokens.
+            speculative: override the LLM's drafter settings for this call
+                (e.g. ``SpeculativeConfig(method="none")`` for the plain baseline).
+            chat: force the chat template on/off for string prompts.
+
+        Returns:
+            :class:`GenerationOutput`.
+
+        Raises:
+            ValueError: empty prompt, a prompt that fills the model's context, bad ids.
+        """
+        output = None
+        for chunk in self.stream(prompt, sampling_params, speculative=speculative, chat=chat):
+            output = chunk.output or output
+        return output
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        speculative: SpeculativeConfig | None = None,
+        chat: bool | None = None,
+    ) -> Iterator[GenerationChunk]:
+        """Like :meth:`generate`, yielding text as it is produced (one chunk per step).
+
+        Text that could still become part of a stop string, or an incomplete UTF-8
+        character, is held back until it is settled, so nothing after a stop is ever
+        yielded.
+        """
+        params = sampling_params or SamplingParams()
+        config = speculative or self.speculative
+        prompt_ids = self.encode(prompt, chat)
+        steps = generate(
+            self.target,
+            self.drafter(config),
+            prompt_ids,
+            params,
+            0 if config.method == "none" else config.num_speculative_tokens,
+            self._stop_checker(params),
+            make_generator(params.seed, self.target.device),
+        )
+        yield from _stream_text(self.target, prompt_ids, steps, params)
+
+    def _stop_checker(self, params: SamplingParams) -> StopChecker:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.target.eos_token_ids
+        return StopChecker(stop_ids, params.stop, self.target.decode)
+
+
+def _stream_text(target: HFModel, prompt_ids: list[int], steps, params: SamplingParams):
+    """Turn engine steps into text chunks (incremental detokenization)."""
+    holdback = max((len(s) for s in params.stop), default=1) - 1
+    ids: list[int] = []
+    sent = 0
+    for step in steps:
+        ids.extend(step.new_token_ids)
+        if step.finish_reason is None:
+            text = target.decode(ids).rstrip("\ufffd")
+            end = max(sent, len(text) - holdback)
+            yield GenerationChunk(text[sent:end], list(step.new_token_ids))
+            sent = end
+            continue
+        text = _final_text(target, ids, step)
+        output = GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats)
+        yield GenerationChunk(text[sent:], list(step.new_token_ids), output)
+
+
+def _final_text(target: HFModel, ids: Sequence[int], step) -> str:
+    if step.text_end is not None:
+        return target.decode(ids)[: step.text_end]
+    if step.finish_reason == "stop":  # ended by a stop token: it is not part of the text
+        return target.decode(ids[:-1])
+    return target.decode(ids)

