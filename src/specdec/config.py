@@ -30,8 +30,9 @@ class SamplingParams:
         seed: seed of the ``torch.Generator`` used for every random draw (drafts,
             acceptance tests, residual and bonus samples). Same seed, same output.
             ``None`` draws a fresh seed.
-        stop: stop strings. Output ends right before the first occurrence; the stop string
-            and everything after it are dropped from text and token ids.
+        stop: stop strings. The text ends right before the first occurrence (the stop
+            string is dropped); the token ids end with the token that completed it, so
+            nothing generated after the stop appears in either.
         stop_token_ids: extra token ids that end generation (kept as the last output id,
             like EOS).
         ignore_eos: keep generating past EOS / end-of-turn tokens (for benchmarks).

@@ -110,6 +110,7 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.set_length(num_tokens)
 
+    @torch.inference_mode()
     def compact(self, indices: torch.Tensor | list[int]) -> None:
         """Keep exactly the positions ``indices`` (in that order) and drop the rest.
 

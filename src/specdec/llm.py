@@ -9,7 +9,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
 from specdec.drafters.ngram import NgramDrafter
-from specdec.engine.generate import generate
+from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
 from specdec.models.hf import HFModel
@@ -194,7 +194,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         config = speculative or self.speculative
         prompt_ids = self.encode(prompt, chat)
-        steps = generate(
+        steps = generate_steps(
             self.target,
             self.drafter(config),
             prompt_ids,

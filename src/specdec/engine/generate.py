@@ -62,7 +62,7 @@ def verify(
     return rejection_sample(draft_ids, proposal.draft_probs, target_probs, generator)
 
 
-def generate(
+def generate_steps(
     target: HFModel,
     drafter: Drafter,
     prompt_ids: Sequence[int],

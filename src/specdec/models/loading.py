@@ -71,6 +71,8 @@ def embedded_gguf_path(name: str) -> Path:
         ValueError: unknown embedded name.
         FileNotFoundError: the package is not installed or lacks the file.
     """
+    if name.lower() not in EMBEDDED_MODELS:
+        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
     package, filename = EMBEDDED_MODELS[name.lower()]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -104,7 +106,8 @@ def load(
 
     Raises:
         ValueError: unknown dtype.
-        FileNotFoundError / OSError: the model cannot be found or read.
+        FileNotFoundError: the model cannot be found (missing path, unknown hub id, or a
+            hub id without network).
     """
     torch_dtype = parse_dtype(dtype)
     name = str(name_or_path)
@@ -115,7 +118,17 @@ def load(
         if not gguf.is_file():
             raise FileNotFoundError(f"GGUF file not found: {gguf}")
         return _load_gguf(gguf, torch_dtype, device, gguf.name)
-    return _from_pretrained(name, torch_dtype, device, name)
+    if _looks_local(name) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"model directory not found: {name}")
+    try:
+        return _from_pretrained(name, torch_dtype, device, name)
+    except OSError as error:  # transformers' message for an unknown hub id or no network
+        raise FileNotFoundError(f"cannot load model {name!r}: {error}") from error
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a hub id (``owner/name``): absolute, relative, or home-based."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep in name[:1]
 
 
 def _load_gguf(gguf: Path, dtype: torch.dtype, device, label: str) -> HFModel:

@@ -1,0 +1,119 @@
+"""Tiny random-weight models and a word-level tokenizer, built in code (fast, offline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdec.models.hf import HFModel
+
+NUM_WORDS = 29  # + 3 special tokens = 32 real tokens
+
+
+def make_tokenizer(num_words: int = NUM_WORDS, prefix: str = "w") -> PreTrainedTokenizerFast:
+    """Word-level tokenizer: ``<unk>``=0, ``<s>``=1, ``</s>``=2, then ``w0``, ``w1``, ..."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"{prefix}{i}": 3 + i for i in range(num_words)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def make_model(
+    tokenizer,
+    seed: int,
+    vocab_size: int | None = None,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    max_positions: int = 128,
+    init_std: float = 0.3,
+    name: str = "tiny",
+) -> HFModel:
+    """A random Llama; ``vocab_size`` > len(tokenizer) gives a padded embedding matrix.
+
+    ``init_std`` is large so next-token distributions are peaked, like a trained model's.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size or len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    return HFModel(model, tokenizer, name=name)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def target(tokenizer) -> HFModel:
+    return make_model(tokenizer, seed=0, name="tiny-target")
+
+
+@pytest.fixture(scope="session")
+def draft(tokenizer) -> HFModel:
+    return make_model(tokenizer, seed=1, hidden_size=16, num_layers=1, name="tiny-draft")
+
+
+@pytest.fixture(scope="session")
+def padded_draft(tokenizer) -> HFModel:
+    """A draft whose embedding matrix has 16 padding rows beyond the tokenizer."""
+    return make_model(
+        tokenizer,
+        seed=2,
+        vocab_size=len(tokenizer) + 16,
+        hidden_size=16,
+        num_layers=1,
+        name="tiny-padded-draft",
+    )
+
+
+def perturbed_copy(
+    model: HFModel, noise: float, seed: int, extra_vocab: int = 0, name: str = "tiny-near-draft"
+) -> HFModel:
+    """The target's weights plus Gaussian noise: a draft that agrees often, not always.
+
+    ``extra_vocab`` > 0 appends padding rows (random) to the embedding and LM head.
+    """
+    config = model.model.config.to_dict()
+    config["vocab_size"] = model.vocab_size + extra_vocab
+    copy = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        source = model.model.state_dict()
+        for key, tensor in copy.state_dict().items():
+            src = source[key]
+            if src.shape != tensor.shape:  # padded vocabulary rows
+                tensor.normal_(0, 0.3, generator=generator)
+                tensor[: src.shape[0]] = src
+            else:
+                tensor.copy_(src)
+            tensor.add_(noise * torch.randn(tensor.shape, generator=generator))
+    return HFModel(copy, model.tokenizer, name=name)
+
+
+@pytest.fixture(scope="session")
+def near_draft(target) -> HFModel:
+    return perturbed_copy(target, noise=0.01, seed=3)
+
+
+@pytest.fixture(scope="session")
+def near_padded_draft(target) -> HFModel:
+    return perturbed_copy(target, noise=0.01, seed=4, extra_vocab=16, name="tiny-near-padded")

@@ -1,0 +1,293 @@
+"""End-to-end tests of ``specdec generate`` (``specdec.cli.main``) on a tiny saved model."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from conftest import make_model, make_tokenizer
+from specdec.cli import main
+
+#: With the seed-0 tiny model this prompt gives 20 greedy tokens with no EOS and a repeating
+#: tail ("w16 w2 w16 w2 ..."), so the n-gram drafter gets accepted drafts.
+PROMPT = "w20 w9 w11"
+MAX_NEW = "20"
+
+METRIC_KEYS = {
+    "num_steps",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "acceptance_rate",
+    "mean_acceptance_length",
+    "per_position_acceptance_rate",
+    "elapsed_s",
+    "tokens_per_s",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    hf = make_model(make_tokenizer(), seed=0)
+    directory = tmp_path_factory.mktemp("tiny-model")
+    hf.model.save_pretrained(directory)
+    hf.tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop anything printed before
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, model_dir: str, *args: str, prompt: str = PROMPT) -> dict:
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        prompt,
+        "--model",
+        model_dir,
+        "--max-new-tokens",
+        MAX_NEW,
+        "--json",
+        *args,
+    )
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1, out  # exactly one JSON object, nothing else on stdout
+    record = json.loads(lines[0])
+    assert isinstance(record, dict)
+    return record
+
+
+def test_json_compare_ngram(capsys, model_dir):
+    record = run_json(capsys, model_dir, "--compare", "--drafter", "ngram")
+    assert {
+        "text",
+        "token_ids",
+        "finish_reason",
+        "metrics",
+        "baseline",
+        "speedup",
+        "identical",
+    } <= record.keys()
+    assert record["metrics"].keys() >= METRIC_KEYS
+    assert {"text", "token_ids", "elapsed_s", "tokens_per_s"} <= record["baseline"].keys()
+
+    ids = record["token_ids"]
+    assert 1 <= len(ids) <= 20
+    assert all(isinstance(t, int) for t in ids)
+    assert record["finish_reason"] in ("stop", "length")
+    assert record["text"]  # this prompt produces real words
+    assert record["identical"] is True
+    assert record["baseline"]["token_ids"] == ids
+    assert record["baseline"]["text"] == record["text"]
+    assert isinstance(record["speedup"], float) and record["speedup"] > 0
+
+    m = record["metrics"]
+    assert m["num_steps"] >= 1
+    assert 0 <= m["num_accepted_tokens"] <= m["num_draft_tokens"]
+    assert 0.0 <= m["acceptance_rate"] <= 1.0
+    assert m["mean_acceptance_length"] >= 1.0
+    assert m["elapsed_s"] > 0 and m["tokens_per_s"] > 0
+    # The repeating tail of this output is found by prompt lookup: some drafts are accepted,
+    # so fewer steps than tokens.
+    assert m["num_accepted_tokens"] > 0
+    assert m["num_steps"] < len(ids)
+
+
+def test_text_output_with_metrics(capsys, model_dir):
+    expected = run_json(capsys, model_dir)["text"]
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        PROMPT,
+        "--model",
+        model_dir,
+        "--max-new-tokens",
+        MAX_NEW,
+        "--compare",
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == expected  # the streamed text comes first, then the metrics
+    assert lines[1] == "-" * 60
+    assert "{" not in out  # not JSON
+    for label in (
+        "finish reason",
+        "tokens / steps",
+        "mean acceptance length",
+        "acceptance rate",
+        "per-position acceptance",
+        "time",
+        "autoregressive baseline",
+        "speedup",
+    ):
+        assert any(line.startswith(label) for line in lines[2:]), label
+    assert "identical to baseline    yes" in lines
+
+
+def test_text_output_without_compare_has_no_baseline(capsys, model_dir):
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        PROMPT,
+        "--model",
+        model_dir,
+        "--max-new-tokens",
+        MAX_NEW,
+    )
+    assert code == 0, err
+    assert "mean acceptance length" in out
+    assert "speedup" not in out
+    assert "identical to baseline" not in out
+
+
+def test_drafter_none(capsys, model_dir):
+    reference = run_json(capsys, model_dir)
+    record = run_json(capsys, model_dir, "--drafter", "none", "--compare")
+    assert record["token_ids"] == reference["token_ids"]
+    assert record["identical"] is True
+    m = record["metrics"]
+    assert m["num_draft_tokens"] == 0
+    assert m["num_steps"] == len(record["token_ids"])  # one token per step
+
+
+def test_drafter_draft_model_same_dir(capsys, model_dir):
+    reference = run_json(capsys, model_dir)
+    record = run_json(
+        capsys, model_dir, "--drafter", "draft-model", "--draft-model", model_dir, "--compare"
+    )
+    assert record["identical"] is True
+    assert record["token_ids"] == reference["token_ids"]
+    assert record["baseline"]["token_ids"] == record["token_ids"]
+    m = record["metrics"]
+    # The draft is the target itself: every greedy draft token is accepted.
+    assert m["num_draft_tokens"] > 0
+    assert m["num_accepted_tokens"] == m["num_draft_tokens"]
+    assert m["num_steps"] < len(record["token_ids"])
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
+        (["--drafter", "draft-model"], "draft"),  # no --draft-model given
+    ],
+)
+def test_bad_option_values(capsys, model_dir, args, fragment):
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", model_dir, *args)
+    assert code == 2
+    assert err.startswith("specdec: error:")
+    assert fragment in err
+    assert "Traceback" not in err
+    assert out == ""
+
+
+def test_empty_prompt(capsys, model_dir):
+    code, _, err = run_cli(capsys, "generate", "", "--model", model_dir)
+    assert code == 2
+    assert err.startswith("specdec: error:")
+    assert "empty" in err
+
+
+def test_missing_prompt(capsys, model_dir):
+    code, _, err = run_cli(capsys, "generate", "--model", model_dir)
+    assert code == 2
+    assert err.startswith("specdec: error:")
+    assert "PROMPT" in err
+
+
+def test_prompt_longer_than_context(capsys, model_dir):
+    prompt = " ".join(f"w{i % 29}" for i in range(200))  # the tiny model holds 128 tokens
+    code, out, err = run_cli(capsys, "generate", prompt, "--model", model_dir)
+    assert code == 2
+    assert err.startswith("specdec: error:")
+    assert "128" in err
+    assert out.strip() == ""
+
+
+def test_missing_model_path(capsys, tmp_path):
+    # Desired behaviour: a clear error and exit code 2, not a traceback. (transformers
+    # raises OSError for a path that does not exist, which the CLI must report too.)
+    missing = tmp_path / "no-such-model"
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(missing))
+    assert code == 2
+    assert err.startswith("specdec: error:")
+    assert "no-such-model" in err
+
+
+def test_unknown_drafter_rejected_by_argparse(capsys, model_dir):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", PROMPT, "--model", model_dir, "--drafter", "foo"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--drafter" in err and "foo" in err
+
+
+def test_stop_string(capsys, model_dir):
+    reference = run_json(capsys, model_dir)
+    text = reference["text"]
+    words = text.split()
+    assert len(words) >= 10
+    stop = words[len(words) // 2]  # a word from the middle of the output
+    cut = text.index(stop)
+    assert cut > 0
+
+    record = run_json(capsys, model_dir, "--stop", stop)
+    assert record["finish_reason"] == "stop"
+    assert stop not in record["text"]
+    assert record["text"] == text[:cut]  # nothing after the stop string either
+    ids = record["token_ids"]
+    assert len(ids) < len(reference["token_ids"])
+    assert ids == reference["token_ids"][: len(ids)]
+
+    # Streaming (text) output is cut at the same place.
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        PROMPT,
+        "--model",
+        model_dir,
+        "--max-new-tokens",
+        MAX_NEW,
+        "--stop",
+        stop,
+    )
+    assert code == 0, err
+    assert out.split("\n" + "-" * 60)[0] == text[:cut]
+
+
+def test_seed_makes_sampling_reproducible(capsys, model_dir):
+    def sample(seed: int) -> list[int]:
+        record = run_json(capsys, model_dir, "--temperature", "1.0", "--seed", str(seed))
+        return record["token_ids"]
+
+    first = sample(7)
+    assert sample(7) == first
+    # Sampling really is random: other seeds give other outputs.
+    others = [sample(seed) for seed in (1, 2, 3)]
+    assert any(ids != first for ids in others)
+
+
+def test_prompt_from_stdin(capsys, model_dir, monkeypatch):
+    reference = run_json(capsys, model_dir)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    record = run_json(capsys, model_dir, prompt="-")
+    assert record["token_ids"] == reference["token_ids"]
+    assert record["text"] == reference["text"]
+
+
+def test_stdin_prompt_differs_from_literal_dash(capsys, model_dir, monkeypatch):
+    # '-' must read stdin, not be used as the prompt text: an empty stdin is an empty prompt.
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code, _, err = run_cli(capsys, "generate", "-", "--model", model_dir)
+    assert code == 2
+    assert "empty" in err

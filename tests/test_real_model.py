@@ -1,0 +1,72 @@
+"""Oracles on the real embedded model (SmolLM2-135M-Instruct, float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, SpeculativeConfig
+
+pytestmark = pytest.mark.real_model
+
+PROMPT = (
+    "Repeat this sentence twice: The quick brown fox jumps over the lazy dog near the river bank."
+)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=8))
+
+
+@pytest.fixture(scope="module")
+def baseline(llm):
+    return llm.generate(
+        PROMPT, SamplingParams(max_new_tokens=48), speculative=SpeculativeConfig(method="none")
+    )
+
+
+def test_chat_template_and_eos_ids(llm):
+    ids = llm.encode(PROMPT)
+    text = llm.target.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+    im_end = llm.target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in llm.target.eos_token_ids
+    assert llm.encode(PROMPT, chat=False) == llm.target.tokenizer(PROMPT)["input_ids"]
+
+
+def test_plain_decoding_equals_transformers_greedy(llm, baseline):
+    ids = torch.tensor([baseline.prompt_token_ids])
+    out = llm.target.model.generate(ids, max_new_tokens=48, do_sample=False)
+    assert baseline.token_ids == out[0, ids.shape[1] :].tolist()
+
+
+def test_ngram_greedy_equals_plain(llm, baseline):
+    out = llm.generate(PROMPT, SamplingParams(max_new_tokens=48))
+    assert out.token_ids == baseline.token_ids and out.text == baseline.text
+    assert out.metrics.mean_acceptance_length > 1.5  # the prompt is copied
+
+
+def test_draft_model_greedy_equals_plain(llm, baseline):
+    # The only real model shipped offline is SmolLM2-135M, so it drafts for itself: every
+    # draft token is accepted and the whole verification path is exercised on real weights.
+    spec = LLM(
+        llm.target,
+        draft=llm.target,
+        speculative=SpeculativeConfig(method="draft-model", num_speculative_tokens=3),
+    )
+    out = spec.generate(PROMPT, SamplingParams(max_new_tokens=48))
+    assert out.token_ids == baseline.token_ids
+    assert out.metrics.acceptance_rate == 1.0
+
+
+def test_end_of_turn_ends_output(llm, baseline):
+    out = llm.generate("Say hello.", SamplingParams(max_new_tokens=100))
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.target.eos_token_ids
+    assert "<|im_end|>" not in out.text and out.text.strip()
+
+
+def test_sampling_is_seeded(llm):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_new_tokens=24)
+    assert llm.generate(PROMPT, params).token_ids == llm.generate(PROMPT, params).token_ids
