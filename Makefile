@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/specdec generate --compare --drafter ngram --num-speculative-tokens 16 \
+	$(VENV)/bin/specdec generate --compare --drafter ngram --num-speculative-tokens 20 \
 		--max-new-tokens 160 --demo-prompt
 
 test: $(STAMP)

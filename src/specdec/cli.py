@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_transformers()
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         print(f"specdec: error: {error}", file=sys.stderr)
         return 2
 
@@ -75,7 +75,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="draft tokens per verification step (default: 5)",
     )
     gen.add_argument(
-        "--ngram-min", type=int, default=1, help="smallest n-gram to match (default 1)"
+        "--ngram-min", type=int, default=2, help="smallest n-gram to match (default 2)"
     )
     gen.add_argument("--ngram-max", type=int, default=4, help="largest n-gram to match (default 4)")
     gen.add_argument("--max-new-tokens", type=int, default=256, metavar="N")

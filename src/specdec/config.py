@@ -101,7 +101,7 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
-    ngram_min: int = 1
+    ngram_min: int = 2
     ngram_max: int = 4
     draft_model: str | None = None
 

@@ -57,7 +57,7 @@ class NgramDrafter:
         min_n, max_n: n-gram sizes to match, longest first.
     """
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
         self.min_n = min_n
