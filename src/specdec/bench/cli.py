@@ -1,0 +1,175 @@
+"""``specdec bench``: the autoregressive baseline and every method over the same prompts."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from specdec.bench.datasets import load_humaneval, load_jsonl, load_spec_bench, select
+from specdec.bench.harness import run_benchmark
+from specdec.bench.methods import parse_method
+from specdec.bench.report import markdown_tables, summarize, write_outputs
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.llm import LLM
+from specdec.models.loading import DEFAULT_MODEL, load
+
+DEFAULT_METHODS = ("ngram:k=10", "hf-prompt-lookup:k=10")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark methods against autoregressive decoding",
+        description="Run the autoregressive baseline and each --method over the same prompts "
+        "(interleaved, after a warm-up), check greedy outputs against the baseline, "
+        "and report speed and acceptance per category.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target model")
+    p.add_argument("--draft-model", help="draft model for draft-model / hf-assisted methods")
+    p.add_argument(
+        "--method",
+        action="append",
+        dest="methods",
+        metavar="SPEC",
+        help="method to run (repeatable): ngram[:k=10,min=2,max=4], "
+        "draft-model[:k=4], hf-prompt-lookup[:k=10,max_ngram=2], "
+        "hf-assisted[:k=4]. The autoregressive baseline always runs first. "
+        f"Default: {' '.join(DEFAULT_METHODS)}",
+    )
+    p.add_argument(
+        "--dataset",
+        action="append",
+        dest="datasets",
+        metavar="NAME",
+        help="spec-bench, humaneval, or a JSONL file of prompts ('turns' or "
+        "'prompt' per line); repeatable. Default: spec-bench",
+    )
+    p.add_argument(
+        "--spec-bench",
+        metavar="PATH",
+        help="Spec-Bench question.jsonl (default: shared/data/spec_bench/ beside "
+        "the checkout, or $SPECDEC_SPEC_BENCH)",
+    )
+    p.add_argument(
+        "--limit-per-category",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N prompts per category group (deterministic: file order, "
+        "round-robin over sub-categories)",
+    )
+    p.add_argument(
+        "--categories",
+        nargs="+",
+        metavar="C",
+        help="only these categories or groups (e.g. translation qa)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation")
+    p.add_argument("--out", metavar="DIR", help="write results.json, report.md and PNG plots")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    methods = [parse_method("ar")] + [parse_method(m) for m in args.methods or DEFAULT_METHODS]
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    prompts = select(_load_prompts(args), args.limit_per_category, args.categories)
+    if not prompts:
+        raise ValueError("no prompts selected")
+    llm = LLM(
+        args.model,
+        speculative=SpeculativeConfig(method="none"),
+        dtype=args.dtype,
+        device=args.device,
+    )
+    draft = load(args.draft_model, args.dtype, args.device) if args.draft_model else None
+    num_runs = len(methods) * sum(len(p.turns) for p in prompts)
+    with tqdm(total=num_runs, desc="bench", unit="gen", file=sys.stderr) as bar:
+        records = run_benchmark(
+            llm,
+            methods,
+            prompts,
+            params,
+            draft=draft,
+            warmup=not args.no_warmup,
+            progress=bar.update,
+        )
+    baseline = methods[0].name
+    summary = summarize(records, baseline)
+    print(markdown_tables(summary, baseline))
+    if args.out:
+        config = {
+            "model": args.model,
+            "draft_model": args.draft_model,
+            "methods": [m.name for m in methods],
+            "datasets": args.datasets or ["spec-bench"],
+            "num_prompts": len(prompts),
+            "num_turns": num_runs // len(methods),
+            "limit_per_category": args.limit_per_category,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "seed": args.seed,
+            "dtype": args.dtype,
+        }
+        paths = write_outputs(Path(args.out), records, summary, baseline, environment(llm), config)
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+def _load_prompts(args):
+    prompts = []
+    for name in args.datasets or ["spec-bench"]:
+        if name == "spec-bench":
+            prompts += load_spec_bench(args.spec_bench)
+        elif name == "humaneval":
+            prompts += load_humaneval()
+        else:
+            prompts += load_jsonl(name)
+    return prompts
+
+
+def environment(llm: LLM) -> dict:
+    """Machine and library facts recorded with every result."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": __import__("os").cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(llm.target.device),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "model": llm.target.name,
+        "dtype": str(llm.target.dtype).replace("torch.", ""),
+    }

@@ -1,0 +1,161 @@
+"""Benchmark methods: specdec drafters and external baselines, behind one ``run`` call.
+
+Method strings (``--method``):
+
+* ``ar``: specdec plain autoregressive decoding (the baseline every ratio uses);
+* ``ngram[:k=10,min=2,max=4]``: specdec prompt lookup;
+* ``draft-model[:k=4]``: specdec with the ``--draft-model``;
+* ``hf-prompt-lookup[:k=10,max_ngram=2]``: transformers ``generate(prompt_lookup_num_tokens=k)``;
+* ``hf-assisted[:k=4]``: transformers ``generate(assistant_model=draft)``.
+
+A llama.cpp baseline is not implemented yet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.llm import LLM
+from specdec.metrics import SpecStats
+
+SPECDEC_KINDS = {"ar": "none", "ngram": "ngram", "draft-model": "draft-model"}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A parsed ``--method``: ``kind`` plus integer options (``k``, ``min``, ``max``, ...)."""
+
+    kind: str
+    options: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def name(self) -> str:
+        """Label used in reports, e.g. ``ngram:k=10`` (``autoregressive`` for ``ar``)."""
+        if self.kind == "ar":
+            return "autoregressive"
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.kind}:{opts}" if opts else self.kind
+
+    def option(self, key: str, default: int) -> int:
+        return dict(self.options).get(key, default)
+
+    @property
+    def is_specdec(self) -> bool:
+        return self.kind in SPECDEC_KINDS
+
+
+_ALLOWED = {
+    "ar": (),
+    "ngram": ("k", "min", "max"),
+    "draft-model": ("k",),
+    "hf-prompt-lookup": ("k", "max_ngram"),
+    "hf-assisted": ("k",),
+}
+
+
+def parse_method(text: str) -> Method:
+    """``"ngram:k=8,min=2"`` -> ``Method("ngram", (("k", 8), ("min", 2)))``.
+
+    Raises:
+        ValueError: unknown kind, unknown option, or a non-integer value.
+    """
+    kind, _, rest = text.strip().partition(":")
+    if kind not in _ALLOWED:
+        raise ValueError(f"unknown method {kind!r}; choose from {', '.join(_ALLOWED)}")
+    options = []
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in _ALLOWED[kind]:
+            raise ValueError(f"method {kind!r} has no option {key!r} (options: {_ALLOWED[kind]})")
+        try:
+            options.append((key, int(value)))
+        except ValueError:
+            raise ValueError(
+                f"option {key!r} of {kind!r} needs an integer, got {value!r}"
+            ) from None
+    return Method(kind, tuple(options))
+
+
+@dataclass
+class RunResult:
+    """One generation: output ids (EOS kept), wall seconds, and specdec's stats if any."""
+
+    token_ids: list[int]
+    elapsed_s: float
+    stats: SpecStats | None = field(default=None)
+
+
+class MethodRunner:
+    """Runs one method on prompt ids; the wall time covers the whole generate call.
+
+    Raises:
+        ValueError: a method that needs a draft model without one.
+    """
+
+    def __init__(self, method: Method, llm: LLM, draft_llm_model=None):
+        self.method = method
+        self.llm = llm
+        self.target = llm.target
+        self.draft = draft_llm_model
+        if method.kind in ("draft-model", "hf-assisted") and draft_llm_model is None:
+            raise ValueError(f"method {method.kind!r} needs --draft-model")
+        self.speculative = self._speculative_config()
+        if method.kind == "draft-model":  # a view sharing the loaded target, with the draft
+            self.llm = LLM(llm.target, draft=draft_llm_model, speculative=self.speculative)
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        m = self.method
+        if m.kind == "ar":
+            return SpeculativeConfig(method="none")
+        if m.kind == "ngram":
+            return SpeculativeConfig(
+                method="ngram",
+                num_speculative_tokens=m.option("k", 10),
+                ngram_min=m.option("min", 2),
+                ngram_max=m.option("max", 4),
+            )
+        if m.kind == "draft-model":
+            return SpeculativeConfig(method="draft-model", num_speculative_tokens=m.option("k", 4))
+        return None
+
+    def run(self, prompt_ids: list[int], params: SamplingParams) -> RunResult:
+        start = time.perf_counter()
+        if self.speculative is not None:
+            out = self.llm.generate(prompt_ids, params, speculative=self.speculative)
+            return RunResult(out.token_ids, time.perf_counter() - start, out.metrics)
+        ids = self._run_transformers(prompt_ids, params)
+        return RunResult(ids, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _run_transformers(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        kwargs = dict(
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=sorted(self.target.eos_token_ids) or None,
+            pad_token_id=min(self.target.eos_token_ids, default=0),
+        )
+        if params.greedy:
+            kwargs.update(do_sample=False)
+        else:
+            kwargs.update(
+                do_sample=True,
+                temperature=params.temperature,
+                top_k=params.top_k or None,
+                top_p=params.top_p,
+            )
+            torch.manual_seed(params.seed or 0)
+        if self.method.kind == "hf-prompt-lookup":
+            kwargs.update(
+                prompt_lookup_num_tokens=self.method.option("k", 10),
+                max_matching_ngram_size=self.method.option("max_ngram", 2),
+            )
+        else:
+            kwargs.update(assistant_model=self.draft.model)
+            self.draft.model.generation_config.num_assistant_tokens = self.method.option("k", 4)
+            self.draft.model.generation_config.num_assistant_tokens_schedule = "constant"
+        ids = torch.tensor([prompt_ids], device=self.target.device)
+        out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        return out[0, len(prompt_ids) :].tolist()

