@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean bench-quick bench
 
 setup: $(STAMP)
 
@@ -25,6 +25,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -q
+
+# A few prompts per Spec-Bench category group, short outputs: a few minutes on 2 CPU cores.
+bench-quick: $(STAMP)
+	$(VENV)/bin/specdec bench --limit-per-category 2 --max-new-tokens 48 \
+		--method ngram:k=10 --method hf-prompt-lookup:k=10 --out out/bench-quick
+
+# The committed result in benchmarks/spec_bench_cpu (about 30 minutes on 2 idle CPU cores).
+bench: $(STAMP)
+	$(VENV)/bin/specdec bench --limit-per-category 10 --max-new-tokens 96 \
+		--method ngram:k=10 --method hf-prompt-lookup:k=10 --out benchmarks/spec_bench_cpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

@@ -180,6 +180,10 @@ def test_drafter_draft_model_same_dir(capsys, model_dir):
         (["--top-p", "1.5"], "top_p"),
         (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
         (["--drafter", "draft-model"], "draft"),  # no --draft-model given
+        (["--device", "bogus"], "device"),
+        (["--seed", "99999999999999999999999"], "seed"),
+        (["--drafter", "ngram", "--draft-model", "x"], "--draft-model is only used"),
+        (["--demo-prompt"], "not both"),
     ],
 )
 def test_bad_option_values(capsys, model_dir, args, fragment):
@@ -291,3 +295,22 @@ def test_stdin_prompt_differs_from_literal_dash(capsys, model_dir, monkeypatch):
     code, _, err = run_cli(capsys, "generate", "-", "--model", model_dir)
     assert code == 2
     assert "empty" in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA is available here")
+def test_unavailable_cuda_is_a_clear_error_without_loading(capsys, model_dir):
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", model_dir, "--device", "cuda")
+    assert code == 2 and "CUDA is not available" in err and "Traceback" not in err
+
+
+def test_draft_model_option_implies_draft_model_drafter(capsys, model_dir):
+    record = run_json(capsys, model_dir, "--draft-model", model_dir)
+    m = record["metrics"]
+    assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] == m["num_draft_tokens"]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("specdec ")

@@ -13,6 +13,8 @@ from specdec import SamplingParams, SpeculativeConfig
         ({"top_k": -1}, "top_k"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"seed": "x"}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
         ({"stop": ("",)}, "stop"),
     ],
 )

@@ -306,3 +306,41 @@ def test_padded_draft_never_proposes_padding_ids(target, padded_draft):
     assert proposal.draft_probs.shape == (4, target.vocab_size)
     torch.testing.assert_close(proposal.draft_probs.sum(-1), torch.ones(4))
     assert all(t < len(target.tokenizer) for t in proposal.token_ids)
+
+
+def test_accepted_count_excludes_tokens_dropped_by_a_stop(target):
+    prompt = PROMPTS[0]
+    truth = hf_greedy(target, prompt, 30)
+    j = next(i for i in range(12, 30) if truth[i] not in truth[:i] and (i + 1) % 9)
+    out = _scripted_llm(target, truth, prompt, 8).generate(
+        prompt, _greedy(30, stop_token_ids=(truth[j],))
+    )
+    m = out.metrics
+    steps = -(-(j + 1) // 9)  # perfect drafts: 9 tokens per step
+    kept_last = (j + 1) - 9 * (steps - 1)
+    assert m.num_steps == steps and m.num_output_tokens == j + 1
+    assert m.num_accepted_tokens == 8 * (steps - 1) + min(8, kept_last)
+    assert sum(n * c for n, c in enumerate(m.accepted_length_counts)) == m.num_accepted_tokens
+
+
+def test_per_position_rates_cover_every_drafted_position(target):
+    prompt = PROMPTS[0]
+    truth = hf_greedy(target, prompt, 12)
+    drafter = ScriptedDrafter(truth, len(prompt), {i: 0 for i in range(20)}, target.vocab_size)
+    llm = LLM(target, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=5))
+    llm._drafters[llm.speculative] = drafter  # every first draft token is wrong
+    m = llm.generate(prompt, _greedy(12)).metrics
+    assert m.per_position_acceptance_rate == [0.0] * 5
+    assert m.acceptance_rate == 0.0 and m.mean_acceptance_length == 1.0
+
+
+@pytest.mark.parametrize("prompt", [123, None, 4.5])
+def test_prompt_of_wrong_type_raises(target, prompt):
+    with pytest.raises(ValueError, match="prompt must be"):
+        LLM(target).generate(prompt)
+
+
+def test_draft_with_fewer_logits_than_tokens_is_refused(target, tokenizer):
+    small = make_model(tokenizer, seed=6, vocab_size=len(tokenizer) - 4, name="small-vocab")
+    with pytest.raises(ValueError, match="scores 28 tokens but its tokenizer has 32"):
+        LLM(target, draft=small, speculative=SpeculativeConfig(method="draft-model"))

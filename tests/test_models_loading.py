@@ -305,3 +305,15 @@ def test_gguf_conversion_goes_to_cache_root(monkeypatch, tmp_path):
     os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))
     assert loading.cached_gguf_conversion(gguf) != directory
     assert len(build.calls) == 2
+
+
+def test_parse_device():
+    from specdec.models.loading import parse_device
+
+    assert parse_device("cpu") == torch.device("cpu")
+    for bad in ("bogus", "tpu", ""):
+        with pytest.raises(ValueError, match="device"):
+            parse_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            parse_device("cuda")

@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from specdec import __version__
+from specdec.cli_common import add_sampling_args, sampling_params
 from specdec.config import DRAFTER_METHODS, SamplingParams, SpeculativeConfig
 from specdec.llm import LLM, GenerationOutput
 from specdec.models.loading import DEFAULT_MODEL
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_transformers()
     try:
         return args.func(args)
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stderr.close()
+        return 0
     except (ValueError, OSError) as error:
         print(f"specdec: error: {error}", file=sys.stderr)
         return 2
@@ -42,6 +47,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdec", description="Speculative decoding: faster generation, identical output."
     )
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser(
         "generate",
@@ -62,11 +68,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--drafter",
-        default="ngram",
+        default=None,
         choices=DRAFTER_METHODS,
-        help="how draft tokens are proposed (default: ngram)",
+        help="how draft tokens are proposed (default: ngram, or draft-model when "
+        "--draft-model is given)",
     )
-    gen.add_argument("--draft-model", help="draft model for --drafter draft-model")
+    gen.add_argument("--draft-model", help="draft model (implies --drafter draft-model)")
     gen.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -78,11 +85,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--ngram-min", type=int, default=2, help="smallest n-gram to match (default 2)"
     )
     gen.add_argument("--ngram-max", type=int, default=4, help="largest n-gram to match (default 4)")
-    gen.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
-    gen.add_argument("--seed", type=int, default=None)
+    add_sampling_args(gen, max_new_tokens=256, seed=None)
     gen.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
     )
@@ -92,8 +95,6 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="apply the model's chat template (default: when it has one)",
     )
-    gen.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
-    gen.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     gen.add_argument(
         "--compare",
         action="store_true",
@@ -116,26 +117,24 @@ def _quiet_transformers() -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
+    drafter = args.drafter or ("draft-model" if args.draft_model else "ngram")
+    if args.draft_model and drafter != "draft-model":
+        raise ValueError(f"--draft-model is only used with --drafter draft-model, not {drafter}")
     speculative = SpeculativeConfig(
-        method=args.drafter,
+        method=drafter,
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         draft_model=args.draft_model,
     )
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
+    params = sampling_params(args, stop=tuple(args.stop))
     llm = LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device)
     llm.target.warmup((1, speculative.num_speculative_tokens + 1))
     if args.json:
         output = llm.generate(prompt, params, chat=args.chat)
     else:
+        if args.demo_prompt:
+            print(f"prompt:\n{DEMO_PROMPT}\n\nspeculative output ({drafter}):")
         output = _print_stream(llm, prompt, params, args.chat)
     baseline = None
     if args.compare:
@@ -151,6 +150,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.demo_prompt:
+        if args.prompt is not None:
+            raise ValueError("give either PROMPT or --demo-prompt, not both")
         return DEMO_PROMPT
     if args.prompt is None:
         raise ValueError("give a PROMPT (or '-' to read standard input, or --demo-prompt)")
@@ -182,10 +183,13 @@ def _json_record(output: GenerationOutput, baseline: GenerationOutput | None) ->
 
 
 def _speedup(output: GenerationOutput, baseline: GenerationOutput) -> float:
-    """Ratio of wall times in this run (baseline / speculative)."""
-    return (
-        baseline.metrics.elapsed_s / output.metrics.elapsed_s if output.metrics.elapsed_s else 0.0
-    )
+    """Speculative tokens/s over baseline tokens/s, measured in this run.
+
+    Equal to the ratio of wall times when both produced the same tokens (greedy); with
+    sampling the two outputs differ in length, so throughput is what compares.
+    """
+    base = baseline.metrics.tokens_per_s
+    return output.metrics.tokens_per_s / base if base else 0.0
 
 
 def _print_metrics(output: GenerationOutput, baseline, params: SamplingParams) -> None:
@@ -195,10 +199,8 @@ def _print_metrics(output: GenerationOutput, baseline, params: SamplingParams) -
     print(f"finish reason            {output.finish_reason}")
     print(f"tokens / steps           {m.num_output_tokens} / {m.num_steps}")
     print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")
-    print(
-        f"acceptance rate          {m.acceptance_rate:.1%} "
-        f"({m.num_accepted_tokens}/{m.num_draft_tokens} drafted)"
-    )
+    rate = f"{m.acceptance_rate:.1%}" if m.num_draft_tokens else "n/a"
+    print(f"acceptance rate          {rate} ({m.num_accepted_tokens}/{m.num_draft_tokens} drafted)")
     print(f"per-position acceptance  {per_position}")
     print(f"time                     {m.elapsed_s:.2f} s ({m.tokens_per_s:.1f} tokens/s)")
     if baseline is None:

@@ -133,6 +133,11 @@ class LLM:
         Raises:
             ValueError: empty prompt or token ids outside the vocabulary.
         """
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(
+                "prompt must be a string, a list of chat messages or a list of token ids, "
+                f"got {type(prompt).__name__}"
+            )
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")

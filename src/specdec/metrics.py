@@ -21,10 +21,11 @@ class SpecStats:
         num_steps: verification steps (target forward passes after prefill).
         num_drafts: steps in which the drafter proposed at least one token.
         num_draft_tokens: draft tokens proposed, summed over steps.
-        num_accepted_tokens: draft tokens accepted, summed over steps.
+        num_accepted_tokens: draft tokens accepted and kept, summed over steps (tokens an
+            accepted block held after a stop are not counted).
         num_output_tokens: tokens returned to the user (after stop truncation).
-        accepted_per_position: ``[k]`` counts; entry i = steps whose i-th draft token
-            (0-based) was accepted.
+        accepted_per_position: ``[k]`` counts (k = the longest draft seen); entry i = steps
+            whose i-th draft token (0-based) was accepted.
         accepted_length_counts: histogram; entry n = steps that accepted exactly n tokens.
         elapsed_s: wall time of the generation in seconds (prefill + all steps).
         prefill_s, draft_s, verify_s: seconds spent in the target prefill, in the drafter
@@ -60,7 +61,7 @@ class SpecStats:
         self.num_output_tokens += num_emitted
         if num_drafted:
             self.num_drafts += 1
-        _grow(self.accepted_per_position, num_accepted)
+        _grow(self.accepted_per_position, num_drafted)
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
         _grow(self.accepted_length_counts, num_accepted + 1)

@@ -13,7 +13,8 @@ from specdec.bench.datasets import load_humaneval, load_jsonl, load_spec_bench, 
 from specdec.bench.harness import run_benchmark
 from specdec.bench.methods import parse_method
 from specdec.bench.report import markdown_tables, summarize, write_outputs
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.cli_common import add_sampling_args, sampling_params
+from specdec.config import SpeculativeConfig
 from specdec.llm import LLM
 from specdec.models.loading import DEFAULT_MODEL, load
 
@@ -27,7 +28,6 @@ def add_parser(sub) -> None:
         description="Run the autoregressive baseline and each --method over the same prompts "
         "(interleaved, after a warm-up), check greedy outputs against the baseline, "
         "and report speed and acceptance per category.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="target model")
     p.add_argument("--draft-model", help="draft model for draft-model / hf-assisted methods")
@@ -69,13 +69,7 @@ def add_parser(sub) -> None:
         metavar="C",
         help="only these categories or groups (e.g. translation qa)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    add_sampling_args(p, max_new_tokens=128, seed=0)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation")
     p.add_argument("--out", metavar="DIR", help="write results.json, report.md and PNG plots")
     p.set_defaults(func=cmd_bench)
@@ -85,13 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     methods = [parse_method("ar")] + [parse_method(m) for m in args.methods or DEFAULT_METHODS]
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-    )
+    params = sampling_params(args)
     prompts = select(_load_prompts(args), args.limit_per_category, args.categories)
     if not prompts:
         raise ValueError("no prompts selected")

@@ -23,8 +23,15 @@ def check_vocab_compatible(target: HFModel, draft: HFModel) -> None:
     token -> id mappings themselves must be identical.
 
     Raises:
-        ValueError: the vocabularies differ (the message names the sizes and an example).
+        ValueError: the vocabularies differ (the message names the sizes and an example), or
+            a model has fewer logits than its tokenizer has tokens.
     """
+    for model in (target, draft):
+        if model.vocab_size < len(model.tokenizer):
+            raise ValueError(
+                f"{model.name!r} scores {model.vocab_size} tokens but its tokenizer has "
+                f"{len(model.tokenizer)}; it cannot be used for speculative decoding"
+            )
     target_vocab = target.tokenizer.get_vocab()
     draft_vocab = draft.tokenizer.get_vocab()
     if target_vocab == draft_vocab:

@@ -121,7 +121,9 @@ def generate_steps(
         step = _finish_step(
             tokens, len(prompt_ids), len(result.output_token_ids), max_total, stop_checker, stats
         )
-        stats.record_step(len(proposal), result.num_accepted, len(step.new_token_ids))
+        # Draft tokens dropped by a stop are not counted as accepted.
+        num_accepted = min(result.num_accepted, len(step.new_token_ids))
+        stats.record_step(len(proposal), num_accepted, len(step.new_token_ids))
         stats.elapsed_s += time.perf_counter() - t_step
         yield step
         if step.finish_reason is not None:

@@ -59,6 +59,27 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16") from None
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """Validate a torch device string before any loading.
+
+    Raises:
+        ValueError: a malformed device, or CUDA / MPS requested where torch cannot use it.
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"invalid device {device!r}: {error}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device!r} requested but CUDA is not available to torch {torch.__version__}"
+        )
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r} requested but MPS is not available")
+    if parsed.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unsupported device {device!r}; use cpu, cuda or mps")
+    return parsed
+
+
 def cache_root() -> Path:
     """Directory of specdec's converted-model cache (``$SPECDEC_CACHE`` or ``~/.cache/specdec``)."""
     return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
@@ -110,6 +131,7 @@ def load(
             hub id without network).
     """
     torch_dtype = parse_dtype(dtype)
+    device = parse_device(device)
     name = str(name_or_path)
     if name.lower() in EMBEDDED_MODELS:
         return _load_gguf(embedded_gguf_path(name), torch_dtype, device, name.lower())
@@ -134,19 +156,24 @@ def _looks_local(name: str) -> bool:
 def _load_gguf(gguf: Path, dtype: torch.dtype, device, label: str) -> HFModel:
     directory = cached_gguf_conversion(gguf)
     try:
-        return _from_pretrained(directory, dtype, device, label)
+        model, tokenizer = _read_pretrained(directory, dtype)
     except Exception as error:  # a copy that passed the checks but does not load: rebuild once
         logger.warning("cached copy of %s failed to load (%s); rebuilding", gguf.name, error)
         shutil.rmtree(directory, ignore_errors=True)
-        return _from_pretrained(cached_gguf_conversion(gguf), dtype, device, label)
+        model, tokenizer = _read_pretrained(cached_gguf_conversion(gguf), dtype)
+    return HFModel(model.to(device), tokenizer, name=label)
 
 
 def _from_pretrained(source, dtype: torch.dtype, device, label: str) -> HFModel:
+    model, tokenizer = _read_pretrained(source, dtype)
+    return HFModel(model.to(device), tokenizer, name=label)
+
+
+def _read_pretrained(source, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    return HFModel(model.to(device), tokenizer, name=label)
+    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tokenizer
 
 
 def cached_gguf_conversion(gguf: Path) -> Path:
@@ -172,7 +199,13 @@ def cached_conversion(directory: Path, build: Callable[[Path], None]) -> Path:
     if directory.exists():
         logger.warning("rebuilding missing or corrupt model cache at %s", directory)
         shutil.rmtree(directory, ignore_errors=True)
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(
+            f"cannot create the model cache {directory.parent} (set SPECDEC_CACHE "
+            f"to a writable directory): {error}"
+        ) from error
     tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
     try:
         build(tmp)

@@ -1,0 +1,36 @@
+"""Command-line options shared by ``specdec generate`` and ``specdec bench``."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.config import SamplingParams
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:
+    """``--max-new-tokens --temperature --top-p --top-k --seed --dtype --device``."""
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        metavar="N",
+        help=f"most tokens to generate (default: {max_new_tokens})",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1, off)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
+    parser.add_argument("--seed", type=int, default=seed, help=f"sampling seed (default: {seed})")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+
+
+def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> SamplingParams:
+    """:class:`SamplingParams` from the options added by :func:`add_sampling_args`."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop=stop,
+    )
