@@ -29,7 +29,9 @@ def add_parser(sub) -> None:
         "(interleaved, after a warm-up), check greedy outputs against the baseline, "
         "and report speed and acceptance per category.",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="target model")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})"
+    )
     p.add_argument("--draft-model", help="draft model for draft-model / hf-assisted methods")
     p.add_argument(
         "--method",

@@ -239,7 +239,7 @@ def plot_accepted_lengths(path: Path, summary) -> list[Path]:
         counts = summary[method][OVERALL].accepted_length_counts
         total = sum(counts)
         ax.plot(range(len(counts)), [c / total for c in counts], marker="o", label=method)
-    ax.set_xlabel("accepted draft tokens in a step")
+    ax.set_xlabel("accepted draft tokens in a step (steps without a draft count as 0)")
     ax.set_ylabel("fraction of steps")
     ax.legend(fontsize=8)
     fig.tight_layout()
