@@ -23,6 +23,7 @@ from specdec.bench import (
 )
 from specdec.bench.datasets import default_spec_bench_path
 from specdec.bench.methods import MethodRunner, RunResult
+from specdec.bench.report import mismatches
 from specdec.cli import main
 
 # ---------------------------------------------------------------- datasets
@@ -242,6 +243,9 @@ def test_tiny_end_to_end_with_lossy_method(tiny_llm):
     assert summary["ngram:k=3"]["overall"].num_identical == 3
     assert summary["hf-prompt-lookup:k=3"]["overall"].num_identical == 3
     assert summary["ngram:k=2"]["overall"].num_identical == 0
+    listed = mismatches(records)
+    assert listed.count("- ngram:k=2: ") == 3 and "t/2 turn 2" in listed
+    assert "ngram:k=3:" not in listed
     assert all(r.matches_baseline is None for r in records if r.method == "autoregressive")
     second_turns = [r for r in records if r.turn == 1]
     assert len(second_turns) == 4 and all(r.num_prompt_tokens > 4 for r in second_turns)

@@ -12,7 +12,7 @@ import torch
 from specdec.bench.datasets import load_humaneval, load_jsonl, load_spec_bench, select
 from specdec.bench.harness import run_benchmark
 from specdec.bench.methods import parse_method
-from specdec.bench.report import markdown_tables, summarize, write_outputs
+from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
 from specdec.cli_common import add_sampling_args, sampling_params
 from specdec.config import SpeculativeConfig
 from specdec.llm import LLM
@@ -105,7 +105,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     baseline = methods[0].name
     summary = summarize(records, baseline)
-    print(markdown_tables(summary, baseline))
+    print(markdown_tables(summary, baseline) + mismatches(records))
     if args.out:
         config = {
             "model": args.model,

@@ -161,6 +161,15 @@ def markdown_tables(summary: dict[str, dict[str, Summary]], baseline: str) -> st
     )
 
 
+def mismatches(records: Sequence[Record]) -> str:
+    """Markdown list of greedy turns whose output differs from the baseline's ('' if none)."""
+    bad = [r for r in records if r.matches_baseline is False]
+    if not bad:
+        return ""
+    lines = "".join(f"- {r.method}: {r.prompt_id} turn {r.turn + 1}\n" for r in bad)
+    return f"**Outputs that differ from the baseline ({len(bad)})**\n\n{lines}\n"
+
+
 def write_outputs(
     out_dir: Path,
     records: Sequence[Record],
@@ -186,7 +195,7 @@ def write_outputs(
     cfg = "\n".join(f"- {k}: {v}" for k, v in config.items())
     paths[1].write_text(
         f"# specdec bench\n\n## Environment\n\n{env}\n\n## Configuration\n\n"
-        f"{cfg}\n\n## Results\n\n{markdown_tables(summary, baseline)}"
+        f"{cfg}\n\n## Results\n\n{markdown_tables(summary, baseline)}{mismatches(records)}"
     )
     paths += plot_speedups(out_dir / "speedup_by_category.png", summary, baseline)
     paths += plot_accepted_lengths(out_dir / "accepted_lengths.png", summary)
