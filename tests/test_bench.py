@@ -315,3 +315,15 @@ def test_bench_cli_bad_input(tmp_path, capsys):
     assert main(["bench", "--dataset", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert main(["bench", "--method", "nope", "--dataset", str(bad)]) == 2
+
+
+def test_bench_cli_checks_draft_and_categories_before_loading(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "w5 w6", "category": "copy"}\n')
+    missing = str(tmp_path / "no-model")  # never loaded: the errors come first
+    assert (
+        main(["bench", "--model", missing, "--dataset", str(data), "--method", "hf-assisted"]) == 2
+    )
+    assert "needs --draft-model" in capsys.readouterr().err
+    assert main(["bench", "--model", missing, "--dataset", str(data), "--categories", "nope"]) == 2
+    assert "categories and groups: copy" in capsys.readouterr().err

@@ -317,3 +317,17 @@ def test_parse_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             parse_device("cuda")
+
+
+def test_concurrent_conversion_uses_the_copy_that_finished_first(tmp_path):
+    directory = tmp_path / "cache" / "models" / "tiny"
+    other = CountingBuild(seed=1)
+
+    def racing_build(out: Path) -> None:
+        CountingBuild()(out)
+        cached_conversion(directory, other)  # another process finishes first meanwhile
+
+    assert cached_conversion(directory, racing_build) == directory
+    assert len(other.calls) == 1
+    assert _leftovers(directory) == []
+    assert isinstance(load(str(directory)), HFModel)

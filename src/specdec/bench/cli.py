@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
         action="append",
         dest="methods",
         metavar="SPEC",
-        help="method to run (repeatable): ngram[:k=10,min=2,max=4], "
+        help="method to run (repeatable): ar, ngram[:k=10,min=2,max=4], "
         "draft-model[:k=4], hf-prompt-lookup[:k=10,max_ngram=2], "
         "hf-assisted[:k=4]. The autoregressive baseline always runs first. "
         f"Default: {' '.join(DEFAULT_METHODS)}",
@@ -54,8 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--spec-bench",
         metavar="PATH",
-        help="Spec-Bench question.jsonl (default: shared/data/spec_bench/ beside "
-        "the checkout, or $SPECDEC_SPEC_BENCH)",
+        help="Spec-Bench question.jsonl (default: $SPECDEC_SPEC_BENCH, else "
+        "../shared/data/spec_bench/question.jsonl relative to the checkout)",
     )
     p.add_argument(
         "--limit-per-category",
@@ -82,9 +82,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     methods = [parse_method("ar")] + [parse_method(m) for m in args.methods or DEFAULT_METHODS]
     params = sampling_params(args)
-    prompts = select(_load_prompts(args), args.limit_per_category, args.categories)
+    needs_draft = [m.name for m in methods if m.kind in ("draft-model", "hf-assisted")]
+    if needs_draft and not args.draft_model:
+        raise ValueError(f"method {needs_draft[0]!r} needs --draft-model")
+    available = _load_prompts(args)
+    prompts = select(available, args.limit_per_category, args.categories)
     if not prompts:
-        raise ValueError("no prompts selected")
+        names = sorted({p.group for p in available} | {p.category for p in available})
+        raise ValueError(f"no prompts selected; categories and groups: {', '.join(names)}")
     llm = LLM(
         args.model,
         speculative=SpeculativeConfig(method="none"),

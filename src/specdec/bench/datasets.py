@@ -135,7 +135,8 @@ def load_spec_bench(path: str | Path | None = None) -> list[BenchPrompt]:
     if not path.is_file():
         raise FileNotFoundError(
             f"Spec-Bench questions not found at {path}; get question.jsonl from the Spec-Bench "
-            "benchmark (data/spec_bench/question.jsonl, Apache-2.0) and pass --spec-bench PATH"
+            "benchmark (data/spec_bench/question.jsonl, Apache-2.0) and pass --spec-bench PATH "
+            "or set SPECDEC_SPEC_BENCH"
         )
     return load_jsonl(path, source="spec_bench")
 

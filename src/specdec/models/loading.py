@@ -210,7 +210,11 @@ def cached_conversion(directory: Path, build: Callable[[Path], None]) -> Path:
     try:
         build(tmp)
         (tmp / _MARKER).write_text(json.dumps({"complete": True}))
-        os.replace(tmp, directory)
+        try:
+            os.replace(tmp, directory)
+        except OSError:  # another process finished the same conversion first: use its copy
+            if not _is_valid(directory):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
