@@ -177,10 +177,13 @@ class LLM:
         Raises:
             ValueError: empty prompt, a prompt that fills the model's context, bad ids.
         """
-        output = None
-        for chunk in self.stream(prompt, sampling_params, speculative=speculative, chat=chat):
-            output = chunk.output or output
-        return output
+        params = sampling_params or SamplingParams()
+        prompt_ids, steps = self._steps(prompt, params, speculative, chat)
+        ids: list[int] = []
+        for step in steps:  # no per-step detokenization: the text is built once at the end
+            ids.extend(step.new_token_ids)
+        text = _final_text(self.target, ids, step)
+        return GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats)
 
     def stream(
         self,
@@ -197,6 +200,11 @@ class LLM:
         yielded.
         """
         params = sampling_params or SamplingParams()
+        prompt_ids, steps = self._steps(prompt, params, speculative, chat)
+        yield from _stream_text(self.target, prompt_ids, steps, params)
+
+    def _steps(self, prompt: Prompt, params: SamplingParams, speculative, chat):
+        """Encode the prompt and start the engine's step iterator."""
         config = speculative or self.speculative
         prompt_ids = self.encode(prompt, chat)
         steps = generate_steps(
@@ -208,7 +216,7 @@ class LLM:
             self._stop_checker(params),
             make_generator(params.seed, self.target.device),
         )
-        yield from _stream_text(self.target, prompt_ids, steps, params)
+        return prompt_ids, steps
 
     def _stop_checker(self, params: SamplingParams) -> StopChecker:
         stop_ids = set(params.stop_token_ids)
