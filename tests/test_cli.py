@@ -44,6 +44,13 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def run_text(capsys, model_dir: str, *args: str) -> tuple[int, str, str]:
+    """``generate PROMPT`` on the tiny model in text (streaming) mode."""
+    return run_cli(
+        capsys, "generate", PROMPT, "--model", model_dir, "--max-new-tokens", MAX_NEW, *args
+    )
+
+
 def run_json(capsys, model_dir: str, *args: str, prompt: str = PROMPT) -> dict:
     code, out, err = run_cli(
         capsys,
@@ -102,16 +109,7 @@ def test_json_compare_ngram(capsys, model_dir):
 
 def test_text_output_with_metrics(capsys, model_dir):
     expected = run_json(capsys, model_dir)["text"]
-    code, out, err = run_cli(
-        capsys,
-        "generate",
-        PROMPT,
-        "--model",
-        model_dir,
-        "--max-new-tokens",
-        MAX_NEW,
-        "--compare",
-    )
+    code, out, err = run_text(capsys, model_dir, "--compare")
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == expected  # the streamed text comes first, then the metrics
@@ -132,15 +130,7 @@ def test_text_output_with_metrics(capsys, model_dir):
 
 
 def test_text_output_without_compare_has_no_baseline(capsys, model_dir):
-    code, out, err = run_cli(
-        capsys,
-        "generate",
-        PROMPT,
-        "--model",
-        model_dir,
-        "--max-new-tokens",
-        MAX_NEW,
-    )
+    code, out, err = run_text(capsys, model_dir)
     assert code == 0, err
     assert "mean acceptance length" in out
     assert "speedup" not in out
