@@ -62,13 +62,13 @@ class _BufferLayer(DynamicLayer):
             self.keys = self._key_buf[..., :length, :]
             self.values = self._value_buf[..., :length, :]
 
-    def gather(self, indices: torch.Tensor) -> None:
+    def gather(self, indices: torch.Tensor, start: int = 0) -> None:
         if self._key_buf is None:
             return
-        n = indices.numel()
-        self._key_buf[..., :n, :] = self._key_buf.index_select(-2, indices)
-        self._value_buf[..., :n, :] = self._value_buf.index_select(-2, indices)
-        self.set_length(n)
+        end = start + indices.numel()
+        self._key_buf[..., start:end, :] = self._key_buf.index_select(-2, indices)
+        self._value_buf[..., start:end, :] = self._value_buf.index_select(-2, indices)
+        self.set_length(end)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -111,20 +111,29 @@ class KVCache(Cache):
             layer.set_length(num_tokens)
 
     @torch.inference_mode()
-    def compact(self, indices: torch.Tensor | list[int]) -> None:
-        """Keep exactly the positions ``indices`` (in that order) and drop the rest.
+    def compact(self, indices: torch.Tensor | list[int], start: int = 0) -> None:
+        """Keep positions ``< start`` untouched, then exactly ``indices`` (in that order).
 
         Used after tree verification, where the accepted path is scattered over the
-        verified nodes. ``indices``: ``[n]`` int64 positions, each < ``num_tokens``.
+        verified nodes: ``start`` is the first tree position and ``indices`` the accepted
+        nodes' positions, so only the tree part is copied (not the whole sequence).
+
+        Args:
+            indices: ``[n]`` int64 absolute positions, each in ``[start, num_tokens)``.
+            start: positions before it are kept in place (0 = gather everything).
 
         Raises:
-            ValueError: if an index is out of range.
+            ValueError: if ``start`` or an index is out of range.
         """
         device = self.layers[0].device if self.layers and self.layers[0].is_initialized else "cpu"
         indices = torch.as_tensor(indices, dtype=torch.long, device=device)
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_tokens):
+        if not 0 <= start <= self.num_tokens:
+            raise ValueError(f"compact start {start} outside a cache of {self.num_tokens} tokens")
+        if indices.numel() and (
+            int(indices.min()) < start or int(indices.max()) >= self.num_tokens
+        ):
             raise ValueError(
-                f"compact indices out of range for a cache of {self.num_tokens} tokens"
+                f"compact indices must lie in [{start}, {self.num_tokens}) for this cache"
             )
         for layer in self.layers:
-            layer.gather(indices)
+            layer.gather(indices, start)

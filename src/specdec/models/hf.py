@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from specdec.kv_cache import KVCache
+from specdec.trees.tree import tree_attention_bias
 
 #: End-of-turn markers of common chat templates; each one that the template uses and the
 #: tokenizer maps to a single token ends generation like EOS.
@@ -68,27 +69,64 @@ class HFModel:
         token_ids: Sequence[int] | torch.Tensor,
         cache: KVCache,
         num_logits: int = 0,
+        positions: Sequence[int] | torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run ``token_ids`` at positions ``cache.num_tokens ...`` and append them to ``cache``.
+        """Run ``token_ids`` and append their keys/values to ``cache`` (after its cursor).
+
+        Causal by default: token ``j`` sits at position ``cache.num_tokens + j`` and sees
+        everything before it. With ``tree_mask`` this is tree attention (SpecInfer, Miao
+        et al. 2024, §3.2): each new token sees every cached position before the tree and,
+        within the tree, only the positions its mask row allows (its ancestors and itself).
 
         Args:
             token_ids: ``[T]`` int token ids (T >= 1).
-            cache: the sequence's cache; its cursor is the position of ``token_ids[0]``.
+            cache: the sequence's cache.
             num_logits: return logits for only the last ``num_logits`` positions
                 (0 = all T). Prefill uses 1 to skip the LM head on the prompt.
+            positions: ``[T]`` absolute int positions (rotary embeddings); default
+                ``cache.num_tokens + arange(T)``. Tree nodes use prefix length + depth.
+            tree_mask: ``[T, S]`` bool, ``S >= T``: which of the last ``S`` key positions
+                (the ``S - T`` tree tokens already cached, then these ``T``) each new token
+                attends to. Converted to an additive float mask.
 
         Returns:
             ``[T or num_logits, vocab_size]`` float32 logits on the model's device.
+
+        Raises:
+            ValueError: ``tree_mask`` or ``positions`` has the wrong shape.
         """
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).view(1, -1)
+        num_new = ids.shape[1]
         start = cache.num_tokens
-        positions = torch.arange(start, start + ids.shape[1], device=self.device).view(1, -1)
+        if positions is None:
+            pos = torch.arange(start, start + num_new, device=self.device).view(1, -1)
+        else:
+            pos = torch.as_tensor(positions, dtype=torch.long, device=self.device).view(1, -1)
+            if pos.shape[1] != num_new:
+                raise ValueError(f"{pos.shape[1]} positions for {num_new} tokens")
+        extra = {}
+        if tree_mask is not None:
+            if (
+                tree_mask.dim() != 2
+                or tree_mask.shape[0] != num_new
+                or not (num_new <= tree_mask.shape[1] <= start + num_new)
+            ):
+                raise ValueError(
+                    f"tree_mask must be [{num_new}, S] with {num_new} <= S <= "
+                    f"{start + num_new}, got {tuple(tree_mask.shape)}"
+                )
+            past_len = start + num_new - tree_mask.shape[1]
+            extra["attention_mask"] = tree_attention_bias(
+                tree_mask, past_len, self.dtype, self.device
+            )
         out = self.model(
             input_ids=ids,
-            position_ids=positions,
+            position_ids=pos,
             use_cache=True,
             logits_to_keep=num_logits,
             **{self._cache_kwarg: cache},
+            **extra,
         )
         return out.logits[0].float()
 

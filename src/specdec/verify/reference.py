@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from specdec.trees.tree import ROOT, TokenTree
 from specdec.verify.result import VerifyResult
+from specdec.verify.tree import SiblingRejection, TreeVerifyResult
 
 
 def greedy_reference(draft_token_ids: list[int], target_logits: torch.Tensor) -> VerifyResult:
@@ -71,3 +73,96 @@ def first_token_marginal(target_probs: torch.Tensor, draft_probs: torch.Tensor) 
     return accepted_mass + (1.0 - accepted_mass.sum()) * residual_distribution(
         target_probs, draft_probs
     )
+
+
+def tree_greedy_reference(tree: TokenTree, target_logits: torch.Tensor) -> TreeVerifyResult:
+    """Check every root-to-node path on its own; keep the deepest that matches the argmax
+    (ties: first node in flattened order)."""
+    best_path: list[int] = []
+    for node in range(tree.num_nodes):
+        path = tree.path_to(node)
+        contexts = [ROOT, *path[:-1]]
+        if all(
+            tree.token_ids[n] == int(torch.argmax(target_logits[c + 1]))
+            for n, c in zip(path, contexts, strict=True)
+        ) and len(path) > len(best_path):
+            best_path = path
+    last = ROOT if not best_path else best_path[-1]
+    tokens = [tree.token_ids[n] for n in best_path]
+    last_token = int(torch.argmax(target_logits[last + 1]))
+    return TreeVerifyResult(len(best_path), tokens + [last_token], best_path)
+
+
+def tree_rejection_reference(
+    tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator
+) -> TreeVerifyResult:
+    """Multi-draft recursive rejection sampling written out step by step (SpecInfer,
+    Miao et al. 2024, Algorithm 2; without replacement: RSD-C, Jeon et al. 2024, Alg. 3).
+
+    Same generator use as :func:`specdec.verify.tree.verify_tree_sampling`: one uniform
+    per child tried, then one categorical draw.
+    """
+    vocab = target_probs.shape[-1]
+    node, path = ROOT, []
+    while True:
+        p = target_probs[node + 1].clone()
+        kids = [i for i, parent in enumerate(tree.parents) if parent == node]
+        proposal = None
+        if tree.without_replacement and tree.draft_probs is not None and kids:
+            proposal = tree.draft_probs[kids[0]].clone()
+        chosen = None
+        for child in kids:
+            token = tree.token_ids[child]
+            if tree.draft_probs is None:
+                q = torch.zeros(vocab)
+                q[token] = 1.0
+            elif proposal is not None:
+                q = proposal
+            else:
+                q = tree.draft_probs[child]
+            ratio = float(p[token]) / float(q[token]) if float(q[token]) > 0 else 1.0
+            u = float(torch.rand(1, generator=generator))
+            if u < min(1.0, ratio):
+                chosen = child
+                break
+            residual = torch.where(p > q, p - q, torch.zeros_like(p))
+            if float(residual.sum()) > 0:
+                p = residual / residual.sum()
+            if proposal is not None:
+                proposal = proposal.clone()
+                proposal[token] = 0.0
+                if float(proposal.sum()) > 0:
+                    proposal = proposal / proposal.sum()
+        if chosen is None:
+            last = int(torch.multinomial(p.unsqueeze(0), 1, generator=generator))
+            tokens = [tree.token_ids[n] for n in path]
+            return TreeVerifyResult(len(path), tokens + [last], path)
+        path.append(chosen)
+        node = chosen
+
+
+def sibling_outcome(
+    target_probs: torch.Tensor,
+    child_tokens: list[int],
+    child_draft_probs: torch.Tensor | None,
+    without_replacement: bool,
+) -> tuple[list[float], torch.Tensor]:
+    """Exact outcome of the production sibling loop for fixed children (no sampling).
+
+    Uses :class:`specdec.verify.tree.SiblingRejection` itself, so an exact-marginal test
+    built on it checks the production math.
+
+    Returns:
+        ``(accept, residual_mass)``: ``accept[i]`` = probability that child ``i`` is the
+        accepted one; ``residual_mass`` ``[V]`` = probability that every child is rejected
+        and token v is drawn instead.
+    """
+    rounds = SiblingRejection(target_probs, child_tokens, child_draft_probs, without_replacement)
+    reach = 1.0
+    accept = []
+    for i in range(len(child_tokens)):
+        a = rounds.accept_probability(i)
+        accept.append(reach * a)
+        reach *= 1.0 - a
+        rounds.reject(i)
+    return accept, reach * rounds.residual
