@@ -117,3 +117,12 @@ def near_draft(target) -> HFModel:
 @pytest.fixture(scope="session")
 def near_padded_draft(target) -> HFModel:
     return perturbed_copy(target, noise=0.01, seed=4, extra_vocab=16, name="tiny-near-padded")
+
+
+@pytest.fixture(scope="session")
+def small():
+    """An 8-token target and a noisy copy as draft: small enough for exact joint laws."""
+    tokenizer = make_tokenizer(num_words=5)
+    target = make_model(tokenizer, seed=0, hidden_size=16, num_layers=1, init_std=0.2)
+    draft = perturbed_copy(target, noise=0.08, seed=1)
+    return target, draft

@@ -117,10 +117,16 @@ def test_parse_method():
     assert parse_method("ngram:k=8,min=3").options == (("k", 8), ("min", 3))
     assert parse_method("ar").name == "autoregressive"
     assert parse_method("hf-prompt-lookup:k=10").name == "hf-prompt-lookup:k=10"
+    tree = parse_method("ngram@dynamic:top_k=4,depth=5,budget=16")
+    assert tree.tree == "dynamic:top_k=4,depth=5,budget=16"
+    assert tree.name == "ngram@dynamic:top_k=4,depth=5,budget=16"
+    assert parse_method("draft-model:k=3@static:tree-8").options == (("k", 3),)
     for bad, message in [
         ("foo", "unknown method"),
         ("ngram:z=1", "no option"),
         ("ngram:k=x", "integer"),
+        ("ngram@bushy:budget=2", "unknown tree kind"),
+        ("hf-prompt-lookup@static:tree-8", "only ngram and draft-model"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad)

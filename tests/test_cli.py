@@ -174,6 +174,10 @@ def test_drafter_draft_model_same_dir(capsys, model_dir):
         (["--seed", "99999999999999999999999"], "seed"),
         (["--drafter", "ngram", "--draft-model", "x"], "--draft-model is only used"),
         (["--demo-prompt"], "not both"),
+        (["--tree", "bushy:budget=3"], "unknown tree kind"),
+        (["--tree", "dynamic:budget=0"], "integer >= 1"),
+        (["--tree", "static:tree-8,draw=iid"], "draw=iid"),
+        (["--drafter", "none", "--tree", "static:tree-8"], "needs a drafter"),
     ],
 )
 def test_bad_option_values(capsys, model_dir, args, fragment):
@@ -304,3 +308,14 @@ def test_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("specdec ")
+
+
+def test_tree_json_and_text(capsys, model_dir):
+    chain = run_json(capsys, model_dir, "--drafter", "ngram")
+    record = run_json(capsys, model_dir, "--tree", "dynamic:top_k=3,depth=4,budget=8", "--compare")
+    assert record["tree"] == "dynamic:top_k=3,depth=4,budget=8"
+    assert record["identical"] is True and record["token_ids"] == chain["token_ids"]
+    assert sum(record["metrics"]["accepted_length_counts"]) == record["metrics"]["num_steps"]
+    code, out, err = run_text(capsys, model_dir, "--tree", "static:tree-8")
+    assert code == 0, err
+    assert "accepted depth histogram" in out and "per-depth acceptance" in out

@@ -70,3 +70,30 @@ def test_end_of_turn_ends_output(llm, baseline):
 def test_sampling_is_seeded(llm):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_new_tokens=24)
     assert llm.generate(PROMPT, params).token_ids == llm.generate(PROMPT, params).token_ids
+
+
+def test_tree_branch_equivalence_on_real_model(llm):
+    """Logits at each node of a tree forward equal a causal forward over its path."""
+    from specdec.trees import ROOT, TokenTree
+
+    target = llm.target
+    ids = llm.encode(PROMPT)
+    tree = TokenTree.build([ROOT, ROOT, 0, 0, 2], [504, 260, 2115, 31, 198])
+    cache = target.new_cache(len(ids) + 8)
+    target.forward(ids[:-1], cache)
+    logits = target.forward_tree(ids[-1], tree, cache)
+    for i in range(len(tree)):
+        path = ids + [tree.token_ids[n] for n in tree.path_to(i)]
+        expected = target.forward(path, target.new_cache(len(path)), num_logits=1)[0]
+        torch.testing.assert_close(logits[i + 1], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tree", ["dynamic:top_k=4,depth=5,budget=16", "static:tree-16"])
+def test_tree_decoding_greedy_equals_plain(llm, baseline, tree):
+    out = llm.generate(
+        PROMPT,
+        SamplingParams(max_new_tokens=48),
+        speculative=SpeculativeConfig(method="ngram", tree=tree),
+    )
+    assert out.token_ids == baseline.token_ids
+    assert out.metrics.mean_acceptance_length > 1.5

@@ -13,21 +13,12 @@ import torch
 from scipy.stats import chisquare
 
 import specdec.engine.generate as engine
-from conftest import make_model, make_tokenizer, perturbed_copy
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.sampling import logits_to_probs, sample
 from specdec.verify.result import VerifyResult
 
 PROMPT = [1, 3, 4, 5, 3, 4, 5, 3, 4]  # repeated n-grams: the ngram drafter proposes "5 3 4"
 PARAMS = dict(temperature=1.0, top_k=6)  # top-k makes some target probabilities exactly 0
-
-
-@pytest.fixture(scope="module")
-def small():
-    tokenizer = make_tokenizer(num_words=5)  # 8 tokens
-    target = make_model(tokenizer, seed=0, hidden_size=16, num_layers=1, init_std=0.2)
-    draft = perturbed_copy(target, noise=0.08, seed=1)
-    return target, draft
 
 
 def exact_joint(target, params: SamplingParams) -> np.ndarray:

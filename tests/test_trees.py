@@ -123,13 +123,7 @@ def test_branch_equivalence_tiny(target, name):
     tree = TokenTree.build(parents, tokens)
     cache = target.new_cache(4)  # grows during the tree forward
     target.forward(PROMPT[:-1], cache)
-    past = cache.num_tokens
-    logits = target.forward(
-        [PROMPT[-1], *tree.token_ids],
-        cache,
-        positions=past + tree.position_offsets(),
-        tree_mask=tree.attention_mask(),
-    )
+    logits = target.forward_tree(PROMPT[-1], tree, cache)
     assert logits.shape == (len(tree) + 1, target.vocab_size)
     root = _causal_logits(target, PROMPT)[-1]
     torch.testing.assert_close(logits[0], root, atol=1e-5, rtol=1e-5)
@@ -148,12 +142,7 @@ def test_compact_to_accepted_path_equals_recompute(target, name):
         cache = target.new_cache(32)
         target.forward(PROMPT[:-1], cache)
         past = cache.num_tokens
-        target.forward(
-            [PROMPT[-1], *tree.token_ids],
-            cache,
-            positions=past + tree.position_offsets(),
-            tree_mask=tree.attention_mask(),
-        )
+        target.forward_tree(PROMPT[-1], tree, cache)
         path = tree.path_to(node)
         cache.compact([past + 1 + n for n in path], start=past + 1)
         assert cache.num_tokens == past + 1 + len(path)

@@ -82,6 +82,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="draft tokens per verification step (default: 5)",
     )
     gen.add_argument(
+        "--tree",
+        metavar="SPEC",
+        help="verify a token tree per step instead of a chain: "
+        "static:<tree-8|tree-16|tree-32|chain-K|paths.json>[,draw=top|iid|wor], "
+        "dynamic:top_k=4,depth=5,budget=16 (EAGLE-2), best-first:budget=16,depth=6 "
+        "(DDTree), sequoia:budget=16,depth=6 (Sequoia); budget = draft nodes per step",
+    )
+    gen.add_argument(
         "--ngram-min", type=int, default=2, help="smallest n-gram to match (default 2)"
     )
     gen.add_argument("--ngram-max", type=int, default=4, help="largest n-gram to match (default 4)")
@@ -126,15 +134,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         draft_model=args.draft_model,
+        tree=args.tree,
     )
     params = sampling_params(args, stop=tuple(args.stop))
     llm = LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device)
-    llm.target.warmup((1, speculative.num_speculative_tokens + 1))
+    width = speculative.tree.num_nodes if speculative.tree else speculative.num_speculative_tokens
+    llm.target.warmup((1, width + 1))
     if args.json:
         output = llm.generate(prompt, params, chat=args.chat)
     else:
         if args.demo_prompt:
-            print(f"prompt:\n{DEMO_PROMPT}\n\nspeculative output ({drafter}):")
+            tree = f", tree {speculative.tree}" if speculative.tree else ""
+            print(f"prompt:\n{DEMO_PROMPT}\n\nspeculative output ({drafter}{tree}):")
         output = _print_stream(llm, prompt, params, args.chat)
     baseline = None
     if args.compare:
@@ -142,9 +153,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             prompt, params, chat=args.chat, speculative=SpeculativeConfig(method="none")
         )
     if args.json:
-        print(json.dumps(_json_record(output, baseline)))
+        record = _json_record(output, baseline)
+        record["tree"] = str(speculative.tree) if speculative.tree else None
+        print(json.dumps(record))
     else:
-        _print_metrics(output, baseline, params)
+        _print_metrics(output, baseline, params, speculative.tree)
     return 0
 
 
@@ -192,7 +205,7 @@ def _speedup(output: GenerationOutput, baseline: GenerationOutput) -> float:
     return output.metrics.tokens_per_s / base if base else 0.0
 
 
-def _print_metrics(output: GenerationOutput, baseline, params: SamplingParams) -> None:
+def _print_metrics(output: GenerationOutput, baseline, params: SamplingParams, tree=None) -> None:
     m = output.metrics
     per_position = ", ".join(f"{r:.2f}" for r in m.per_position_acceptance_rate) or "-"
     print("-" * 60)
@@ -201,7 +214,13 @@ def _print_metrics(output: GenerationOutput, baseline, params: SamplingParams) -
     print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")
     rate = f"{m.acceptance_rate:.1%}" if m.num_draft_tokens else "n/a"
     print(f"acceptance rate          {rate} ({m.num_accepted_tokens}/{m.num_draft_tokens} drafted)")
-    print(f"per-position acceptance  {per_position}")
+    label = "per-depth acceptance    " if tree else "per-position acceptance "
+    print(f"{label} {per_position}")
+    if tree:
+        depths = " ".join(f"{d}:{n}" for d, n in enumerate(m.accepted_length_counts))
+        nodes = m.num_draft_tokens / max(m.num_steps, 1)
+        print(f"tree                     {tree} ({nodes:.1f} nodes/step)")
+        print(f"accepted depth histogram {depths} (depth:steps)")
     print(f"time                     {m.elapsed_s:.2f} s ({m.tokens_per_s:.1f} tokens/s)")
     if baseline is None:
         return

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specdec.trees.spec import TreeSpec
+
 #: Drafter names accepted by :class:`SpeculativeConfig`.
 DRAFTER_METHODS = ("none", "ngram", "draft-model")
 
@@ -94,9 +96,16 @@ class SpeculativeConfig:
         draft_model: name or path of the draft model for ``"draft-model"`` (see
             :func:`specdec.models.load`); may instead be given to :class:`specdec.LLM` as
             an already loaded model.
+        tree: draft a token tree per step instead of a chain: a :class:`TreeSpec` or its
+            string form, e.g. ``"dynamic:top_k=4,depth=5,budget=16"``,
+            ``"static:tree-16"``, ``"best-first:budget=16,depth=6"``,
+            ``"sequoia:budget=16,depth=6"`` (see :mod:`specdec.trees.spec`). The tree's
+            own depth then replaces ``num_speculative_tokens``.
 
     Raises:
-        ValueError: unknown method, num_speculative_tokens < 1 or bad n-gram sizes.
+        ValueError: unknown method, num_speculative_tokens < 1, bad n-gram sizes, a bad
+            tree spec, a tree with method ``"none"``, or sampled children (``draw=iid`` /
+            ``wor``) with a drafter that has no distribution (``ngram``).
     """
 
     method: str = "ngram"
@@ -104,8 +113,18 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     draft_model: str | None = None
+    tree: TreeSpec | str | None = None
 
     def __post_init__(self) -> None:
+        if self.tree is not None:
+            object.__setattr__(self, "tree", TreeSpec.parse(self.tree))
+            if self.method == "none":
+                raise ValueError("a token tree needs a drafter (method 'ngram' or 'draft-model')")
+            if self.tree.draw != "top" and self.method != "draft-model":
+                raise ValueError(
+                    f"draw={self.tree.draw} samples children from a draft distribution; "
+                    "only method 'draft-model' has one (use draw=top)"
+                )
         if self.method not in DRAFTER_METHODS:
             raise ValueError(
                 f"unknown drafter {self.method!r}; choose one of {', '.join(DRAFTER_METHODS)}"

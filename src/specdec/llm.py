@@ -15,6 +15,7 @@ from specdec.metrics import SpecStats
 from specdec.models.hf import HFModel
 from specdec.models.loading import DEFAULT_MODEL, load
 from specdec.sampling import make_generator
+from specdec.trees.builders import TreeBuilder, make_tree_builder
 
 Prompt = str | list[dict] | list[int]
 
@@ -95,6 +96,7 @@ class LLM:
         self._draft_source = draft
         self._draft: HFModel | None = None
         self._drafters: dict[SpeculativeConfig, Drafter] = {}
+        self._tree_builders: dict[SpeculativeConfig, TreeBuilder] = {}
         self.drafter(speculative)  # load and check the draft now, not mid-generation
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
@@ -102,6 +104,15 @@ class LLM:
         if config not in self._drafters:
             self._drafters[config] = self._build_drafter(config)
         return self._drafters[config]
+
+    def tree_builder(self, config: SpeculativeConfig) -> TreeBuilder | None:
+        """The tree builder for ``config`` (``None`` for chains); kept per config, so a
+        Sequoia builder's acceptance measurements persist across generations."""
+        if config.tree is None:
+            return None
+        if config not in self._tree_builders:
+            self._tree_builders[config] = make_tree_builder(config.tree)
+        return self._tree_builders[config]
 
     def _build_drafter(self, config: SpeculativeConfig) -> Drafter:
         if config.method == "none":
@@ -215,6 +226,7 @@ class LLM:
             0 if config.method == "none" else config.num_speculative_tokens,
             self._stop_checker(params),
             make_generator(params.seed, self.target.device),
+            self.tree_builder(config),
         )
         return prompt_ids, steps
 

@@ -24,9 +24,11 @@ class SpecStats:
         num_accepted_tokens: draft tokens accepted and kept, summed over steps (tokens an
             accepted block held after a stop are not counted).
         num_output_tokens: tokens returned to the user (after stop truncation).
-        accepted_per_position: ``[k]`` counts (k = the longest draft seen); entry i = steps
-            whose i-th draft token (0-based) was accepted.
-        accepted_length_counts: histogram; entry n = steps that accepted exactly n tokens.
+        accepted_per_position: ``[k]`` counts (k = the longest draft / deepest tree seen);
+            entry i = steps whose i-th draft token (0-based; for trees, the node at depth
+            i + 1 on the accepted path) was accepted.
+        accepted_length_counts: histogram; entry n = steps that accepted exactly n tokens
+            (for token trees: the accepted depth histogram).
         elapsed_s: wall time of the generation in seconds (prefill + all steps).
         prefill_s, draft_s, verify_s: seconds spent in the target prefill, in the drafter
             (including a draft model's prefill) and in target verification (forward +
@@ -45,13 +47,22 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
 
-    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+    def record_step(
+        self,
+        num_drafted: int,
+        num_accepted: int,
+        num_emitted: int,
+        max_depth: int | None = None,
+    ) -> None:
         """Add one verification step.
 
         Args:
-            num_drafted: draft tokens proposed this step (>= 0).
-            num_accepted: of those, accepted (0 <= num_accepted <= num_drafted).
+            num_drafted: draft tokens proposed this step (>= 0; tree nodes for a tree).
+            num_accepted: of those, accepted (0 <= num_accepted <= num_drafted); for a
+                tree, the depth of the accepted node.
             num_emitted: tokens this step added to the output after stop truncation.
+            max_depth: deepest draft position this step (a chain: ``num_drafted``; a
+                tree: its depth); sizes ``accepted_per_position``.
         """
         if not 0 <= num_accepted <= num_drafted:
             raise ValueError(f"accepted {num_accepted} of {num_drafted} drafted tokens")
@@ -61,7 +72,7 @@ class SpecStats:
         self.num_output_tokens += num_emitted
         if num_drafted:
             self.num_drafts += 1
-        _grow(self.accepted_per_position, num_drafted)
+        _grow(self.accepted_per_position, num_drafted if max_depth is None else max_depth)
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
         _grow(self.accepted_length_counts, num_accepted + 1)

@@ -40,7 +40,9 @@ def add_parser(sub) -> None:
         metavar="SPEC",
         help="method to run (repeatable): ar, ngram[:k=10,min=2,max=4], "
         "draft-model[:k=4], hf-prompt-lookup[:k=10,max_ngram=2], "
-        "hf-assisted[:k=4]. The autoregressive baseline always runs first. "
+        "hf-assisted[:k=4]; ngram and draft-model take a token tree after '@', e.g. "
+        "ngram@dynamic:top_k=4,depth=5,budget=16 (see specdec generate --help, --tree). "
+        "The autoregressive baseline always runs first. "
         f"Default: {' '.join(DEFAULT_METHODS)}",
     )
     p.add_argument(

@@ -21,24 +21,29 @@ import torch
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.llm import LLM
 from specdec.metrics import SpecStats
+from specdec.trees.spec import TreeSpec
 
 SPECDEC_KINDS = {"ar": "none", "ngram": "ngram", "draft-model": "draft-model"}
 
 
 @dataclass(frozen=True)
 class Method:
-    """A parsed ``--method``: ``kind`` plus integer options (``k``, ``min``, ``max``, ...)."""
+    """A parsed ``--method``: ``kind``, integer options (``k``, ``min``, ``max``, ...) and,
+    for specdec drafters, an optional token tree (``tree``, a :class:`TreeSpec` string)."""
 
     kind: str
     options: tuple[tuple[str, int], ...] = ()
+    tree: str | None = None
 
     @property
     def name(self) -> str:
-        """Label used in reports, e.g. ``ngram:k=10`` (``autoregressive`` for ``ar``)."""
+        """Label used in reports, e.g. ``ngram:k=10`` or ``ngram@static:tree-16``
+        (``autoregressive`` for ``ar``)."""
         if self.kind == "ar":
             return "autoregressive"
         opts = ",".join(f"{k}={v}" for k, v in self.options)
-        return f"{self.kind}:{opts}" if opts else self.kind
+        label = f"{self.kind}:{opts}" if opts else self.kind
+        return f"{label}@{self.tree}" if self.tree else label
 
     def option(self, key: str, default: int) -> int:
         return dict(self.options).get(key, default)
@@ -60,10 +65,18 @@ _ALLOWED = {
 def parse_method(text: str) -> Method:
     """``"ngram:k=8,min=2"`` -> ``Method("ngram", (("k", 8), ("min", 2)))``.
 
+    A token tree follows ``@``: ``"ngram@dynamic:top_k=4,depth=5,budget=16"`` (specdec's
+    ``ngram`` and ``draft-model`` only; ``k`` is then unused).
+
     Raises:
-        ValueError: unknown kind, unknown option, or a non-integer value.
+        ValueError: unknown kind, unknown option, a non-integer value, or a bad tree.
     """
-    kind, _, rest = text.strip().partition(":")
+    text, at, tree = text.strip().partition("@")
+    if at:
+        tree = str(TreeSpec.parse(tree))
+    kind, _, rest = text.partition(":")
+    if at and kind not in ("ngram", "draft-model"):
+        raise ValueError(f"only ngram and draft-model take a token tree (@...), not {kind!r}")
     if kind not in _ALLOWED:
         raise ValueError(f"unknown method {kind!r}; choose from {', '.join(_ALLOWED)}")
     options = []
@@ -77,7 +90,7 @@ def parse_method(text: str) -> Method:
             raise ValueError(
                 f"option {key!r} of {kind!r} needs an integer, got {value!r}"
             ) from None
-    return Method(kind, tuple(options))
+    return Method(kind, tuple(options), tree or None)
 
 
 @dataclass
@@ -117,9 +130,12 @@ class MethodRunner:
                 num_speculative_tokens=m.option("k", 10),
                 ngram_min=m.option("min", 2),
                 ngram_max=m.option("max", 4),
+                tree=m.tree,
             )
         if m.kind == "draft-model":
-            return SpeculativeConfig(method="draft-model", num_speculative_tokens=m.option("k", 4))
+            return SpeculativeConfig(
+                method="draft-model", num_speculative_tokens=m.option("k", 4), tree=m.tree
+            )
         return None
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RunResult:

@@ -14,6 +14,8 @@ from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal
 from specdec.models.hf import HFModel
 from specdec.sampling import logits_to_probs, sample
+from specdec.trees.builders import Expansion
+from specdec.trees.tree import ROOT
 
 
 def check_vocab_compatible(target: HFModel, draft: HFModel) -> None:
@@ -132,6 +134,13 @@ class DraftModelDrafter:
         draft_probs = torch.stack(probs) if probs else None
         return DraftProposal(proposed, draft_probs)
 
+    def tree_session(
+        self, token_ids: Sequence[int], params: SamplingParams
+    ) -> DraftModelTreeSession:
+        """A :class:`~specdec.trees.builders.TreeSession` over this drafter's KV cache."""
+        self._params = params
+        return DraftModelTreeSession(self, token_ids)
+
     def _sync(self, token_ids: Sequence[int]) -> list[int]:
         """Roll the draft cache back to the prefix it shares with ``token_ids``; return the rest."""
         n = min(self._synced, len(self._cached_ids))
@@ -141,3 +150,87 @@ class DraftModelDrafter:
         self._cache.truncate(n)
         del self._cached_ids[n:]
         return list(token_ids[n:])
+
+
+class DraftModelTreeSession:
+    """Tree drafting with a draft model: each ``expand`` is one draft forward over the new
+    nodes with tree attention, appended after the draft's cached sequence.
+
+    The draft cache first catches up with the whole sequence (root included); tree nodes
+    then occupy the positions after it, each seeing the sequence, its forwarded ancestors
+    and itself, at position ``len(sequence) - 1 + depth``. ``close`` truncates the cache
+    back to the sequence, so the next step's prefix sync is unchanged.
+
+    Candidate scores are the draft's probabilities: softmax of the logits for greedy
+    decoding, the processed sampling distribution (temperature, top-k, top-p) otherwise,
+    which is also the distribution sampled children are drawn from.
+    """
+
+    def __init__(self, drafter: DraftModelDrafter, token_ids: Sequence[int]) -> None:
+        self.drafter = drafter
+        self.draft = drafter.draft
+        self.cache = drafter._cache
+        pending = drafter._sync(token_ids)
+        logits = self.draft.forward(pending, self.cache, num_logits=1)
+        drafter._cached_ids.extend(pending)
+        self.base = self.cache.num_tokens  # == len(token_ids)
+        self.parents: list[int] = []
+        self.tokens: list[int] = []
+        self.depths: list[int] = []
+        self.slot: dict[int, int] = {}  # node -> index among forwarded tree tokens
+        self.logits: dict[int, torch.Tensor] = {ROOT: self._align(logits[-1:])[0]}
+
+    def _align(self, logits: torch.Tensor) -> torch.Tensor:
+        d = self.drafter
+        return align_draft_logits(logits, d.num_real_tokens, d.target_vocab_size)
+
+    def add(self, parent: int, token: int) -> int:
+        self.parents.append(parent)
+        self.tokens.append(int(token))
+        self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def expand(self, nodes: Sequence[int], width: int) -> list[Expansion]:
+        new = [n for n in dict.fromkeys(nodes) if n not in self.logits]
+        if new:
+            self._forward(new)
+        params = self.drafter._params
+        rows = torch.stack([self.logits[n] for n in nodes])
+        if params.greedy:
+            probs, dists = torch.softmax(rows, dim=-1), None
+        else:
+            probs = dists = logits_to_probs(rows, params)
+        top = torch.topk(probs, min(width, probs.shape[-1]), dim=-1)
+        out = []
+        for i in range(len(nodes)):
+            keep = top.values[i] > 0
+            out.append(
+                Expansion(
+                    top.indices[i][keep].tolist(),
+                    top.values[i][keep].tolist(),
+                    None if dists is None else dists[i],
+                )
+            )
+        return out
+
+    def _forward(self, new: list[int]) -> None:
+        num_cached = len(self.slot)
+        mask = torch.zeros((len(new), num_cached + len(new)), dtype=torch.bool)
+        for row, node in enumerate(new):
+            mask[row, num_cached + row] = True
+            ancestor = self.parents[node]
+            while ancestor != ROOT:
+                mask[row, self.slot[ancestor]] = True  # KeyError: ancestor not expanded
+                ancestor = self.parents[ancestor]
+        positions = [self.base - 1 + self.depths[n] for n in new]
+        logits = self.draft.forward(
+            [self.tokens[n] for n in new], self.cache, positions=positions, tree_mask=mask
+        )
+        logits = self._align(logits)
+        for row, node in enumerate(new):
+            self.slot[node] = num_cached + row
+            self.logits[node] = logits[row]
+
+    def close(self) -> None:
+        self.cache.truncate(self.base)
+        self.drafter._synced = self.base

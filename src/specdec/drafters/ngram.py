@@ -14,6 +14,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal
+from specdec.trees.builders import Expansion
+from specdec.trees.tree import ROOT
 
 
 def find_ngram_continuation(
@@ -50,6 +52,70 @@ def find_ngram_continuation(
     return token_ids[:0]
 
 
+def ngram_candidates(
+    token_ids: np.ndarray, min_n: int, max_n: int, width: int
+) -> tuple[list[int], list[float]]:
+    """Distinct tokens that followed earlier occurrences of the longest matching suffix.
+
+    Tries n = max_n, ..., min_n like :func:`find_ngram_continuation`; at the first n with a
+    match, counts the token after every occurrence. Ranked by count, ties by earliest
+    occurrence; scores are the counts' fractions (a match-frequency "probability").
+
+    Args:
+        token_ids: ``[L]`` int64 sequence.
+        min_n, max_n: n-gram sizes.
+        width: most candidates returned.
+
+    Returns:
+        ``(tokens, scores)``, each of length <= ``width`` (empty when nothing matches).
+
+    Example:
+        >>> ngram_candidates(np.array([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2]), 2, 2, 3)
+        ([3, 4], [0.6666666666666666, 0.3333333333333333])
+    """
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = token_ids[length - n :]
+        windows = sliding_window_view(token_ids[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            following = token_ids[hits + n]
+            tokens, first, counts = np.unique(following, return_index=True, return_counts=True)
+            order = np.lexsort((first, -counts))[:width]
+            total = float(counts.sum())
+            return tokens[order].tolist(), (counts[order] / total).tolist()
+    return [], []
+
+
+class NgramTreeSession:
+    """Tree drafting by prompt lookup: at each node, the tokens that followed earlier
+    occurrences of the node's context suffix. Expanding level by level merges several
+    matching continuations into one tree by their shared prefix."""
+
+    def __init__(self, token_ids: Sequence[int], min_n: int, max_n: int) -> None:
+        self.base = np.asarray(token_ids, dtype=np.int64)
+        self.min_n, self.max_n = min_n, max_n
+        self.paths: list[list[int]] = []  # node -> tokens from the root's child down
+
+    def add(self, parent: int, token: int) -> int:
+        prefix = [] if parent == ROOT else self.paths[parent]
+        self.paths.append([*prefix, int(token)])
+        return len(self.paths) - 1
+
+    def expand(self, nodes: Sequence[int], width: int) -> list[Expansion]:
+        out = []
+        for node in nodes:
+            context = self.base
+            if node != ROOT:
+                context = np.concatenate([self.base, np.asarray(self.paths[node], np.int64)])
+            tokens, scores = ngram_candidates(context, self.min_n, self.max_n, width)
+            out.append(Expansion(tokens, scores))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
 class NgramDrafter:
     """Prompt lookup over prompt + generated text; deterministic (``draft_probs=None``).
 
@@ -72,3 +138,7 @@ class NgramDrafter:
         ids = np.asarray(token_ids, dtype=np.int64)
         found = find_ngram_continuation(ids, self.min_n, self.max_n, num_tokens)
         return DraftProposal(found.tolist())
+
+    def tree_session(self, token_ids: Sequence[int], params: SamplingParams) -> NgramTreeSession:
+        """A :class:`~specdec.trees.builders.TreeSession` for this step (deterministic)."""
+        return NgramTreeSession(token_ids, self.min_n, self.max_n)

@@ -4,6 +4,11 @@ One step: the drafter proposes up to k tokens; the target runs the pending token
 drafts in one forward pass at explicit positions; the verifier keeps the accepted prefix
 and adds one recovered or bonus token; the target cache is truncated so that it holds every
 token except the new last one (cursor rule).
+
+With a tree builder the drafter proposes a token tree instead: the target runs the pending
+token plus every node in one forward with tree attention (depth-based positions, ancestor
+mask), the tree verifier keeps the accepted root-to-node path, and the cache is compacted
+to that path (gather), which again leaves every token but the pending one cached.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
 from specdec.models.hf import HFModel
 from specdec.sampling import logits_to_probs
+from specdec.trees.builders import TreeBuilder, TreeProposal
+from specdec.trees.tree import TokenTree
 from specdec.verify.greedy import verify_greedy
 from specdec.verify.rejection import rejection_sample
 from specdec.verify.result import VerifyResult
+from specdec.verify.tree import verify_tree
 
 
 @dataclass
@@ -70,6 +78,7 @@ def generate_steps(
     num_speculative_tokens: int,
     stop_checker: StopChecker,
     generator: torch.Generator,
+    tree_builder: TreeBuilder | None = None,
 ) -> Iterator[StepOutput]:
     """Run speculative decoding for one sequence, yielding after every step.
 
@@ -82,6 +91,9 @@ def generate_steps(
             remaining token budget so ``max_new_tokens`` is never exceeded.
         stop_checker: stop tokens / strings.
         generator: source of every random draw.
+        tree_builder: draft a token tree per step (the drafter must offer
+            ``tree_session``); ``num_speculative_tokens`` is then unused and the tree's
+            depth is capped by the remaining token budget.
 
     Yields:
         :class:`StepOutput` per step; the last one has a ``finish_reason``.
@@ -101,6 +113,8 @@ def generate_steps(
     tokens = list(prompt_ids)
     t0 = time.perf_counter()
     cache = target.new_cache(max_total + num_speculative_tokens + 1)
+    if tree_builder is not None and not hasattr(drafter, "tree_session"):
+        raise ValueError(f"{type(drafter).__name__} cannot draft token trees")
     if len(tokens) > 1:
         target.forward(tokens[:-1], cache, num_logits=1)
     stats.prefill_s = time.perf_counter() - t0
@@ -110,12 +124,28 @@ def generate_steps(
     while True:
         t_step = time.perf_counter()
         budget = max_total - len(tokens)
-        proposal = drafter.propose(tokens, min(num_speculative_tokens, budget - 1), generator)
-        t_drafted = time.perf_counter()
-        logits = target.forward([tokens[-1], *proposal.token_ids], cache)
-        result = verify(proposal, logits, params, generator)
+        if tree_builder is None:
+            proposal = drafter.propose(tokens, min(num_speculative_tokens, budget - 1), generator)
+            t_drafted = time.perf_counter()
+            past = cache.num_tokens
+            logits = target.forward([tokens[-1], *proposal.token_ids], cache)
+            result = verify(proposal, logits, params, generator)
+            cache.truncate(past + 1 + result.num_accepted)  # the emitted last token is pending
+            num_drafted, max_depth = len(proposal), len(proposal)
+        else:
+            tree_proposal = _draft_tree(
+                drafter, tree_builder, tokens, budget - 1, params, generator
+            )
+            tree = tree_proposal.tree
+            t_drafted = time.perf_counter()
+            past = cache.num_tokens
+            logits = target.forward_tree(tokens[-1], tree, cache)
+            result = verify_tree(tree, logits, params, generator)
+            # keep the root and the accepted path; the emitted last token is pending
+            cache.compact([past + 1 + n for n in result.accepted_nodes], start=past + 1)
+            tree_builder.observe(tree_proposal, result.accepted_nodes, result.output_token_ids)
+            num_drafted, max_depth = len(tree), tree.max_depth
         tokens.extend(result.output_token_ids)
-        cache.truncate(len(tokens) - 1)  # cursor rule: the new last token is pending
         stats.draft_s += t_drafted - t_step
         stats.verify_s += time.perf_counter() - t_drafted
         step = _finish_step(
@@ -123,11 +153,24 @@ def generate_steps(
         )
         # Draft tokens dropped by a stop are not counted as accepted.
         num_accepted = min(result.num_accepted, len(step.new_token_ids))
-        stats.record_step(len(proposal), num_accepted, len(step.new_token_ids))
+        stats.record_step(num_drafted, num_accepted, len(step.new_token_ids), max_depth)
         stats.elapsed_s += time.perf_counter() - t_step
         yield step
         if step.finish_reason is not None:
             return
+
+
+def _draft_tree(
+    drafter, builder: TreeBuilder, tokens: list[int], max_depth: int, params, generator
+) -> TreeProposal:
+    """One step's tree (empty when no token may be drafted)."""
+    if max_depth < 1:
+        return TreeProposal(TokenTree((), ()))
+    session = drafter.tree_session(tokens, params)
+    try:
+        return builder.build(session, max_depth, not params.greedy, generator)
+    finally:
+        session.close()
 
 
 def _finish_step(

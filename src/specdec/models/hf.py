@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from specdec.kv_cache import KVCache
-from specdec.trees.tree import tree_attention_bias
+from specdec.trees.tree import TokenTree, tree_attention_bias
 
 #: End-of-turn markers of common chat templates; each one that the template uses and the
 #: tokenizer maps to a single token ends generation like EOS.
@@ -129,6 +129,23 @@ class HFModel:
             **extra,
         )
         return out.logits[0].float()
+
+    def forward_tree(self, root_token: int, tree: TokenTree, cache: KVCache) -> torch.Tensor:
+        """Tree attention pass: the pending (root) token plus every node of ``tree``.
+
+        Root at position ``cache.num_tokens``, node ``i`` at that plus its depth, each
+        seeing the cache, its ancestors and itself (:meth:`TokenTree.attention_mask`).
+
+        Returns:
+            ``[N + 1, vocab_size]`` float32 logits: row 0 after the root, row ``i + 1``
+            after node ``i``'s root-to-node path.
+        """
+        return self.forward(
+            [root_token, *tree.token_ids],
+            cache,
+            positions=cache.num_tokens + tree.position_offsets(),
+            tree_mask=tree.attention_mask(),
+        )
 
     def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
         """Tokenize a prompt; with ``chat`` (default: when a template exists) use the chat template.
