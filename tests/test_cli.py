@@ -319,3 +319,20 @@ def test_tree_json_and_text(capsys, model_dir):
     code, out, err = run_text(capsys, model_dir, "--tree", "static:tree-8")
     assert code == 0, err
     assert "accepted depth histogram" in out and "per-depth acceptance" in out
+
+
+def test_int8_draft_of_the_target(capsys, model_dir):
+    """--draft-dtype int8-dynamic: a quantized copy drafts; output is still the target's."""
+    record = run_json(
+        capsys,
+        model_dir,
+        "--draft-model",
+        model_dir,
+        "--draft-dtype",
+        "int8-dynamic",
+        "--tree",
+        "static:tree-8",
+        "--compare",
+    )
+    assert record["identical"] is True
+    assert record["metrics"]["num_accepted_tokens"] > 0

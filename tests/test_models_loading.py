@@ -205,6 +205,20 @@ def test_load_directory_with_dtype(saved_model):
     assert load(directory, dtype="bfloat16").dtype == torch.bfloat16
 
 
+def test_load_int8_dynamic_quantizes_the_decoder_only(saved_model):
+    directory, original = saved_model
+    hf = load(str(directory), dtype="int8-dynamic")
+    linears = [m for m in hf.model.get_decoder().modules() if "quantized" in type(m).__module__]
+    assert linears and hf.name.endswith("+int8")
+    assert type(hf.model.lm_head) is torch.nn.Linear
+    ids = torch.tensor([[1, 4, 5, 6]])
+    with torch.no_grad():  # close to the float model, not equal
+        ref, got = original.model(ids).logits, hf.model(ids).logits
+    assert not torch.equal(ref, got) and (ref - got).abs().max() < 0.5 * ref.abs().max()
+    with pytest.raises(ValueError, match="CPU only"):
+        load(str(directory), dtype="int8-dynamic", device="cuda")
+
+
 def test_load_rejects_unknown_dtype(saved_model):
     directory, _ = saved_model
     with pytest.raises(ValueError, match="unknown dtype"):

@@ -137,7 +137,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         tree=args.tree,
     )
     params = sampling_params(args, stop=tuple(args.stop))
-    llm = LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device)
+    llm = LLM(
+        args.model,
+        speculative=speculative,
+        dtype=args.dtype,
+        device=args.device,
+        draft_dtype=args.draft_dtype,
+    )
     width = speculative.tree.num_nodes if speculative.tree else speculative.num_speculative_tokens
     llm.target.warmup((1, width + 1))
     if args.json:

@@ -20,7 +20,15 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1, off)")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
     parser.add_argument("--seed", type=int, default=seed, help=f"sampling seed (default: {seed})")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    parser.add_argument(
+        "--dtype", default="float32", help="float32 (default), bfloat16, float16, int8-dynamic"
+    )
+    parser.add_argument(
+        "--draft-dtype",
+        default=None,
+        help="dtype of --draft-model (default: --dtype); int8-dynamic quantizes its "
+        "decoder linear layers to int8 (CPU)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
 
 

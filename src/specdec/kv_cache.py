@@ -125,10 +125,15 @@ class KVCache(Cache):
         Raises:
             ValueError: if ``start`` or an index is out of range.
         """
-        device = self.layers[0].device if self.layers and self.layers[0].is_initialized else "cpu"
-        indices = torch.as_tensor(indices, dtype=torch.long, device=device)
         if not 0 <= start <= self.num_tokens:
             raise ValueError(f"compact start {start} outside a cache of {self.num_tokens} tokens")
+        if not isinstance(indices, torch.Tensor) and list(indices) == list(
+            range(start, start + len(indices))
+        ):  # already in place (e.g. the first-child path of a tree): just move the cursor
+            self.truncate(start + len(indices))
+            return
+        device = self.layers[0].device if self.layers and self.layers[0].is_initialized else "cpu"
+        indices = torch.as_tensor(indices, dtype=torch.long, device=device)
         if indices.numel() and (
             int(indices.min()) < start or int(indices.max()) >= self.num_tokens
         ):

@@ -68,6 +68,8 @@ class LLM:
         speculative: drafter settings; default ``ngram`` (or ``draft-model`` when
             ``draft`` is given).
         dtype, device: for models loaded by name.
+        draft_dtype: dtype of a draft loaded by name (default: ``dtype``); e.g.
+            ``"int8-dynamic"`` for a cheaper quantized copy of the target as draft.
 
     Raises:
         ValueError: invalid configuration, or a draft whose vocabulary differs from the
@@ -87,11 +89,13 @@ class LLM:
         *,
         dtype: str = "float32",
         device: str = "cpu",
+        draft_dtype: str | None = None,
     ) -> None:
         if speculative is None:
             speculative = SpeculativeConfig(method="draft-model" if draft is not None else "ngram")
         self.speculative = speculative
         self._dtype, self._device = dtype, device
+        self._draft_dtype = draft_dtype or dtype
         self.target = model if isinstance(model, HFModel) else load(model, dtype, device)
         self._draft_source = draft
         self._draft: HFModel | None = None
@@ -133,7 +137,7 @@ class LLM:
         elif self._draft is not None and self._draft.name == source:
             draft = self._draft
         else:
-            draft = load(source, self._dtype, self._device)
+            draft = load(source, self._draft_dtype, self._device)
         check_vocab_compatible(self.target, draft)
         self._draft = draft
         return draft

@@ -98,7 +98,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
     )
-    draft = load(args.draft_model, args.dtype, args.device) if args.draft_model else None
+    draft = None
+    if args.draft_model:
+        draft = load(args.draft_model, args.draft_dtype or args.dtype, args.device)
     num_runs = len(methods) * sum(len(p.turns) for p in prompts)
     with tqdm(total=num_runs, desc="bench", unit="gen", file=sys.stderr) as bar:
         records = run_benchmark(
@@ -128,6 +130,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "top_k": args.top_k,
             "seed": args.seed,
             "dtype": args.dtype,
+            "draft_dtype": args.draft_dtype or args.dtype,
         }
         paths = write_outputs(Path(args.out), records, summary, baseline, environment(llm), config)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)

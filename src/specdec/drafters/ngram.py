@@ -55,11 +55,14 @@ def find_ngram_continuation(
 def ngram_candidates(
     token_ids: np.ndarray, min_n: int, max_n: int, width: int
 ) -> tuple[list[int], list[float]]:
-    """Distinct tokens that followed earlier occurrences of the longest matching suffix.
+    """Distinct tokens that followed earlier occurrences of the context's suffix.
 
-    Tries n = max_n, ..., min_n like :func:`find_ngram_continuation`; at the first n with a
-    match, counts the token after every occurrence. Ranked by count, ties by earliest
-    occurrence; scores are the counts' fractions (a match-frequency "probability").
+    For n = max_n, ..., min_n, the token after every earlier occurrence of the last n
+    tokens is a candidate. Longer matches rank first (they are more specific); within one
+    n, by count, ties by earliest occurrence; a token already ranked by a longer match is
+    not repeated. A candidate's score is its count's share among the candidates of its n,
+    scaled so that each shorter n shares what the longer matches left over:
+    ``score = share_n * (1/2) ** (number of longer n that matched)``.
 
     Args:
         token_ids: ``[L]`` int64 sequence.
@@ -74,17 +77,27 @@ def ngram_candidates(
         ([3, 4], [0.6666666666666666, 0.3333333333333333])
     """
     length = len(token_ids)
+    tokens: list[int] = []
+    scores: list[float] = []
+    weight = 1.0
     for n in range(min(max_n, length - 1), min_n - 1, -1):
+        if len(tokens) >= width:
+            break
         suffix = token_ids[length - n :]
         windows = sliding_window_view(token_ids[: length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            following = token_ids[hits + n]
-            tokens, first, counts = np.unique(following, return_index=True, return_counts=True)
-            order = np.lexsort((first, -counts))[:width]
-            total = float(counts.sum())
-            return tokens[order].tolist(), (counts[order] / total).tolist()
-    return [], []
+        if not hits.size:
+            continue
+        following = token_ids[hits + n]
+        found, first, counts = np.unique(following, return_index=True, return_counts=True)
+        total = float(counts.sum())
+        for i in np.lexsort((first, -counts)):
+            token = int(found[i])
+            if token not in tokens and len(tokens) < width:
+                tokens.append(token)
+                scores.append(weight * float(counts[i]) / total)
+        weight *= 0.5
+    return tokens, scores
 
 
 class NgramTreeSession:

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +46,28 @@ _DTYPES = {
 _MARKER = "specdec-cache.json"
 
 
+#: dtype name for dynamic int8 quantization of the decoder's linear layers (CPU).
+INT8_DYNAMIC = "int8-dynamic"
+
+
+def quantize_int8_dynamic(model: HFModel) -> HFModel:
+    """An int8 version of ``model``: every ``nn.Linear`` inside the decoder (not
+    the LM head) becomes a dynamically quantized int8 linear layer (CPU kernels).
+
+    Returns:
+        a new :class:`HFModel` named ``<name>+int8`` wrapping the quantized module.
+    """
+    # torch marks torch.ao.quantization deprecated (in favour of torchao, not installed
+    # here) but still ships it; the warnings would only repeat that on every load.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.ao.quantization.quantize_dynamic(
+            model.model.get_decoder(), {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+        )
+    return HFModel(model.model, model.tokenizer, name=f"{model.name}+int8")
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32" | "bfloat16" | "float16"`` (or a torch dtype) -> ``torch.dtype``.
 
@@ -56,7 +79,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     try:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16") from None
+        raise ValueError(
+            f"unknown dtype {dtype!r}; choose float32, bfloat16, float16 or {INT8_DYNAMIC}"
+        ) from None
 
 
 def parse_device(device: str | torch.device) -> torch.device:
@@ -118,18 +143,25 @@ def load(
     Args:
         name_or_path: ``smollm2-135m-instruct`` (embedded), a ``.gguf`` file, a local HF
             model directory, or a Hugging Face hub id (needs network).
-        dtype: ``float32`` (default; needed for exact greedy equivalence), ``bfloat16`` or
-            ``float16``.
+        dtype: ``float32`` (default; needed for exact greedy equivalence), ``bfloat16``,
+            ``float16``, or ``int8-dynamic``: float32 weights whose decoder linear layers
+            are then quantized to int8 with dynamic activation quantization
+            (``torch.ao.quantization.quantize_dynamic``; CPU only). Meant for a cheap
+            *draft* copy of a target; the LM head stays float32.
         device: torch device, e.g. ``"cpu"`` or ``"cuda"``.
 
     Returns:
         an :class:`HFModel` in eval mode.
 
     Raises:
-        ValueError: unknown dtype.
+        ValueError: unknown dtype, or ``int8-dynamic`` on a device other than CPU.
         FileNotFoundError: the model cannot be found (missing path, unknown hub id, or a
             hub id without network).
     """
+    if str(dtype).lower() == INT8_DYNAMIC:
+        if str(device).split(":")[0] != "cpu":
+            raise ValueError(f"dtype {INT8_DYNAMIC} runs on CPU only, not {device}")
+        return quantize_int8_dynamic(load(name_or_path, "float32", device))
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
     name = str(name_or_path)
