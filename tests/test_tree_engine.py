@@ -385,6 +385,8 @@ def test_spec_parsing_round_trips(tmp_path):
         ("static:no-such-file.json", "neither a preset"),
         ("static:tree-8,draw=maybe", "draw must be"),
         ("sequoia:budget=5000", "at most"),
+        ("dynamic:top_k=100000", "top_k is at most"),
+        ("best-first:depth=1000", "levels deep"),
     ],
 )
 def test_bad_tree_specs_raise(text, message):

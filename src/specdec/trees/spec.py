@@ -48,6 +48,8 @@ _OPTIONS = {
     "sequoia": {"budget", "depth"},
 }
 MAX_BUDGET = 1024
+MAX_TOP_K = 64
+MAX_DEPTH = 128
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,11 @@ class TreeSpec:
                 fields[key] = _positive_int(key, value)
         spec = cls(**fields)
         if spec.budget > MAX_BUDGET or len(spec.paths) > MAX_BUDGET:
-            raise ValueError(f"a tree has at most {MAX_BUDGET} nodes")
+            raise ValueError(f"a tree has at most {MAX_BUDGET} nodes (budget)")
+        if spec.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k is at most {MAX_TOP_K} (top_k**2 candidates per level)")
+        if spec.depth > MAX_DEPTH or max(map(len, spec.paths), default=0) > MAX_DEPTH:
+            raise ValueError(f"a tree is at most {MAX_DEPTH} levels deep")
         return spec
 
 
