@@ -31,20 +31,20 @@ bench-quick: $(STAMP)
 	$(VENV)/bin/specdec bench --limit-per-category 2 --max-new-tokens 48 \
 		--method ngram:k=10 --method hf-prompt-lookup:k=10 --out out/bench-quick
 
-# The committed result in benchmarks/spec_bench_cpu (about 30 minutes on 2 idle CPU cores).
+# The committed result in benchmarks/spec_bench_cpu (about 20 minutes on 2 idle CPU cores).
 bench: $(STAMP)
 	$(VENV)/bin/specdec bench --limit-per-category 10 --max-new-tokens 96 \
 		--method ngram:k=10 --method hf-prompt-lookup:k=10 --out benchmarks/spec_bench_cpu
 
 # Chain vs token tree at the same verification budget, per drafter (committed in
-# benchmarks/trees_cpu_*; about 30 minutes on 2 idle CPU cores). The draft model is an int8
+# benchmarks/trees_cpu_*; about 20 minutes on 2 idle CPU cores). The draft model is an int8
 # copy of the target: the only cheaper draft with SmolLM2's tokenizer available offline.
 bench-trees: $(STAMP)
-	$(VENV)/bin/specdec bench --limit-per-category 4 --max-new-tokens 96 \
+	$(VENV)/bin/specdec bench --limit-per-category 2 --max-new-tokens 96 \
 		--method ngram:k=10 --method ngram:k=10,min=1 \
 		--method "ngram:min=1@dynamic:top_k=2,depth=10,budget=10" \
 		--method "ngram:min=1@sequoia:budget=10,depth=10" --out benchmarks/trees_cpu_ngram
-	$(VENV)/bin/specdec bench --limit-per-category 2 --max-new-tokens 96 \
+	$(VENV)/bin/specdec bench --limit-per-category 1 --max-new-tokens 96 \
 		--draft-model smollm2-135m-instruct --draft-dtype int8-dynamic \
 		--method draft-model:k=8 --method "draft-model@static:tree-8" \
 		--method "draft-model@dynamic:top_k=3,depth=6,budget=8" \

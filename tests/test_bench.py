@@ -333,3 +333,7 @@ def test_bench_cli_checks_draft_and_categories_before_loading(tmp_path, capsys):
     assert "needs --draft-model" in capsys.readouterr().err
     assert main(["bench", "--model", missing, "--dataset", str(data), "--categories", "nope"]) == 2
     assert "categories and groups: copy" in capsys.readouterr().err
+    # one unknown name among known ones is an error too, not silently dropped
+    argv = ["bench", "--model", missing, "--dataset", str(data), "--categories", "copy", "nope"]
+    assert main(argv) == 2
+    assert "unknown categories 'nope'" in capsys.readouterr().err

@@ -386,6 +386,8 @@ def test_spec_parsing_round_trips(tmp_path):
         ("static:tree-8,draw=maybe", "draw must be"),
         ("sequoia:budget=5000", "at most"),
         ("dynamic:top_k=100000", "top_k is at most"),
+        ("dynamic:top_k=4,top_k=5", "given twice"),
+        ("sequoia:budget=500", "sequoia tree has at most"),
         ("best-first:depth=1000", "levels deep"),
     ],
 )
@@ -409,6 +411,38 @@ def test_bad_paths_files_raise(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
         TreeSpec.parse(f"static:{path}")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kind="bogus"), "unknown tree kind"),
+        (dict(kind="dynamic", top_k=0), "integer >= 1"),
+        (dict(kind="best-first", depth=-3), "integer >= 1"),
+        (dict(kind="dynamic", budget=100000), "at most"),
+        (dict(kind="static"), "non-empty"),
+        (dict(kind="static", paths=((0, 0),)), "no parent"),
+        (dict(kind="static", paths=((0,),), draw="x"), "draw must be"),
+        (dict(kind="dynamic", paths=((0,),)), "only used by static"),
+    ],
+)
+def test_tree_spec_objects_validate_themselves(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TreeSpec(**kwargs)
+
+
+def test_tree_spec_object_with_list_paths_works(target):
+    from specdec.trees import TreeSpec as Exported
+
+    spec = Exported(kind="static", paths=[[0], [1], [0, 0]])
+    assert spec.paths == ((0,), (1,), (0, 0)) and hash(spec)
+    llm = LLM(target, speculative=SpeculativeConfig("ngram", tree=spec))
+    assert llm.generate(PROMPTS[0], _greedy(8)).token_ids == hf_greedy(target, PROMPTS[0], 8)
+
+
+def test_paths_file_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="directory"):
+        TreeSpec.parse(f"static:{tmp_path}")
 
 
 def test_config_refuses_impossible_tree_combinations():

@@ -88,9 +88,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if needs_draft and not args.draft_model:
         raise ValueError(f"method {needs_draft[0]!r} needs --draft-model")
     available = _load_prompts(args)
+    names = sorted({p.group for p in available} | {p.category for p in available})
+    unknown = [c for c in args.categories or () if c not in names]
+    if unknown:
+        raise ValueError(
+            f"unknown categories {', '.join(map(repr, unknown))}; categories and groups: "
+            f"{', '.join(names)}"
+        )
     prompts = select(available, args.limit_per_category, args.categories)
     if not prompts:
-        names = sorted({p.group for p in available} | {p.category for p in available})
         raise ValueError(f"no prompts selected; categories and groups: {', '.join(names)}")
     llm = LLM(
         args.model,

@@ -50,6 +50,7 @@ _OPTIONS = {
 MAX_BUDGET = 1024
 MAX_TOP_K = 64
 MAX_DEPTH = 128
+MAX_SEQUOIA_BUDGET = 128
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,43 @@ class TreeSpec:
     top_k: int = 4
     depth: int = 5
     budget: int = 16
+
+    def __post_init__(self) -> None:
+        """Validate every field (so a TreeSpec built in Python is checked like a parsed one).
+
+        Raises:
+            ValueError: unknown kind or draw, a non-positive or too large number, or
+                static paths that are missing or not a tree.
+        """
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown tree kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.draw not in DRAWS:
+            raise ValueError(f"draw must be one of {', '.join(DRAWS)}, got {self.draw!r}")
+        for key in ("top_k", "depth", "budget"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"tree option {key} must be an integer >= 1, got {value!r}")
+        if self.kind == "static":
+            paths = validate_paths(
+                [list(p) if isinstance(p, (list, tuple)) else p for p in self.paths],
+                self.source or "paths",
+            )
+            object.__setattr__(self, "paths", paths)
+            if not self.source:
+                object.__setattr__(self, "source", "<paths>")
+        elif self.paths:
+            raise ValueError(f"paths are only used by static trees, not {self.kind}")
+        if self.budget > MAX_BUDGET or len(self.paths) > MAX_BUDGET:
+            raise ValueError(f"a tree has at most {MAX_BUDGET} nodes (budget)")
+        if self.kind == "sequoia" and self.budget > MAX_SEQUOIA_BUDGET:
+            raise ValueError(
+                f"a sequoia tree has at most {MAX_SEQUOIA_BUDGET} nodes (its dynamic program "
+                "costs budget**2 * depth)"
+            )
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k is at most {MAX_TOP_K} (top_k**2 candidates per level)")
+        if self.depth > MAX_DEPTH or max(map(len, self.paths), default=0) > MAX_DEPTH:
+            raise ValueError(f"a tree is at most {MAX_DEPTH} levels deep")
 
     def __str__(self) -> str:
         if self.kind == "static":
@@ -124,20 +162,15 @@ class TreeSpec:
             if not eq or key not in _OPTIONS[kind]:
                 allowed = ", ".join(sorted(_OPTIONS[kind]))
                 raise ValueError(f"unknown option {item!r} for a {kind} tree (allowed: {allowed})")
+            if key in fields:
+                raise ValueError(f"tree option {key} given twice in {text!r}")
             if key == "draw":
                 if value not in DRAWS:
                     raise ValueError(f"draw must be one of {', '.join(DRAWS)}, got {value!r}")
                 fields[key] = value
             else:
                 fields[key] = _positive_int(key, value)
-        spec = cls(**fields)
-        if spec.budget > MAX_BUDGET or len(spec.paths) > MAX_BUDGET:
-            raise ValueError(f"a tree has at most {MAX_BUDGET} nodes (budget)")
-        if spec.top_k > MAX_TOP_K:
-            raise ValueError(f"top_k is at most {MAX_TOP_K} (top_k**2 candidates per level)")
-        if spec.depth > MAX_DEPTH or max(map(len, spec.paths), default=0) > MAX_DEPTH:
-            raise ValueError(f"a tree is at most {MAX_DEPTH} levels deep")
-        return spec
+        return cls(**fields)
 
 
 def _positive_int(key: str, value: str) -> int:
@@ -155,10 +188,13 @@ def _load_paths(source: str) -> tuple[RankPath, ...]:
         return tuple((0,) * i for i in range(1, k + 1))
     if source in PRESETS:
         return PRESETS[source]
-    path = Path(source)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{source!r} is a directory, not a JSON file of rank paths")
     if not path.is_file():
         raise ValueError(
-            f"{source!r} is neither a preset ({', '.join([*PRESETS, 'chain-<k>'])}) nor a file"
+            f"{source!r} is neither a preset ({', '.join([*PRESETS, 'chain-<k>'])}) nor a file "
+            "(file names cannot contain commas)"
         )
     try:
         data = json.loads(path.read_text())
@@ -177,6 +213,8 @@ def validate_paths(data, source: str = "paths") -> tuple[RankPath, ...]:
         ValueError: not a non-empty list of non-empty int lists, a duplicate, or a path
             whose parent path is missing.
     """
+    if isinstance(data, tuple):
+        data = [list(p) if isinstance(p, tuple) else p for p in data]
     if not isinstance(data, list) or not data:
         raise ValueError(f"{source}: expected a non-empty JSON list of rank paths like [[0], [1]]")
     paths = []
