@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -117,9 +118,10 @@ class _Recorder:
         return TreeProposal(tree, candidates)
 
 
-class TreeBuilder:
+class TreeBuilder(ABC):
     """Base class: ``build`` one tree per step; ``observe`` the verification outcome."""
 
+    @abstractmethod
     def build(
         self, session: TreeSession, max_depth: int, sampling: bool, generator: torch.Generator
     ) -> TreeProposal:
@@ -132,10 +134,13 @@ class TreeBuilder:
             sampling: decoding samples (temperature > 0); otherwise greedy.
             generator: for builders that sample children.
         """
-        raise NotImplementedError
 
     def observe(self, proposal: TreeProposal, accepted_nodes: list[int], output: list[int]):
-        """The verifier kept ``accepted_nodes`` and emitted ``output`` (default: ignore)."""
+        """The verifier kept ``accepted_nodes`` and emitted ``output``.
+
+        The default learns nothing; adaptive builders (Sequoia) override it.
+        """
+        return None
 
 
 class StaticTreeBuilder(TreeBuilder):

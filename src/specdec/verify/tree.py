@@ -48,8 +48,8 @@ class TreeVerifyResult(VerifyResult):
 
 
 class SiblingRejection:
-    """Recursive rejection over the children of one node (shared by the fast verifier,
-    the exact-distribution oracle and nothing else).
+    """Recursive rejection over the children of one node (used by the fast verifier and by
+    the exact-distribution oracle, so the oracle checks the production math).
 
     Args:
         target_probs: ``[V]`` float target distribution at the parent.
