@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-from functools import cache
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from exact_laws import Synthetic, target_sequences, tree_step_law, worst_error
 from specdec.trees import ROOT, TokenTree
 from specdec.verify import rejection_sample, verify_greedy
 from specdec.verify.reference import (
@@ -19,133 +17,58 @@ from specdec.verify.reference import (
 )
 from specdec.verify.tree import SiblingRejection, verify_tree_greedy, verify_tree_sampling
 
-VOCAB = 4
-
-
-class Synthetic:
-    """Target and draft next-token tables keyed by context (float64), fixed by a seed."""
-
-    def __init__(self, seed: int, draft: str = "random", vocab: int = VOCAB) -> None:
-        self.seed, self.draft, self.vocab = seed, draft, vocab
-
-    def _dist(self, ctx: tuple, salt: int, zeros: int = 0) -> torch.Tensor:
-        g = torch.Generator().manual_seed(hash((self.seed, salt, ctx)) % 2**31)
-        probs = torch.rand(self.vocab, generator=g, dtype=torch.float64) ** 2
-        if zeros:
-            probs[torch.randperm(self.vocab, generator=g)[:zeros]] = 0.0
-        return probs / probs.sum()
-
-    def p(self, ctx: tuple) -> torch.Tensor:
-        return self._dist(ctx, 0, zeros=1 if self.draft == "sparse-target" else 0)
-
-    def q(self, ctx: tuple) -> torch.Tensor:
-        if self.draft == "identical":
-            return self.p(ctx)
-        if self.draft == "peaked":
-            return (self._dist(ctx, 1) ** 4) / (self._dist(ctx, 1) ** 4).sum()
-        return self._dist(ctx, 1)
-
-
-def _draws(q: torch.Tensor, m: int, mode: str):
-    """Every m-tuple of children with its probability under the drafting mode."""
-    if mode == "deterministic":  # the m most probable draft tokens, point masses
-        yield tuple(torch.argsort(q, descending=True)[:m].tolist()), 1.0
-        return
-    for combo in itertools.product(range(len(q)), repeat=m):
-        if mode == "iid":
-            yield combo, float(torch.prod(q[list(combo)]))
-            continue
-        if len(set(combo)) < m:
-            continue
-        prob, rest = 1.0, q.clone()
-        for token in combo:  # sequential draws without replacement
-            prob *= float(rest[token] / rest.sum())
-            rest[token] = 0.0
-        if prob > 0:
-            yield combo, prob
-
-
-def _target_sequences(model: Synthetic, ctx: tuple, length: int) -> dict:
-    out = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        for seq, prob in out.items():
-            p = model.p(ctx + seq)
-            for y in range(model.vocab):
-                if p[y] > 0:
-                    nxt[seq + (y,)] = prob * float(p[y])
-        out = nxt
-    return out
-
-
-def exact_tree_output(model: Synthetic, shape: tuple[int, ...], mode: str) -> dict:
-    """Exact law of the first ``len(shape) + 1`` tokens: one tree verification step, with
-    plain target sampling after it ends. Node at depth d has ``shape[d]`` children."""
-
-    @cache
-    def outcome(ctx: tuple, depth: int) -> dict:
-        remaining = len(shape) - depth  # tokens still to produce after this node's one
-        p = model.p(ctx)
-        result: dict = {}
-
-        def add(prefix: tuple, dist: dict, weight: float) -> None:
-            for seq, prob in dist.items():
-                key = prefix + seq
-                result[key] = result.get(key, 0.0) + weight * prob
-
-        if depth == len(shape):  # leaf: bonus token from the target
-            for y in range(model.vocab):
-                if p[y] > 0:
-                    add((y,), _target_sequences(model, ctx + (y,), remaining), float(p[y]))
-            return result
-        q = model.q(ctx)
-        for children, prob in _draws(q, shape[depth], mode):
-            rows = None if mode == "deterministic" else q.expand(len(children), -1)
-            accept, residual = sibling_outcome(p, list(children), rows, mode == "wor")
-            for token, a in zip(children, accept, strict=True):
-                if a > 0:
-                    add((token,), outcome(ctx + (token,), depth + 1), prob * a)
-            for y in range(model.vocab):
-                if residual[y] > 0:
-                    tail = _target_sequences(model, ctx + (y,), remaining)
-                    add((y,), tail, prob * float(residual[y]))
-        return result
-
-    return outcome((), 0)
-
-
-SHAPES = [(1,), (3,), (1, 1, 1), (2, 2), (3, 1), (1, 3)]
-DRAFTS = ["random", "identical", "peaked", "sparse-target"]
+SHAPES = [(1,), (3,), (1, 1, 1), (2, 1), (1, 2)]
+DRAFTS = ["random", "identical", "peaked", "sparse-target", "disjoint"]
 
 
 @pytest.mark.parametrize("mode", ["iid", "wor", "deterministic"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("draft", DRAFTS)
 def test_tree_output_distribution_equals_target_exactly(mode, shape, draft):
-    """Sum over all drafts and acceptance paths = the target's joint law, to 1e-6."""
-    if mode == "wor" and max(shape) > VOCAB:
-        pytest.skip("cannot draw more distinct children than tokens")
-    model = Synthetic(seed=7, draft=draft)
-    got = exact_tree_output(model, shape, mode)
-    want = _target_sequences(model, (), len(shape) + 1)
-    assert set(got) <= set(want) | {k for k, v in got.items() if v < 1e-12}
-    worst = max(abs(got.get(k, 0.0) - want.get(k, 0.0)) for k in set(got) | set(want))
-    assert worst < 1e-6, worst
+    """The production verifier, integrated exactly over every draft tree, uniform and
+    categorical draw, has the target's joint law (to float64 rounding)."""
+    if draft == "disjoint" and mode == "wor" and max(shape) > 2:
+        pytest.skip("the disjoint draft has 2 tokens: no 3 distinct children")
+    model = Synthetic(seed=7, draft=draft, vocab=3)
+    got = tree_step_law(model, shape, mode)
+    want = target_sequences(model, (), len(shape) + 1)
+    assert worst_error(got, want) < 1e-9
     assert abs(sum(got.values()) - 1.0) < 1e-9
+
+
+@pytest.mark.parametrize("mode", ["wor", "deterministic"])
+def test_bushy_tree_output_distribution_equals_target_exactly(mode):
+    model = Synthetic(seed=5, vocab=3)
+    assert worst_error(tree_step_law(model, (2, 2), mode), target_sequences(model, (), 3)) < 1e-9
+
+
+class _BiasedUniforms:
+    """A planted bias: the acceptance test becomes ``u < factor * a``."""
+
+    def __init__(self, source, factor: float) -> None:
+        self.source, self.factor = source, factor
+
+    def uniform(self, n, device):
+        return self.source.uniform(n, device) / self.factor
+
+    def categorical(self, probs):
+        return self.source.categorical(probs)
+
+
+@pytest.mark.parametrize("factor", [0.98, 0.999])
+def test_exact_oracle_detects_a_small_acceptance_bias(factor):
+    model = Synthetic(seed=7, vocab=3)
+    want = target_sequences(model, (), 3)
+    got = tree_step_law(model, (2, 1), "iid", wrap=lambda s: _BiasedUniforms(s, factor))
+    assert worst_error(got, want) > 1e-5
+    assert abs(sum(got.values()) - 1.0) < 1e-9  # still a distribution, just the wrong one
 
 
 def test_exact_oracle_detects_a_wrong_rule():
     """Planted bug: without-replacement children verified with the i.i.d. rule is lossy."""
-    model = Synthetic(seed=3)
-    q = model.q(())
-    p = model.p(())
-    total = torch.zeros(VOCAB, dtype=torch.float64)
-    for children, prob in _draws(q, 3, "wor"):
-        accept, residual = sibling_outcome(p, list(children), q.expand(3, -1), False)
-        for token, a in zip(children, accept, strict=True):
-            total[token] += prob * a
-        total += prob * residual
-    assert (total - p).abs().max() > 1e-3
+    model = Synthetic(seed=3, vocab=4)
+    got = tree_step_law(model, (3,), "wor", verify_without_replacement=False)
+    assert worst_error(got, target_sequences(model, (), 2)) > 1e-3
 
 
 def test_sibling_rejection_point_masses_sample_the_target():

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+from exact_laws import Synthetic, chain_step_law, target_sequences, worst_error
 from specdec.verify import rejection_sample, residual_distribution, verify_greedy
 from specdec.verify.reference import first_token_marginal, greedy_reference, rejection_reference
 
@@ -39,6 +40,58 @@ def test_rejection_marginal_equals_target_exactly(case):
     _, target, draft = case
     marginal = first_token_marginal(target, draft)
     torch.testing.assert_close(marginal, target, atol=1e-6, rtol=0)
+
+
+CHAIN_DRAFTS = ["random", "identical", "peaked", "sparse-target", "disjoint"]
+
+
+@pytest.mark.parametrize("mode", ["iid", "deterministic"])
+@pytest.mark.parametrize("draft", CHAIN_DRAFTS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_rejection_step_law_equals_target_exactly(k, draft, mode):
+    """The production ``rejection_sample``, integrated exactly over every draft, uniform and
+    categorical draw: the first k + 1 tokens follow the target's joint law (float64)."""
+    model = Synthetic(seed=11, draft=draft, vocab=4)
+    got = chain_step_law(model, k, mode)
+    assert worst_error(got, target_sequences(model, (), k + 1)) < 1e-9
+    assert abs(sum(got.values()) - 1.0) < 1e-9
+
+
+def _biased_acceptance(factor):
+    """``rejection_sample`` whose acceptance test is ``u < factor * a`` (a planted bias)."""
+
+    class Biased:
+        def __init__(self, source):
+            self.source = source
+
+        def uniform(self, n, device):
+            return self.source.uniform(n, device) / factor
+
+        def categorical(self, probs):
+            return self.source.categorical(probs)
+
+    def verifier(ids, draft_probs, target_probs, source):
+        return rejection_sample(ids, draft_probs, target_probs, Biased(source))
+
+    return verifier
+
+
+@pytest.mark.parametrize("factor", [0.98, 0.999])
+@pytest.mark.parametrize("mode", ["iid", "deterministic"])
+def test_exact_step_law_catches_a_small_acceptance_bias(factor, mode):
+    """2% (and 0.1%) too many rejections is a lossy sampler; the exact law shows it."""
+    model = Synthetic(seed=11, vocab=4)
+    got = chain_step_law(model, 2, mode, verifier=_biased_acceptance(factor))
+    assert worst_error(got, target_sequences(model, (), 3)) > 1e-5
+
+
+def test_exact_step_law_catches_a_wrong_residual(monkeypatch):
+    """Resampling from the target instead of the residual after a rejection is caught."""
+    import specdec.verify.rejection as rejection
+
+    monkeypatch.setattr(rejection, "residual_distribution", lambda target, draft: target)
+    model = Synthetic(seed=11, vocab=4)
+    assert worst_error(chain_step_law(model, 1, "iid"), target_sequences(model, (), 2)) > 1e-3
 
 
 def test_marginal_oracle_detects_the_classic_bug():

@@ -6,6 +6,8 @@ with respect to the processed target distribution (what plain sampling would dra
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 
 from specdec.config import SamplingParams
@@ -34,7 +36,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     if params.temperature == 0:
         raise ValueError("greedy decoding (temperature 0) has no distribution; use argmax")
-    logits = logits.float() / params.temperature
+    logits = _apply_temperature(logits.float(), params.temperature)
     vocab_size = logits.shape[-1]
     if 0 < params.top_k < vocab_size:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -42,6 +44,19 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_p < 1.0:
         logits = _apply_top_p(logits, params.top_p)
     return torch.softmax(logits, dim=-1)
+
+
+def _apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``(logits - row max) / T``, safe for every finite ``T > 0``.
+
+    Shifting by the row maximum first (softmax is shift-invariant) keeps the maximum at 0,
+    so a tiny temperature sends the other logits to ``-inf`` instead of overflowing the
+    maximum to ``+inf`` (``inf - inf = nan``). ``T`` is floored at float32's smallest
+    normal number, below which it would round to 0 in float32 arithmetic: a temperature
+    that small is greedy in effect (the distribution is uniform over the tied maxima).
+    """
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    return shifted / max(temperature, torch.finfo(torch.float32).tiny)
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -74,4 +89,41 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
         generator.seed()
     else:
         generator.manual_seed(seed)
+    return generator
+
+
+@runtime_checkable
+class RandomSource(Protocol):
+    """Where a verifier's random draws come from.
+
+    Production code passes a ``torch.Generator`` (wrapped by :func:`as_random_source`);
+    the exact-law oracle (:mod:`specdec.verify.exact`) passes a source that replays
+    scripted values, so it can integrate the production verifier's output over every draw.
+    """
+
+    def uniform(self, n: int, device: torch.device | str) -> torch.Tensor:
+        """``[n]`` floats uniform on [0, 1)."""
+
+    def categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        """``[N]`` int64: one token per row of ``[N, V]`` (unnormalised) probabilities."""
+
+
+class GeneratorSource:
+    """A :class:`RandomSource` over a ``torch.Generator`` (``torch.rand`` and
+    ``torch.multinomial``, exactly the draws the verifiers have always made)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def uniform(self, n: int, device: torch.device | str) -> torch.Tensor:
+        return torch.rand(n, generator=self.generator, device=device)
+
+    def categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        return sample(probs, self.generator)
+
+
+def as_random_source(generator: torch.Generator | RandomSource) -> RandomSource:
+    """``generator`` as a :class:`RandomSource` (a ``torch.Generator`` is wrapped)."""
+    if isinstance(generator, torch.Generator):
+        return GeneratorSource(generator)
     return generator

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.sampling import sample
+from specdec.sampling import RandomSource, as_random_source
 from specdec.verify.result import VerifyResult
 
 
@@ -57,7 +57,7 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | RandomSource,
 ) -> VerifyResult:
     """Verify k draft tokens losslessly.
 
@@ -67,7 +67,8 @@ def rejection_sample(
             ``None`` for a deterministic drafter (point masses).
         target_probs: ``[k + 1, V]`` float32 target distributions (after temperature,
             top-k, top-p), row i following the pending token and i draft tokens.
-        generator: draws, in order: k uniforms (all at once), then one categorical sample.
+        generator: a ``torch.Generator`` (or a :class:`~specdec.sampling.RandomSource`);
+            draws, in order: k uniforms (all at once), then one categorical sample.
 
     Returns:
         :class:`VerifyResult` with the accepted tokens and one recovered or bonus token.
@@ -79,15 +80,16 @@ def rejection_sample(
         accept_probs = target_at_draft
     else:
         accept_probs = acceptance_probability(target_at_draft, draft_probs[rows, draft_token_ids])
-    uniforms = torch.rand(k, generator=generator, device=target_probs.device)
+    source = as_random_source(generator)
+    uniforms = source.uniform(k, target_probs.device)
     rejected = (uniforms >= accept_probs).nonzero()
     num_accepted = int(rejected[0, 0]) if rejected.numel() else k
     if num_accepted == k:
-        last = sample(target_probs[k : k + 1], generator)  # bonus token
+        last = source.categorical(target_probs[k : k + 1])  # bonus token
     else:
         draft_row = _draft_row(draft_token_ids, draft_probs, num_accepted, target_probs.shape[-1])
         residual = residual_distribution(target_probs[num_accepted], draft_row)
-        last = sample(residual.unsqueeze(0), generator)  # recovered token
+        last = source.categorical(residual.unsqueeze(0))  # recovered token
     accepted = draft_token_ids[:num_accepted].tolist()
     return VerifyResult(num_accepted, accepted + [int(last)])
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SamplingParams
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import RandomSource, as_random_source, logits_to_probs
 from specdec.trees.tree import ROOT, TokenTree
 from specdec.verify.rejection import acceptance_probability, residual_distribution
 from specdec.verify.result import VerifyResult
@@ -128,7 +128,7 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> TreeVeri
 
 
 def verify_tree_sampling(
-    tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator
+    tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | RandomSource
 ) -> TreeVerifyResult:
     """Lossless multi-draft verification of a token tree (see the module docstring).
 
@@ -137,12 +137,14 @@ def verify_tree_sampling(
             from (``None``: deterministic drafts); ``tree.without_replacement`` selects RSD.
         target_probs: ``[N + 1, V]`` float32 target distributions (after temperature,
             top-k, top-p); row 0 = root, row ``i + 1`` = node ``i``.
-        generator: draws, in order: one uniform per child tried (``torch.rand(1)``), then
-            one categorical sample (recovered or bonus token).
+        generator: a ``torch.Generator`` (or a :class:`~specdec.sampling.RandomSource`);
+            draws, in order: one uniform per child tried, then one categorical sample
+            (recovered or bonus token).
 
     Returns:
         :class:`TreeVerifyResult`. The output follows the target distribution exactly.
     """
+    source = as_random_source(generator)
     children = tree.children_lists()
     node, path = ROOT, []
     while True:
@@ -155,14 +157,14 @@ def verify_tree_sampling(
                 row, [tree.token_ids[c] for c in kids], q, tree.without_replacement
             )
             for i, child in enumerate(kids):
-                u = float(torch.rand(1, generator=generator, device=row.device))
+                u = float(source.uniform(1, row.device))
                 if u < rounds.accept_probability(i):
                     nxt = child
                     break
                 rounds.reject(i)
             row = rounds.residual
         if nxt is None:
-            last = int(sample(row.unsqueeze(0), generator))
+            last = int(source.categorical(row.unsqueeze(0)))
             tokens = [tree.token_ids[n] for n in path]
             return TreeVerifyResult(len(path), tokens + [last], path)
         path.append(nxt)
