@@ -40,6 +40,10 @@ class ScriptedDrafter:
 
     def start(self, prompt_ids, params):
         self.step = 0
+        return self
+
+    def close(self):
+        pass
 
     def propose(self, token_ids, num_tokens, generator):
         done = len(token_ids) - self.num_prompt
@@ -301,8 +305,8 @@ def test_padded_draft_never_proposes_padding_ids(target, padded_draft):
     from specdec.drafters import DraftModelDrafter
 
     drafter = DraftModelDrafter(padded_draft, target.vocab_size, len(target.tokenizer))
-    drafter.start(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=20))
-    proposal = drafter.propose(PROMPTS[0], 4, make_generator(0))
+    sequence = drafter.start(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=20))
+    proposal = sequence.propose(PROMPTS[0], 4, make_generator(0))
     assert proposal.draft_probs.shape == (4, target.vocab_size)
     torch.testing.assert_close(proposal.draft_probs.sum(-1), torch.ones(4))
     assert all(t < len(target.tokenizer) for t in proposal.token_ids)

@@ -97,3 +97,19 @@ def test_tree_decoding_greedy_equals_plain(llm, baseline, tree):
     )
     assert out.token_ids == baseline.token_ids
     assert out.metrics.mean_acceptance_length > 1.5
+
+
+def test_text_never_ends_inside_a_character(llm):
+    """SmolLM2's byte-level tokens split CJK characters; a generation that stops between
+    them must not end its text (final, streamed or JSON) with U+FFFD."""
+    prompt = "把这句话重复两遍：我喜欢吃苹果和香蕉。我喜欢吃苹果和香蕉。"
+    full = llm.generate(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    decode = llm.target.decode
+    cuts = [n for n in range(1, 49) if decode(full.token_ids[:n]).endswith("\ufffd")]
+    assert cuts, "the prompt should produce a generation cut inside a character"
+    n = cuts[0]
+    out = llm.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    assert out.token_ids == full.token_ids[:n]  # the ids keep every token
+    assert not out.text.endswith("\ufffd") and full.text.startswith(out.text)
+    streamed = "".join(c.text for c in llm.stream(prompt, SamplingParams(max_new_tokens=n)))
+    assert streamed == out.text

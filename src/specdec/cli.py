@@ -145,7 +145,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         draft_dtype=args.draft_dtype,
     )
     width = speculative.tree.num_nodes if speculative.tree else speculative.num_speculative_tokens
-    llm.target.warmup((1, width + 1))
+    # Warm up the shapes a step can use: never more draft tokens than could be generated.
+    width = min(width, params.max_new_tokens - 1, llm.target.max_context - 1)
+    llm.target.warmup((1, width + 1) if width > 0 else (1,))
     if args.json:
         output = llm.generate(prompt, params, chat=args.chat)
     else:

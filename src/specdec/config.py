@@ -14,6 +14,15 @@ from specdec.trees.spec import TreeSpec
 
 #: Drafter names accepted by :class:`SpeculativeConfig`.
 DRAFTER_METHODS = ("none", "ngram", "draft-model")
+#: Most stop strings per request, and most characters in one.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+#: Most extra stop token ids per request.
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -21,22 +30,26 @@ class SamplingParams:
     """How the target's next-token distribution is turned into tokens.
 
     Args:
-        temperature: softmax temperature (float, >= 0). ``0`` means greedy decoding
+        temperature: softmax temperature (finite float, >= 0). ``0`` means greedy decoding
             (argmax), which is deterministic and makes speculative output identical to plain
-            autoregressive output token for token.
+            autoregressive output token for token. Any positive value works: one below
+            float32's smallest normal number (~1.2e-38) acts as that number, i.e. greedy in
+            effect (uniform over exactly tied maxima).
         top_k: keep only the ``top_k`` most probable tokens (int, >= 0; ``0`` disables).
             Tokens tied with the k-th logit are kept too.
         top_p: nucleus sampling: keep the smallest set of most probable tokens whose
             probability sums to at least ``top_p`` (float in (0, 1]; ``1`` disables).
-        max_new_tokens: upper bound on generated tokens (int, >= 1), never exceeded.
+        max_new_tokens: upper bound on generated tokens (int, >= 1), never exceeded; the
+            model's context caps it further (nothing is allocated beyond the context).
         seed: seed of the ``torch.Generator`` used for every random draw (drafts,
             acceptance tests, residual and bonus samples). Same seed, same output.
             ``None`` draws a fresh seed.
-        stop: stop strings. The text ends right before the first occurrence (the stop
-            string is dropped); the token ids end with the token that completed it, so
-            nothing generated after the stop appears in either.
+        stop: stop strings (at most 64, each 1 to 1024 characters). The text ends right
+            before the first occurrence (the stop string is dropped); the token ids end
+            with the token that completed it, so nothing generated after the stop appears
+            in either.
         stop_token_ids: extra token ids that end generation (kept as the last output id,
-            like EOS).
+            like EOS); at most 1024, each in the target's vocabulary.
         ignore_eos: keep generating past EOS / end-of-turn tokens (for benchmarks).
 
     Raises:
@@ -60,21 +73,42 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        number = (int, float)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, number):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+        if isinstance(self.top_p, bool) or not (
+            isinstance(self.top_p, number) and 0.0 < self.top_p <= 1.0
+        ):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        self._check_stops()
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"a stop string has at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}"
+            )
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
@@ -90,7 +124,8 @@ class SpeculativeConfig:
         method: ``"none"`` (plain autoregressive decoding through the same loop),
             ``"ngram"`` (prompt lookup) or ``"draft-model"`` (a smaller causal LM).
         num_speculative_tokens: draft tokens proposed per verification step (γ, int >= 1).
-            Ignored for ``"none"``.
+            Ignored for ``"none"``. Each step drafts at most the remaining token budget
+            minus one, so a large value allocates nothing it cannot use.
         ngram_min / ngram_max: n-gram sizes tried by the ``ngram`` drafter, longest first
             (ints, 1 <= ngram_min <= ngram_max).
         draft_model: name or path of the draft model for ``"draft-model"`` (see
@@ -130,9 +165,11 @@ class SpeculativeConfig:
                 f"unknown drafter {self.method!r}; choose one of {', '.join(DRAFTER_METHODS)}"
             )
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or k < 1:
+        if not _is_int(k) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-        if not (1 <= self.ngram_min <= self.ngram_max):
+        if not (_is_int(self.ngram_min) and _is_int(self.ngram_max)) or not (
+            1 <= self.ngram_min <= self.ngram_max
+        ):
             raise ValueError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
             )

@@ -109,11 +109,21 @@ class LLM:
             self._drafters[config] = self._build_drafter(config)
         return self._drafters[config]
 
-    def tree_builder(self, config: SpeculativeConfig) -> TreeBuilder | None:
-        """The tree builder for ``config`` (``None`` for chains); kept per config, so a
-        Sequoia builder's acceptance measurements persist across generations."""
+    def tree_builder(
+        self, config: SpeculativeConfig, seed: int | None = None
+    ) -> TreeBuilder | None:
+        """The tree builder for a generation with ``config`` (``None`` for chains).
+
+        Unseeded generations share one builder per config, so what a learning builder
+        measures (Sequoia's per-rank acceptance) carries over from one generation to the
+        next. A seeded generation gets a fresh builder that starts from the prior and
+        learns only from its own steps: its output then depends on its prompt, parameters
+        and seed alone, never on what ran before it.
+        """
         if config.tree is None:
             return None
+        if seed is not None:
+            return make_tree_builder(config.tree)
         if config not in self._tree_builders:
             self._tree_builders[config] = make_tree_builder(config.tree)
         return self._tree_builders[config]
@@ -230,11 +240,17 @@ class LLM:
             0 if config.method == "none" else config.num_speculative_tokens,
             self._stop_checker(params),
             make_generator(params.seed, self.target.device),
-            self.tree_builder(config),
+            self.tree_builder(config, params.seed),
         )
         return prompt_ids, steps
 
     def _stop_checker(self, params: SamplingParams) -> StopChecker:
+        outside = [t for t in params.stop_token_ids if t >= self.target.vocab_size]
+        if outside:
+            raise ValueError(
+                f"stop_token_ids outside the vocabulary ({self.target.vocab_size} tokens): "
+                f"{outside[:5]}"
+            )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.target.eos_token_ids
@@ -249,7 +265,7 @@ def _stream_text(target: HFModel, prompt_ids: list[int], steps, params: Sampling
     for step in steps:
         ids.extend(step.new_token_ids)
         if step.finish_reason is None:
-            text = target.decode(ids).rstrip("\ufffd")
+            text = complete_text(target.decode(ids))
             end = max(sent, len(text) - holdback)
             yield GenerationChunk(text[sent:end], list(step.new_token_ids))
             sent = end
@@ -260,8 +276,26 @@ def _stream_text(target: HFModel, prompt_ids: list[int], steps, params: Sampling
 
 
 def _final_text(target: HFModel, ids: Sequence[int], step) -> str:
+    """The output text: up to a stop string, without a stop token, and without the
+    incomplete character a generation may end inside (see :func:`complete_text`)."""
     if step.text_end is not None:
-        return target.decode(ids)[: step.text_end]
+        return complete_text(target.decode(ids)[: step.text_end])
     if step.finish_reason == "stop":  # ended by a stop token: it is not part of the text
-        return target.decode(ids[:-1])
-    return target.decode(ids)
+        return complete_text(target.decode(ids[:-1]))
+    return complete_text(target.decode(ids))
+
+
+def complete_text(text: str) -> str:
+    """Drop a trailing incomplete character.
+
+    A byte-level tokenizer can stop inside a multi-byte UTF-8 character (a token may carry
+    only its first bytes); decoding then ends in U+FFFD, the replacement character. As in
+    the incremental detokenizers of vLLM and text-generation-inference, trailing U+FFFD is
+    taken as such an incomplete tail: it is held back while streaming and dropped from the
+    final text (the token ids keep every token).
+
+    Example:
+        >>> complete_text("apples and bananas \ufffd")
+        'apples and bananas '
+    """
+    return text.rstrip("\ufffd")

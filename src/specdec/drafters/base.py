@@ -30,25 +30,43 @@ class DraftProposal:
 
 
 @runtime_checkable
-class Drafter(Protocol):
-    """Proposes draft tokens; never decides how many (the engine passes ``num_tokens``)."""
+class SequenceDrafter(Protocol):
+    """One sequence's drafter: all per-sequence state (e.g. a draft model's KV cache)
+    lives here, so any number of sequences can be drafted for in any interleaving.
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Begin a new sequence (reset state, optionally prefill)."""
+    Optionally also ``tree_session(token_ids, params)`` for token trees (see
+    :class:`specdec.trees.builders.TreeSession`).
+    """
 
     def propose(
         self, token_ids: Sequence[int], num_tokens: int, generator: torch.Generator
     ) -> DraftProposal:
         """Propose up to ``num_tokens`` tokens to follow ``token_ids`` (prompt + output so far)."""
 
+    def close(self) -> None:
+        """Release the sequence's state (called once, when its generation ends or stops)."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Makes a :class:`SequenceDrafter` per sequence; never decides how many tokens to
+    draft (the engine passes ``num_tokens``). Holds only what sequences share (a loaded
+    draft model, settings); a stateless drafter may return itself from ``start``."""
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceDrafter:
+        """Begin drafting for a new sequence (optionally prefilling its own state)."""
+
 
 class NoDrafter:
     """Proposes nothing: every step is one plain autoregressive step of the target."""
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        pass
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> NoDrafter:
+        return self
 
     def propose(
         self, token_ids: Sequence[int], num_tokens: int, generator: torch.Generator
     ) -> DraftProposal:
         return DraftProposal([])
+
+    def close(self) -> None:
+        pass

@@ -77,14 +77,11 @@ def align_draft_logits(
 
 
 class DraftModelDrafter:
-    """Drafts with a separate causal LM, keeping its own KV cache across steps.
-
-    The draft cache is synchronised lazily: at each ``propose`` the longest prefix shared by
-    the cached tokens and the current sequence is kept (rollback is moving the cursor) and
-    the rest is fed in one forward.
+    """Drafts with a separate causal LM; each sequence keeps its own draft KV cache
+    (:class:`DraftModelSequence`).
 
     Args:
-        draft: the draft model.
+        draft: the draft model (shared by every sequence).
         target_vocab_size: width of the target's logits (draft probabilities use it).
         num_real_tokens: size of the shared tokenizer vocabulary.
     """
@@ -93,16 +90,31 @@ class DraftModelDrafter:
         self.draft = draft
         self.target_vocab_size = target_vocab_size
         self.num_real_tokens = num_real_tokens
-        self._params = SamplingParams()
-        self._cache = None
-        self._cached_ids: list[int] = []
-        self._synced = 0
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftModelSequence:
+        """A new sequence's drafter, with the prompt prefilled into its own draft cache."""
+        return DraftModelSequence(self, prompt_ids, params)
+
+
+class DraftModelSequence:
+    """One sequence's draft state: its draft KV cache and the tokens in it.
+
+    The draft cache is synchronised lazily: at each ``propose`` the longest prefix shared by
+    the cached tokens and the current sequence is kept (rollback is moving the cursor) and
+    the rest is fed in one forward. The cache starts sized for the prompt plus
+    ``max_new_tokens`` (at most the draft's context) and grows if a tree needs more.
+    """
+
+    def __init__(
+        self, drafter: DraftModelDrafter, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        self.draft = drafter.draft
+        self.target_vocab_size = drafter.target_vocab_size
+        self.num_real_tokens = drafter.num_real_tokens
         self._params = params
-        capacity = len(prompt_ids) + params.max_new_tokens + 16
+        capacity = min(len(prompt_ids) + params.max_new_tokens, self.draft.max_context) + 16
         self._cache = self.draft.new_cache(capacity)
-        self._cached_ids = []
+        self._cached_ids: list[int] = []
         self._synced = 0
         if len(prompt_ids) > 1:  # prefill all but the last token (cursor rule)
             self.draft.forward(list(prompt_ids[:-1]), self._cache, num_logits=1)
@@ -137,9 +149,14 @@ class DraftModelDrafter:
     def tree_session(
         self, token_ids: Sequence[int], params: SamplingParams
     ) -> DraftModelTreeSession:
-        """A :class:`~specdec.trees.builders.TreeSession` over this drafter's KV cache."""
+        """A :class:`~specdec.trees.builders.TreeSession` over this sequence's draft cache."""
         self._params = params
         return DraftModelTreeSession(self, token_ids)
+
+    def close(self) -> None:
+        """Free the draft cache."""
+        self._cache = None
+        self._cached_ids = []
 
     def _sync(self, token_ids: Sequence[int]) -> list[int]:
         """Roll the draft cache back to the prefix it shares with ``token_ids``; return the rest."""
@@ -166,13 +183,13 @@ class DraftModelTreeSession:
     which is also the distribution sampled children are drawn from.
     """
 
-    def __init__(self, drafter: DraftModelDrafter, token_ids: Sequence[int]) -> None:
-        self.drafter = drafter
-        self.draft = drafter.draft
-        self.cache = drafter._cache
-        pending = drafter._sync(token_ids)
+    def __init__(self, sequence: DraftModelSequence, token_ids: Sequence[int]) -> None:
+        self.sequence = sequence
+        self.draft = sequence.draft
+        self.cache = sequence._cache
+        pending = sequence._sync(token_ids)
         logits = self.draft.forward(pending, self.cache, num_logits=1)
-        drafter._cached_ids.extend(pending)
+        sequence._cached_ids.extend(pending)
         self.base = self.cache.num_tokens  # == len(token_ids)
         self.parents: list[int] = []
         self.tokens: list[int] = []
@@ -181,7 +198,7 @@ class DraftModelTreeSession:
         self.logits: dict[int, torch.Tensor] = {ROOT: self._align(logits[-1:])[0]}
 
     def _align(self, logits: torch.Tensor) -> torch.Tensor:
-        d = self.drafter
+        d = self.sequence
         return align_draft_logits(logits, d.num_real_tokens, d.target_vocab_size)
 
     def add(self, parent: int, token: int) -> int:
@@ -194,7 +211,7 @@ class DraftModelTreeSession:
         new = [n for n in dict.fromkeys(nodes) if n not in self.logits]
         if new:
             self._forward(new)
-        params = self.drafter._params
+        params = self.sequence._params
         rows = torch.stack([self.logits[n] for n in nodes])
         if params.greedy:
             probs, dists = torch.softmax(rows, dim=-1), None
@@ -233,4 +250,4 @@ class DraftModelTreeSession:
 
     def close(self) -> None:
         self.cache.truncate(self.base)
-        self.drafter._synced = self.base
+        self.sequence._synced = self.base

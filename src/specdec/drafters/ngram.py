@@ -132,6 +132,9 @@ class NgramTreeSession:
 class NgramDrafter:
     """Prompt lookup over prompt + generated text; deterministic (``draft_probs=None``).
 
+    Stateless (everything is read from the sequence passed to ``propose``), so ``start``
+    returns the drafter itself.
+
     Args:
         min_n, max_n: n-gram sizes to match, longest first.
     """
@@ -142,7 +145,10 @@ class NgramDrafter:
         self.min_n = min_n
         self.max_n = max_n
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> NgramDrafter:
+        return self
+
+    def close(self) -> None:
         pass
 
     def propose(

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import Drafter, DraftProposal
+from specdec.drafters.base import Drafter, DraftProposal, SequenceDrafter
 from specdec.engine.stops import StopChecker
+from specdec.kv_cache import KVCache
 from specdec.metrics import SpecStats
 from specdec.models.hf import HFModel
 from specdec.sampling import logits_to_probs
@@ -84,14 +85,17 @@ def generate_steps(
 
     Args:
         target: the target model.
-        drafter: proposes draft tokens (``NoDrafter`` gives plain autoregressive decoding).
+        drafter: proposes draft tokens (``NoDrafter`` gives plain autoregressive decoding);
+            its per-sequence state (``drafter.start``) is closed when the generation ends,
+            is stopped, or the iterator is closed.
         prompt_ids: ``[L]`` prompt token ids, 1 <= L < ``target.max_context``.
         params: sampling parameters (greedy when temperature is 0).
         num_speculative_tokens: most draft tokens per step (k >= 0); capped by the
-            remaining token budget so ``max_new_tokens`` is never exceeded.
+            remaining token budget so ``max_new_tokens`` is never exceeded and nothing is
+            allocated for drafts that could not be used.
         stop_checker: stop tokens / strings.
         generator: source of every random draw.
-        tree_builder: draft a token tree per step (the drafter must offer
+        tree_builder: draft a token tree per step (the sequence drafter must offer
             ``tree_session``); ``num_speculative_tokens`` is then unused and the tree's
             depth is capped by the remaining token budget.
 
@@ -112,61 +116,103 @@ def generate_steps(
     max_total = min(len(prompt_ids) + params.max_new_tokens, target.max_context)
     tokens = list(prompt_ids)
     t0 = time.perf_counter()
-    cache = target.new_cache(max_total + num_speculative_tokens + 1)
-    if tree_builder is not None and not hasattr(drafter, "tree_session"):
-        raise ValueError(f"{type(drafter).__name__} cannot draft token trees")
+    # A step verifies at most the remaining budget (chains), so the cache never needs more
+    # than max_total entries; a tree's breadth may exceed that and the cache then grows.
+    cache = target.new_cache(max_total)
     if len(tokens) > 1:
         target.forward(tokens[:-1], cache, num_logits=1)
     stats.prefill_s = time.perf_counter() - t0
-    drafter.start(prompt_ids, params)
-    stats.draft_s += time.perf_counter() - t0 - stats.prefill_s
-    stats.elapsed_s = time.perf_counter() - t0
-    while True:
-        t_step = time.perf_counter()
-        budget = max_total - len(tokens)
-        if tree_builder is None:
-            proposal = drafter.propose(tokens, min(num_speculative_tokens, budget - 1), generator)
-            t_drafted = time.perf_counter()
-            past = cache.num_tokens
-            logits = target.forward([tokens[-1], *proposal.token_ids], cache)
-            result = verify(proposal, logits, params, generator)
-            cache.truncate(past + 1 + result.num_accepted)  # the emitted last token is pending
-            num_drafted, max_depth = len(proposal), len(proposal)
-        else:
-            tree_proposal = _draft_tree(
-                drafter, tree_builder, tokens, budget - 1, params, generator
-            )
-            tree = tree_proposal.tree
-            t_drafted = time.perf_counter()
-            past = cache.num_tokens
-            logits = target.forward_tree(tokens[-1], tree, cache)
-            result = verify_tree(tree, logits, params, generator)
-            # keep the root and the accepted path; the emitted last token is pending
-            cache.compact([past + 1 + n for n in result.accepted_nodes], start=past + 1)
-            tree_builder.observe(tree_proposal, result.accepted_nodes, result.output_token_ids)
-            num_drafted, max_depth = len(tree), tree.max_depth
-        tokens.extend(result.output_token_ids)
-        stats.draft_s += t_drafted - t_step
-        stats.verify_s += time.perf_counter() - t_drafted
-        step = _finish_step(
-            tokens, len(prompt_ids), len(result.output_token_ids), max_total, stop_checker, stats
+    sequence = drafter.start(prompt_ids, params)
+    try:
+        if tree_builder is not None and not hasattr(sequence, "tree_session"):
+            raise ValueError(f"{type(drafter).__name__} cannot draft token trees")
+        stats.draft_s += time.perf_counter() - t0 - stats.prefill_s
+        stats.elapsed_s = time.perf_counter() - t0
+        run = _Run(
+            target, sequence, cache, tokens, len(prompt_ids), max_total, params,
+            num_speculative_tokens, stop_checker, generator, tree_builder, stats,
+        )  # fmt: skip
+        while True:
+            step = _step(run)
+            yield step
+            if step.finish_reason is not None:
+                return
+    finally:
+        sequence.close()
+
+
+@dataclass
+class _Run:
+    """Everything one sequence's generation carries from step to step."""
+
+    target: HFModel
+    sequence: SequenceDrafter
+    cache: KVCache
+    tokens: list[int]  # prompt + output so far; the last one is pending (not cached)
+    num_prompt: int
+    max_total: int
+    params: SamplingParams
+    num_speculative_tokens: int
+    stop_checker: StopChecker
+    generator: torch.Generator
+    tree_builder: TreeBuilder | None
+    stats: SpecStats
+
+
+def _step(run: _Run) -> StepOutput:
+    """One verification step: draft, one target forward, verify, commit (cursor rule)."""
+    t_step = time.perf_counter()
+    tokens, cache, params, generator = run.tokens, run.cache, run.params, run.generator
+    budget = run.max_total - len(tokens)
+    if run.tree_builder is None:
+        k = min(run.num_speculative_tokens, budget - 1)
+        proposal = run.sequence.propose(tokens, k, generator)
+        t_drafted = time.perf_counter()
+        past = cache.num_tokens
+        logits = run.target.forward([tokens[-1], *proposal.token_ids], cache)
+        result = verify(proposal, logits, params, generator)
+        cache.truncate(past + 1 + result.num_accepted)  # the emitted last token is pending
+        num_drafted, max_depth = len(proposal), len(proposal)
+    else:
+        tree_proposal = _draft_tree(
+            run.sequence, run.tree_builder, tokens, budget - 1, params, generator
         )
-        # Draft tokens dropped by a stop are not counted as accepted.
-        num_accepted = min(result.num_accepted, len(step.new_token_ids))
-        stats.record_step(num_drafted, num_accepted, len(step.new_token_ids), max_depth)
-        stats.elapsed_s += time.perf_counter() - t_step
-        yield step
-        if step.finish_reason is not None:
-            return
+        tree = tree_proposal.tree
+        t_drafted = time.perf_counter()
+        past = cache.num_tokens
+        logits = run.target.forward_tree(tokens[-1], tree, cache)
+        result = verify_tree(tree, logits, params, generator)
+        # keep the root and the accepted path; the emitted last token is pending
+        cache.compact([past + 1 + n for n in result.accepted_nodes], start=past + 1)
+        run.tree_builder.observe(tree_proposal, result.accepted_nodes, result.output_token_ids)
+        num_drafted, max_depth = len(tree), tree.max_depth
+    tokens.extend(result.output_token_ids)
+    stats = run.stats
+    stats.draft_s += t_drafted - t_step
+    stats.verify_s += time.perf_counter() - t_drafted
+    step = _finish_step(
+        tokens, run.num_prompt, len(result.output_token_ids), run.max_total,
+        run.stop_checker, stats,
+    )  # fmt: skip
+    # Draft tokens dropped by a stop are not counted as accepted.
+    num_accepted = min(result.num_accepted, len(step.new_token_ids))
+    stats.record_step(num_drafted, num_accepted, len(step.new_token_ids), max_depth)
+    stats.elapsed_s += time.perf_counter() - t_step
+    return step
 
 
 def _draft_tree(
-    drafter, builder: TreeBuilder, tokens: list[int], max_depth: int, params, generator
+    sequence: SequenceDrafter,
+    builder: TreeBuilder,
+    tokens: list[int],
+    max_depth: int,
+    params,
+    generator,
 ) -> TreeProposal:
     """One step's tree (empty when no token may be drafted)."""
     if max_depth < 1:
         return TreeProposal(TokenTree((), ()))
-    session = drafter.tree_session(tokens, params)
+    session = sequence.tree_session(tokens, params)
     try:
         return builder.build(session, max_depth, not params.greedy, generator)
     finally:
