@@ -16,6 +16,7 @@ from specdec.bench import (
     load_spec_bench,
     markdown_tables,
     parse_method,
+    parse_methods,
     run_benchmark,
     select,
     summarize,
@@ -39,7 +40,8 @@ def test_load_jsonl_formats(tmp_path):
     )
     prompts = load_jsonl(path)
     assert [p.prompt_id for p in prompts] == ["p/81", "p/3", "p/x"]
-    assert prompts[0].group == "multi-turn conversation" and prompts[0].turns == ("a", "b")
+    # Spec-Bench's grouping applies to Spec-Bench only: "writing" is its own group here.
+    assert prompts[0].group == "writing" and prompts[0].turns == ("a", "b")
     assert prompts[1].group == "mine" and prompts[1].turns == ("hello",)
     assert prompts[2].category == "custom" and prompts[2].chat is False
 
@@ -337,3 +339,85 @@ def test_bench_cli_checks_draft_and_categories_before_loading(tmp_path, capsys):
     argv = ["bench", "--model", missing, "--dataset", str(data), "--categories", "copy", "nope"]
     assert main(argv) == 2
     assert "unknown categories 'nope'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- bad benchmark input
+
+
+def test_repeated_ids_are_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": 7, "prompt": "a"}\n{"id": 7, "prompt": "b"}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: id '7' repeats line 1"):
+        load_jsonl(path)
+    path.write_text('{"prompt": "a"}\n{"id": 1, "prompt": "b"}\n')  # line 1 defaults to id 1
+    with pytest.raises(ValueError, match="repeats line 1"):
+        load_jsonl(path)
+
+
+def test_run_benchmark_refuses_colliding_prompts_and_methods(tiny_llm):
+    twice = [PROMPTS[0], PROMPTS[0]]
+    with pytest.raises(ValueError, match="prompt ids must be unique"):
+        run_benchmark(tiny_llm, [parse_method("ar")], twice, SamplingParams(max_new_tokens=2))
+    methods = [parse_method("ar"), parse_method("ngram"), parse_method("ngram")]
+    with pytest.raises(ValueError, match="method names must be unique"):
+        run_benchmark(tiny_llm, methods, PROMPTS, SamplingParams(max_new_tokens=2))
+
+
+def test_summary_refuses_two_baseline_records_for_one_turn():
+    record = Record("autoregressive", "p/1", "c", "c", 0, 3, 2, 1.0, [4, 5])
+    with pytest.raises(ValueError, match="two baseline records"):
+        summarize([record, record], "autoregressive")
+
+
+def test_parse_methods_runs_each_method_once():
+    assert [m.name for m in parse_methods(["ar", "ngram"])] == ["autoregressive", "ngram"]
+    for texts in (["ngram", "ngram"], ["ngram", "ngram:k=10"], ["ngram:min=2,k=10", "ngram"]):
+        with pytest.raises(ValueError, match="same method"):
+            parse_methods(texts)
+    assert len(parse_methods(["ngram", "ngram:k=8", "ngram@static:tree-8"])) == 4
+
+
+def test_per_position_acceptance_is_in_the_tables(tiny_llm):
+    methods = [parse_method("ar"), parse_method("ngram:k=3,min=1")]
+    records = run_benchmark(tiny_llm, methods, PROMPTS, SamplingParams(max_new_tokens=12))
+    text = markdown_tables(summarize(records, "autoregressive"), "autoregressive")
+    assert "Per-position acceptance rate" in text
+    assert "| ngram:k=3,min=1 | " in text.split("Per-position acceptance rate")[1]
+
+
+def _bench_argv(tmp_path, *extra):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "w5 w6", "category": "copy"}\n')
+    missing = str(tmp_path / "no-model")  # never loaded: the errors come first
+    return ["bench", "--model", missing, "--dataset", str(data), *extra]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--out", "FILE"], "exists and is not a folder"),
+        (["--out", "FILE/sub"], "cannot write there"),
+        (["--method", "ngram", "--method", "ngram:k=10"], "same method"),
+        (["--limit-per-category", "0"], "must be >= 1"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+    ],
+)
+def test_bench_options_are_checked_before_any_model_loads(tmp_path, capsys, extra, message):
+    (tmp_path / "FILE").write_text("precious")
+    extra = [str(tmp_path / e) if e.startswith("FILE") else e for e in extra]
+    assert main(_bench_argv(tmp_path, *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert (tmp_path / "FILE").read_text() == "precious"
+
+
+def test_bench_refuses_a_dataset_given_twice(tmp_path, capsys):
+    argv = _bench_argv(tmp_path)
+    assert main([*argv, "--dataset", argv[4]]) == 2
+    assert "given twice" in capsys.readouterr().err
+    other = tmp_path / "x"
+    other.mkdir()
+    (other / "d.jsonl").write_text('{"prompt": "w1", "category": "copy"}\n')  # same stem
+    assert main([*argv, "--dataset", str(other / "d.jsonl")]) == 2
+    assert "prompt ids" in capsys.readouterr().err

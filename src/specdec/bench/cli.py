@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from specdec.bench.datasets import load_humaneval, load_jsonl, load_spec_bench, select
-from specdec.bench.harness import run_benchmark
-from specdec.bench.methods import parse_method
+from specdec.bench.harness import check_unique, run_benchmark
+from specdec.bench.methods import parse_methods
 from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
 from specdec.cli_common import add_sampling_args, sampling_params
 from specdec.config import SpeculativeConfig
@@ -82,8 +83,12 @@ def add_parser(sub) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    methods = [parse_method("ar")] + [parse_method(m) for m in args.methods or DEFAULT_METHODS]
+    # Every option is checked before any model loads: a mistake never costs a run.
+    methods = parse_methods(args.methods or DEFAULT_METHODS)
     params = sampling_params(args)
+    if args.limit_per_category is not None and args.limit_per_category < 1:
+        raise ValueError(f"--limit-per-category must be >= 1, got {args.limit_per_category}")
+    out_dir = _check_out_dir(args.out) if args.out else None
     needs_draft = [m.name for m in methods if m.kind in ("draft-model", "hf-assisted")]
     if needs_draft and not args.draft_model:
         raise ValueError(f"method {needs_draft[0]!r} needs --draft-model")
@@ -98,6 +103,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = select(available, args.limit_per_category, args.categories)
     if not prompts:
         raise ValueError(f"no prompts selected; categories and groups: {', '.join(names)}")
+    check_unique(
+        "prompt ids (two datasets with the same file name?)", [p.prompt_id for p in prompts]
+    )
     llm = LLM(
         args.model,
         speculative=SpeculativeConfig(method="none"),
@@ -121,7 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     baseline = methods[0].name
     summary = summarize(records, baseline)
     print(markdown_tables(summary, baseline) + mismatches(records))
-    if args.out:
+    if out_dir is not None:
         config = {
             "model": args.model,
             "draft_model": args.draft_model,
@@ -138,14 +146,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "draft_dtype": args.draft_dtype or args.dtype,
         }
-        paths = write_outputs(Path(args.out), records, summary, baseline, environment(llm), config)
+        paths = write_outputs(out_dir, records, summary, baseline, environment(llm), config)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 
 
+def _check_out_dir(out: str) -> Path:
+    """Create ``--out`` (or accept an existing folder) and prove it is writable, now.
+
+    Raises:
+        ValueError: it is an existing file, or the folder cannot be created or written.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ValueError(f"--out {out}: cannot write there ({error.strerror or error})") from None
+    return path
+
+
 def _load_prompts(args):
+    names = args.datasets or ["spec-bench"]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"--dataset given twice: {', '.join(repeated)}")
     prompts = []
-    for name in args.datasets or ["spec-bench"]:
+    for name in names:
         if name == "spec-bench":
             prompts += load_spec_bench(args.spec_bench)
         elif name == "humaneval":

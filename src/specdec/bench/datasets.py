@@ -78,31 +78,45 @@ def default_spec_bench_path() -> Path:
     return repo.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
-def load_jsonl(path: str | Path, source: str | None = None) -> list[BenchPrompt]:
+def load_jsonl(
+    path: str | Path, source: str | None = None, groups: dict[str, str] | None = None
+) -> list[BenchPrompt]:
     """Read prompts from JSONL.
 
     Each line is an object with either ``turns`` (list of strings; Spec-Bench / MT-bench
     format) or ``prompt`` (one string); optional ``question_id``/``id`` and ``category``.
-    Spec-Bench categories are mapped to their report groups; other categories are their
-    own group (default category: ``"custom"``).
+    Each category is its own report group (default category: ``"custom"``) unless
+    ``groups`` maps it to another (Spec-Bench's own file uses :data:`SPEC_BENCH_GROUPS`).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a malformed line (message gives ``path:line``).
+        ValueError: a malformed line, or an id that an earlier line already used (the
+            message gives ``path:line``): benchmark records are matched by id.
     """
     path = Path(path)
     source = source or path.stem
     prompts = []
+    seen: dict[str, int] = {}
     with path.open(encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
-            if line.strip():
-                prompts.append(_parse_line(line, f"{path}:{lineno}", source, lineno))
+            if not line.strip():
+                continue
+            prompt = _parse_line(line, f"{path}:{lineno}", source, lineno, groups or {})
+            if prompt.prompt_id in seen:
+                raise ValueError(
+                    f"{path}:{lineno}: id {prompt.prompt_id.split('/', 1)[1]!r} repeats "
+                    f"line {seen[prompt.prompt_id]}; every prompt needs its own id"
+                )
+            seen[prompt.prompt_id] = lineno
+            prompts.append(prompt)
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
 
 
-def _parse_line(line: str, where: str, source: str, lineno: int) -> BenchPrompt:
+def _parse_line(
+    line: str, where: str, source: str, lineno: int, groups: dict[str, str]
+) -> BenchPrompt:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -123,7 +137,7 @@ def _parse_line(line: str, where: str, source: str, lineno: int) -> BenchPrompt:
     return BenchPrompt(
         f"{source}/{prompt_id}",
         category,
-        SPEC_BENCH_GROUPS.get(category, category),
+        groups.get(category, category),
         tuple(turns),
         bool(record.get("chat", True)),
     )
@@ -138,7 +152,7 @@ def load_spec_bench(path: str | Path | None = None) -> list[BenchPrompt]:
             "benchmark (data/spec_bench/question.jsonl, Apache-2.0) and pass --spec-bench PATH "
             "or set SPECDEC_SPEC_BENCH"
         )
-    return load_jsonl(path, source="spec_bench")
+    return load_jsonl(path, source="spec_bench", groups=SPEC_BENCH_GROUPS)
 
 
 def load_humaneval() -> list[BenchPrompt]:

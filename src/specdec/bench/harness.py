@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -73,8 +74,14 @@ def run_benchmark(
 
     Returns:
         records in run order.
+
+    Raises:
+        ValueError: two prompts share a ``prompt_id``, or two methods a name (records
+            are matched by them).
     """
+    check_unique("prompt ids", [p.prompt_id for p in prompts])
     runners = [m if hasattr(m, "run") else MethodRunner(m, llm, draft) for m in methods]
+    check_unique("method names", [r.method.name for r in runners])
     if warmup and prompts:
         warm_ids = _encode(llm, prompts[0], [], prompts[0].turns[0])
         warm_params = SamplingParams(
@@ -92,6 +99,13 @@ def run_benchmark(
                     record.matches_baseline = record.token_ids == base.token_ids
             records.extend(method_records)
     return records
+
+
+def check_unique(what: str, names: Sequence[str]) -> None:
+    """Raise ``ValueError`` naming the repeated items if ``names`` has any."""
+    repeated = sorted(name for name, n in Counter(names).items() if n > 1)
+    if repeated:
+        raise ValueError(f"{what} must be unique (records are matched by them): {repeated[:5]}")
 
 
 def _run_turns(llm: LLM, runner: MethodRunner, prompt: BenchPrompt, params, progress):

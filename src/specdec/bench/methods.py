@@ -14,6 +14,7 @@ A llama.cpp baseline is not implemented yet.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,21 +46,31 @@ class Method:
         label = f"{self.kind}:{opts}" if opts else self.kind
         return f"{label}@{self.tree}" if self.tree else label
 
-    def option(self, key: str, default: int) -> int:
-        return dict(self.options).get(key, default)
+    def option(self, key: str, default: int | None = None) -> int:
+        """The value of option ``key`` (its documented default when not given)."""
+        fallback = _DEFAULTS.get(self.kind, {}).get(key, default)
+        return dict(self.options).get(key, fallback)
+
+    @property
+    def settings(self) -> tuple:
+        """What the method runs, defaults filled in: equal settings = the same method."""
+        full = {**_DEFAULTS.get(self.kind, {}), **dict(self.options)}
+        return self.kind, tuple(sorted(full.items())), self.tree
 
     @property
     def is_specdec(self) -> bool:
         return self.kind in SPECDEC_KINDS
 
 
-_ALLOWED = {
-    "ar": (),
-    "ngram": ("k", "min", "max"),
-    "draft-model": ("k",),
-    "hf-prompt-lookup": ("k", "max_ngram"),
-    "hf-assisted": ("k",),
+#: Options each kind takes, with their defaults.
+_DEFAULTS = {
+    "ar": {},
+    "ngram": {"k": 10, "min": 2, "max": 4},
+    "draft-model": {"k": 4},
+    "hf-prompt-lookup": {"k": 10, "max_ngram": 2},
+    "hf-assisted": {"k": 4},
 }
+_ALLOWED = {kind: tuple(defaults) for kind, defaults in _DEFAULTS.items()}
 
 
 def parse_method(text: str) -> Method:
@@ -91,6 +102,31 @@ def parse_method(text: str) -> Method:
                 f"option {key!r} of {kind!r} needs an integer, got {value!r}"
             ) from None
     return Method(kind, tuple(options), tree or None)
+
+
+def parse_methods(texts: Sequence[str]) -> list[Method]:
+    """The run's methods: ``ar`` (the baseline) first, then each of ``texts`` once.
+
+    ``ar`` in ``texts`` is the baseline itself (it always runs) and is not run again.
+
+    Raises:
+        ValueError: a bad method (see :func:`parse_method`), or the same method given twice
+            (also when written differently, e.g. ``ngram`` and ``ngram:k=10``).
+    """
+    methods = [parse_method("ar")]
+    seen = {methods[0].settings: "ar"}
+    for text in texts:
+        method = parse_method(text)
+        if method.kind == "ar":
+            continue
+        if method.settings in seen:
+            raise ValueError(
+                f"--method {text!r} is the same method as {seen[method.settings]!r}; "
+                "give each method once"
+            )
+        seen[method.settings] = text
+        methods.append(method)
+    return methods
 
 
 @dataclass
@@ -127,14 +163,14 @@ class MethodRunner:
         if m.kind == "ngram":
             return SpeculativeConfig(
                 method="ngram",
-                num_speculative_tokens=m.option("k", 10),
-                ngram_min=m.option("min", 2),
-                ngram_max=m.option("max", 4),
+                num_speculative_tokens=m.option("k"),
+                ngram_min=m.option("min"),
+                ngram_max=m.option("max"),
                 tree=m.tree,
             )
         if m.kind == "draft-model":
             return SpeculativeConfig(
-                method="draft-model", num_speculative_tokens=m.option("k", 4), tree=m.tree
+                method="draft-model", num_speculative_tokens=m.option("k"), tree=m.tree
             )
         return None
 
@@ -165,12 +201,12 @@ class MethodRunner:
             torch.manual_seed(params.seed or 0)
         if self.method.kind == "hf-prompt-lookup":
             kwargs.update(
-                prompt_lookup_num_tokens=self.method.option("k", 10),
-                max_matching_ngram_size=self.method.option("max_ngram", 2),
+                prompt_lookup_num_tokens=self.method.option("k"),
+                max_matching_ngram_size=self.method.option("max_ngram"),
             )
         else:
             kwargs.update(assistant_model=self.draft.model)
-            self.draft.model.generation_config.num_assistant_tokens = self.method.option("k", 4)
+            self.draft.model.generation_config.num_assistant_tokens = self.method.option("k")
             self.draft.model.generation_config.num_assistant_tokens_schedule = "constant"
         ids = torch.tensor([prompt_ids], device=self.target.device)
         out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)

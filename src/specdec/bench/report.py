@@ -54,7 +54,12 @@ class Summary:
 
 def summarize(records: Sequence[Record], baseline: str) -> dict[str, dict[str, Summary]]:
     """``{method: {group or "overall": Summary}}`` with speedups against ``baseline``."""
-    base = {(r.prompt_id, r.turn): r for r in records if r.method == baseline}
+    base: dict[tuple[str, int], Record] = {}
+    for r in records:
+        if r.method == baseline:
+            if (r.prompt_id, r.turn) in base:
+                raise ValueError(f"two baseline records for {r.prompt_id} turn {r.turn + 1}")
+            base[(r.prompt_id, r.turn)] = r
     methods = list(dict.fromkeys(r.method for r in records))
     groups = [g for g in GROUP_ORDER if any(r.group == g for r in records)]
     groups += sorted({r.group for r in records} - set(groups))
@@ -157,8 +162,30 @@ def markdown_tables(summary: dict[str, dict[str, Summary]], baseline: str) -> st
                 f"Outputs identical to {baseline} (greedy)",
                 lambda s: "-" if s.num_identical is None else f"{s.num_identical}/{s.num_turns}",
             ),
+            per_position_table(summary),
         ]
     )
+
+
+def per_position_table(summary: dict[str, dict[str, Summary]]) -> str:
+    """Overall per-position acceptance rate per method: column i is the fraction of
+    drafting steps whose i-th draft token (tree: a node at depth i) was accepted."""
+    rates = {
+        m: s[OVERALL].per_position_acceptance_rate
+        for m, s in summary.items()
+        if s[OVERALL].per_position_acceptance_rate
+    }
+    if not rates:
+        return ""
+    width = max(len(r) for r in rates.values())
+    head = "| method | " + " | ".join(str(i + 1) for i in range(width)) + " |\n"
+    head += "|---|" + "---|" * width + "\n"
+    rows = ""
+    for method, rate in rates.items():
+        cells = [f"{x:.1%}" for x in rate] + ["-"] * (width - len(rate))
+        rows += f"| {method} | " + " | ".join(cells) + " |\n"
+    title = "Per-position acceptance rate (overall; position = draft token, or tree depth)"
+    return f"**{title}**\n\n{head}{rows}\n"
 
 
 def mismatches(records: Sequence[Record]) -> str:
