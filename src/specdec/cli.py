@@ -43,8 +43,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like every other refusal of the command line."""
+
+    def error(self, message: str):
+        self.exit(2, f"specdec: error: {message} (see '{self.prog} --help')\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specdec", description="Speculative decoding: faster generation, identical output."
     )
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")

@@ -64,7 +64,8 @@ def _apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    remove_sorted = mass_before >= top_p  # the first token always has mass_before = 0
+    remove_sorted = mass_before >= top_p
+    remove_sorted[..., 0] = False  # the most probable token always stays (top_p may be ~0)
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
 
