@@ -31,7 +31,7 @@ bench-quick: $(STAMP)
 	$(VENV)/bin/specdec bench --limit-per-category 2 --max-new-tokens 48 \
 		--method ngram:k=10 --method hf-prompt-lookup:k=10 --out out/bench-quick
 
-# The committed result in benchmarks/spec_bench_cpu (about 20 minutes on 2 idle CPU cores).
+# The committed result in benchmarks/spec_bench_cpu (about 22 minutes on 2 idle CPU cores).
 bench: $(STAMP)
 	$(VENV)/bin/specdec bench --limit-per-category 10 --max-new-tokens 96 \
 		--method ngram:k=10 --method hf-prompt-lookup:k=10 --out benchmarks/spec_bench_cpu
