@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from conftest import make_model, make_tokenizer
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.cli import main
+from specdec.models.native import NativeModel
 
 # Valid values, extremes included: every combination of these must work.
 OK_TEMPERATURES = [0.0, 0.0, 5e-324, 1e-40, 1e-5, 0.7, 1.0, 1e30, 1e308]
@@ -47,6 +49,7 @@ BAD = {
     "tree": ["dynamic:top_k=0,depth=4,budget=6", "dynamic:top_k=4,depth=4,budget=5000", "x"],
     "ngram": [(3, 2), (0, 4)],
     "stops": [[""], ["x" * 2000], ["w"] * 65],
+    "backend": ["tpu"],
 }
 
 
@@ -67,6 +70,8 @@ def valid_settings(draw) -> dict:
         tree=tree,
         ngram=draw(st.sampled_from(OK_NGRAM)),
         stops=draw(st.lists(st.sampled_from(OK_STOPS), max_size=3)),
+        backend=draw(st.sampled_from(["hf", "native", "auto"])),
+        exact=draw(st.booleans()),
     )
 
 
@@ -101,6 +106,7 @@ def _run_cli(model_dir, c: dict) -> tuple[int, str, str]:
     if c["tree"] is not None:
         argv += [f"--tree={c['tree']}"]
     argv += [f"--stop={stop}" for stop in c["stops"]]
+    argv += [f"--backend={c['backend']}", "--exact" if c["exact"] else "--no-exact"]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -113,7 +119,7 @@ def _run_cli(model_dir, c: dict) -> tuple[int, str, str]:
 def _check_output(record: dict, c: dict) -> None:
     assert 1 <= len(record["token_ids"]) <= c["max_new"]
     assert not record["text"].endswith("\ufffd")
-    if c["temperature"] == 0:
+    if c["temperature"] == 0 and (c["backend"] == "hf" or c["exact"]):
         assert record["identical"] is True
 
 
@@ -151,7 +157,8 @@ def _generate(api, c: dict, prompt):
         method=c["method"], num_speculative_tokens=c["k"], ngram_min=c["ngram"][0],
         ngram_max=c["ngram"][1], tree=c["tree"],
     )  # fmt: skip
-    return api.generate(prompt, params, speculative=spec), params
+    llm = LLM(api.target, draft=api.draft, speculative=spec, backend=c["backend"])
+    return llm.generate(prompt, params), params
 
 
 @settings(max_examples=60, deadline=None)
@@ -163,7 +170,8 @@ def test_api_runs_every_valid_combination(api, c, prompt):
     assert len(prompt) + len(out.token_ids) <= target.max_context
     assert all(0 <= t < target.vocab_size for t in out.token_ids)
     if c["temperature"] == 0:
-        plain = api.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
+        plain = LLM(api.target, speculative=SpeculativeConfig(method="none"))
+        plain = plain.generate(prompt, params)
         assert out.token_ids == plain.token_ids
 
 
@@ -180,6 +188,8 @@ def test_api_refuses_invalid_input_in_one_line(api, c, prompt):
     assert str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.fixture(scope="module")
-def api(target, near_draft):
-    return LLM(target, draft=near_draft, speculative=SpeculativeConfig(method="none"))
+@pytest.fixture(scope="module", params=["hf", "native"])
+def api(request, target, near_draft):
+    if request.param == "native":
+        target, near_draft = NativeModel(target), NativeModel(near_draft)
+    return SimpleNamespace(target=target, draft=near_draft)

@@ -150,6 +150,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         draft_dtype=args.draft_dtype,
+        backend=args.backend,
+        exact=args.exact,
     )
     width = speculative.tree.num_nodes if speculative.tree else speculative.num_speculative_tokens
     # Warm up the shapes a step can use: never more draft tokens than could be generated.

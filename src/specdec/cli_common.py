@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 
 from specdec.config import SamplingParams
+from specdec.models.loading import BACKENDS, DEFAULT_BACKEND
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:
-    """``--max-new-tokens --temperature --top-p --top-k --seed --dtype --device``."""
+    """``--max-new-tokens --temperature --top-p --top-k --seed --dtype --device --backend
+    --exact``."""
     parser.add_argument(
         "--max-new-tokens",
         type=int,
@@ -30,6 +32,20 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         "decoder linear layers to int8 (CPU)",
     )
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--backend",
+        default=DEFAULT_BACKEND,
+        choices=BACKENDS,
+        help="who runs the model's forward: hf (transformers; default), native (specdec's "
+        "runtime: Llama, Mistral, Qwen2, Qwen3), auto (native when supported)",
+    )
+    parser.add_argument(
+        "--exact",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="native backend: batch-invariant forwards, so greedy speculative output is "
+        "bit-identical to plain decoding in any dtype (default: on)",
+    )
 
 
 def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> SamplingParams:

@@ -13,7 +13,7 @@ from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
 from specdec.models.hf import HFModel
-from specdec.models.loading import DEFAULT_MODEL, load
+from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_MODEL, load
 from specdec.sampling import make_generator
 from specdec.trees.builders import TreeBuilder, make_tree_builder
 
@@ -68,6 +68,9 @@ class LLM:
         speculative: drafter settings; default ``ngram`` (or ``draft-model`` when
             ``draft`` is given).
         dtype, device: for models loaded by name.
+        backend: ``"hf"`` (transformers), ``"native"`` (specdec's runtime) or ``"auto"``
+            for models loaded by name (see :func:`specdec.models.load`).
+        exact: native backend: batch-invariant forwards (default on).
         draft_dtype: dtype of a draft loaded by name (default: ``dtype``); e.g.
             ``"int8-dynamic"`` for a cheaper quantized copy of the target as draft.
 
@@ -90,13 +93,20 @@ class LLM:
         dtype: str = "float32",
         device: str = "cpu",
         draft_dtype: str | None = None,
+        backend: str = DEFAULT_BACKEND,
+        exact: bool = True,
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if speculative is None:
             speculative = SpeculativeConfig(method="draft-model" if draft is not None else "ngram")
         self.speculative = speculative
         self._dtype, self._device = dtype, device
         self._draft_dtype = draft_dtype or dtype
-        self.target = model if isinstance(model, HFModel) else load(model, dtype, device)
+        self._backend, self._exact = backend, exact
+        self.target = (
+            model if isinstance(model, HFModel) else load(model, dtype, device, backend, exact)
+        )
         self._draft_source = draft
         self._draft: HFModel | None = None
         self._drafters: dict[SpeculativeConfig, Drafter] = {}
@@ -147,7 +157,7 @@ class LLM:
         elif self._draft is not None and self._draft.name == source:
             draft = self._draft
         else:
-            draft = load(source, self._draft_dtype, self._device)
+            draft = load(source, self._draft_dtype, self._device, self._backend, self._exact)
         check_vocab_compatible(self.target, draft)
         self._draft = draft
         return draft

@@ -18,6 +18,7 @@ from specdec.cli_common import add_sampling_args, sampling_params
 from specdec.config import SpeculativeConfig
 from specdec.llm import LLM
 from specdec.models.loading import DEFAULT_MODEL, load
+from specdec.runtime.linear import cpu_name
 
 DEFAULT_METHODS = ("ngram:k=10", "hf-prompt-lookup:k=10")
 
@@ -111,10 +112,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         speculative=SpeculativeConfig(method="none"),
         dtype=args.dtype,
         device=args.device,
+        backend=args.backend,
+        exact=args.exact,
     )
     draft = None
     if args.draft_model:
-        draft = load(args.draft_model, args.draft_dtype or args.dtype, args.device)
+        draft_dtype = args.draft_dtype or args.dtype
+        draft = load(args.draft_model, draft_dtype, args.device, args.backend, args.exact)
     num_runs = len(methods) * sum(len(p.turns) for p in prompts)
     with tqdm(total=num_runs, desc="bench", unit="gen", file=sys.stderr) as bar:
         records = run_benchmark(
@@ -145,6 +149,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "dtype": args.dtype,
             "draft_dtype": args.draft_dtype or args.dtype,
+            "backend": args.backend,
+            "exact": args.exact,
         }
         paths = write_outputs(out_dir, records, summary, baseline, environment(llm), config)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
@@ -189,16 +195,8 @@ def environment(llm: LLM) -> dict:
     """Machine and library facts recorded with every result."""
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cpu_count": __import__("os").cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(llm.target.device),
@@ -208,4 +206,6 @@ def environment(llm: LLM) -> dict:
         "transformers": transformers.__version__,
         "model": llm.target.name,
         "dtype": str(llm.target.dtype).replace("torch.", ""),
+        "backend": llm.target.backend,
+        "exact": getattr(llm.target, "exact", False),
     }

@@ -31,6 +31,9 @@ class HFModel:
         device, dtype: where the weights live and their dtype.
     """
 
+    #: Who runs the forward (``"native"`` for :class:`~specdec.models.native.NativeModel`).
+    backend = "hf"
+
     def __init__(self, model, tokenizer, name: str = "model") -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer

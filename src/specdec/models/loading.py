@@ -133,10 +133,18 @@ def embedded_gguf_path(name: str) -> Path:
     raise FileNotFoundError(f"{filename} not found in the installed {package!r} package")
 
 
+#: ``backend`` values of :func:`load`.
+BACKENDS = ("auto", "native", "hf")
+#: The backend used when none is named.
+DEFAULT_BACKEND = "hf"
+
+
 def load(
     name_or_path: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    backend: str = DEFAULT_BACKEND,
+    exact: bool = True,
 ) -> HFModel:
     """Load a target or draft model.
 
@@ -149,19 +157,55 @@ def load(
             (``torch.ao.quantization.quantize_dynamic``; CPU only). Meant for a cheap
             *draft* copy of a target; the LM head stays float32.
         device: torch device, e.g. ``"cpu"`` or ``"cuda"``.
+        backend: ``"hf"`` (transformers runs the forward), ``"native"`` (specdec's own
+            runtime, :mod:`specdec.runtime`: Llama, Mistral, Qwen2, Qwen3), or ``"auto"``
+            (native when the model is supported, else transformers, with a log message
+            saying why).
+        exact: native backend only: batch-invariant forwards (see
+            :class:`~specdec.models.native.NativeModel`).
 
     Returns:
-        an :class:`HFModel` in eval mode.
+        an :class:`HFModel` (a :class:`~specdec.models.native.NativeModel` for the native
+        backend) in eval mode.
 
     Raises:
-        ValueError: unknown dtype, or ``int8-dynamic`` on a device other than CPU.
+        ValueError: unknown dtype or backend, ``int8-dynamic`` on a device other than CPU,
+            or ``backend="native"`` for a model the runtime does not support (the message
+            says why).
         FileNotFoundError: the model cannot be found (missing path, unknown hub id, or a
             hub id without network).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if str(dtype).lower() == INT8_DYNAMIC:
         if str(device).split(":")[0] != "cpu":
             raise ValueError(f"dtype {INT8_DYNAMIC} runs on CPU only, not {device}")
+        if backend == "native":
+            raise ValueError(f"dtype {INT8_DYNAMIC} needs the transformers backend (hf)")
         return quantize_int8_dynamic(load(name_or_path, "float32", device))
+    model = _load_hf(name_or_path, dtype, device)
+    return model if backend == "hf" else with_backend(model, backend, exact)
+
+
+def with_backend(model: HFModel, backend: str, exact: bool = True) -> HFModel:
+    """``model`` run by ``backend`` (``"native"`` or ``"auto"``; see :func:`load`).
+
+    Raises:
+        ValueError: ``"native"`` and the runtime does not support the model.
+    """
+    from specdec.models.native import NativeModel
+    from specdec.runtime.weights import UnsupportedModel
+
+    try:
+        return NativeModel(model, exact=exact)
+    except UnsupportedModel as error:
+        if backend == "native":
+            raise ValueError(f"--backend native cannot run {model.name}: {error}") from None
+        logger.warning("%s runs on transformers (backend auto): %s", model.name, error)
+        return model
+
+
+def _load_hf(name_or_path, dtype, device) -> HFModel:
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
     name = str(name_or_path)

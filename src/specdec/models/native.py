@@ -1,0 +1,74 @@
+"""The native backend: specdec's own forward (:mod:`specdec.runtime`) for Llama-family
+models, behind the same interface as :class:`~specdec.models.hf.HFModel`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec.models.hf import HFModel
+from specdec.runtime.cache import NativeKVCache
+from specdec.runtime.linear import KernelChoice
+from specdec.runtime.model import BatchItem, NativeDecoder
+from specdec.runtime.weights import extract_weights
+
+
+class NativeModel(HFModel):
+    """A Llama / Mistral / Qwen2 / Qwen3 model run by specdec's native runtime.
+
+    Tokenizer, chat template, EOS ids and the transformers module (for the transformers
+    baselines of ``specdec bench``) come from the wrapped :class:`HFModel`; the forward,
+    the KV cache and the matrix-product kernels are specdec's own.
+
+    Args:
+        hf: the loaded model (its weights are shared, not copied, except the fused
+            q/k/v and gate/up matrices).
+        exact: batch-invariant mode (default on): a token's logits are bit-identical
+            whether it is decoded alone, verified in a chain or a tree, or computed beside
+            other sequences, so greedy speculative output equals plain decoding exactly.
+        choices: kernel choices per product (tests); measured or read from the on-disk
+            table when ``None``.
+
+    Raises:
+        UnsupportedModel: (a ``ValueError``) the architecture or a feature is not
+            implemented natively; the message says which.
+    """
+
+    backend = "native"
+
+    def __init__(
+        self, hf: HFModel, exact: bool = True, choices: dict[str, KernelChoice] | None = None
+    ) -> None:
+        super().__init__(hf.model, hf.tokenizer, name=hf.name)
+        self.decoder = NativeDecoder(extract_weights(hf.model, self.max_context), exact, choices)
+        self.max_context = self.decoder.config.max_context
+
+    @property
+    def exact(self) -> bool:
+        """Whether forwards are batch-invariant (see the class docstring)."""
+        return self.decoder.exact
+
+    def new_cache(self, capacity: int = 256) -> NativeKVCache:
+        """An empty :class:`~specdec.runtime.cache.NativeKVCache` for ``capacity`` tokens."""
+        return self.decoder.new_cache(capacity)
+
+    def forward(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        cache: NativeKVCache,
+        num_logits: int = 0,
+        positions: Sequence[int] | torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Same contract as :meth:`HFModel.forward` (tokens appended after the cursor,
+        causal or tree attention, logits of the last ``num_logits`` rows)."""
+        item = BatchItem(token_ids, cache, positions, tree_mask, num_logits)
+        return self.decoder.forward([item])[0]
+
+    def forward_batch(
+        self, items: Sequence[BatchItem], exact: bool | None = None
+    ) -> list[torch.Tensor]:
+        """One forward over several sequences (a ragged batch); see
+        :meth:`specdec.runtime.model.NativeDecoder.forward`."""
+        return self.decoder.forward(items, exact)

@@ -1,0 +1,97 @@
+"""KV storage of the native runtime: one contiguous buffer per sequence, indexed by slot.
+
+Layout (gpt-fast style): keys and values are ``[num_layers, num_kv_heads, capacity,
+head_dim]`` tensors; slot ``i`` holds the ``i``-th cached token, so rolling back after a
+partial acceptance is moving the cursor and compaction after a token tree is one gather
+along the slot axis. Same cursor rule and the same ``truncate`` / ``compact`` contract as
+:class:`specdec.kv_cache.KVCache`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class NativeKVCache:
+    """One sequence's keys and values for every layer, with an explicit cursor.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's attention shape.
+        capacity: slots to allocate (the buffer grows, doubling, if a forward needs more).
+        dtype, device: storage dtype and device (the model's).
+
+    Attributes:
+        keys, values: ``[num_layers, num_kv_heads, capacity, head_dim]`` buffers.
+        num_tokens: slots in use (the cursor); the next write goes to this slot.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_kv_heads, max(1, capacity), head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.num_tokens = 0
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated."""
+        return self.keys.shape[2]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes over all layers (keys and values)."""
+        layers, heads, _, head_dim = self.keys.shape
+        return 2 * layers * heads * head_dim * self.keys.element_size()
+
+    @torch.inference_mode()
+    def reserve(self, num_tokens: int) -> None:
+        """Make room for ``num_tokens`` slots in total (grows by at least doubling)."""
+        if num_tokens <= self.capacity:
+            return
+        capacity = max(num_tokens, 2 * self.capacity)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], capacity, old.shape[3]))
+            new[:, :, : self.num_tokens] = old[:, :, : self.num_tokens]
+            setattr(self, name, new)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` slots (rollback after a partial acceptance).
+
+        Raises:
+            ValueError: if ``num_tokens`` is negative or larger than what is held.
+        """
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot truncate a cache of {self.num_tokens} tokens to {num_tokens}")
+        self.num_tokens = num_tokens
+
+    @torch.inference_mode()
+    def compact(self, indices: torch.Tensor | list[int], start: int = 0) -> None:
+        """Keep slots ``< start`` in place, then exactly ``indices`` (in that order).
+
+        Args:
+            indices: ``[n]`` slots, each in ``[start, num_tokens)`` (a token tree's
+                accepted path).
+            start: slots before it stay untouched.
+
+        Raises:
+            ValueError: if ``start`` or an index is out of range.
+        """
+        if not 0 <= start <= self.num_tokens:
+            raise ValueError(f"compact start {start} outside a cache of {self.num_tokens} tokens")
+        index = torch.as_tensor(indices, dtype=torch.long)
+        n = index.numel()
+        if n and (int(index.min()) < start or int(index.max()) >= self.num_tokens):
+            raise ValueError(f"compact indices must lie in [{start}, {self.num_tokens})")
+        if not torch.equal(index, torch.arange(start, start + n)):
+            index = index.to(self.keys.device)
+            self.keys[:, :, start : start + n] = self.keys.index_select(2, index)
+            self.values[:, :, start : start + n] = self.values.index_select(2, index)
+        self.num_tokens = start + n

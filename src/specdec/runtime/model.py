@@ -1,0 +1,236 @@
+"""The native forward of a Llama-family decoder (gpt-fast / nano-vllm style): explicit
+positions, our own KV storage, no transformers modules in the hot path.
+
+One forward runs a *ragged batch*: several sequences, each with a chain of new tokens or a
+token tree, flattened into one ``[sum T_i, D]`` activation so that every matrix product
+reads the weights once for all of them; attention then runs per sequence over its own KV
+cache (:mod:`specdec.runtime.attention`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.runtime.attention import Visibility, attention_exact, attention_fast
+from specdec.runtime.cache import NativeKVCache
+from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
+from specdec.runtime.weights import ModelWeights
+
+
+@dataclass
+class BatchItem:
+    """One sequence's part of a ragged forward.
+
+    Attributes:
+        token_ids: ``[T]`` new tokens (T >= 1).
+        cache: the sequence's :class:`NativeKVCache`; the tokens go to slots
+            ``cache.num_tokens ..`` and the cursor moves past them.
+        positions: ``[T]`` absolute positions (default: the slots, i.e. causal order).
+        tree_mask: ``[T, S]`` bool (S >= T): which of the last ``S`` slots (the ``S - T``
+            tree tokens already cached, then these T) each row sees, besides every slot
+            before them; ``None`` = causal.
+        num_logits: logits for only the last ``num_logits`` rows (0 = all).
+    """
+
+    token_ids: Sequence[int] | torch.Tensor
+    cache: NativeKVCache
+    positions: Sequence[int] | torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    num_logits: int = 0
+
+
+class NativeDecoder:
+    """Runs :class:`ModelWeights` (see :mod:`specdec.runtime.weights`).
+
+    Args:
+        weights: the fused weights.
+        exact: default mode of :meth:`forward` (batch-invariant products and attention).
+        choices: a :class:`KernelChoice` per product name (``qkv``, ``o``, ``gate_up``,
+            ``down``, ``lm_head``); measured (or read from the on-disk table) when ``None``.
+    """
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        exact: bool = True,
+        choices: dict[str, KernelChoice] | None = None,
+    ) -> None:
+        self.weights = weights
+        self.config = cfg = weights.config
+        self.exact = exact
+        first = weights.layers[0]
+        shapes = {
+            "qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,
+            "lm_head": weights.lm_head,
+        }  # fmt: skip
+        self.choices = choices or kernel_choices(shapes)
+        self.layers = [
+            {
+                "qkv": Linear(w.qkv, w.qkv_bias, self.choices["qkv"]),
+                "o": Linear(w.o, w.o_bias, self.choices["o"]),
+                "gate_up": Linear(w.gate_up, None, self.choices["gate_up"]),
+                "down": Linear(w.down, None, self.choices["down"]),
+            }
+            for w in weights.layers
+        ]
+        self.lm_head = Linear(weights.lm_head, None, self.choices["lm_head"])
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.dtype = weights.embed.dtype
+        self.device = weights.embed.device
+        self._cos = self._sin = torch.empty(0)
+
+    def new_cache(self, capacity: int) -> NativeKVCache:
+        """An empty cache for one sequence (``capacity`` slots; grows if needed)."""
+        cfg = self.config
+        return NativeKVCache(
+            len(self.layers), cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[BatchItem], exact: bool | None = None) -> list[torch.Tensor]:
+        """One forward over a ragged batch.
+
+        Args:
+            items: the sequences (each with its own cache; no cache twice).
+            exact: batch-invariant mode (default: the decoder's ``exact``).
+
+        Returns:
+            per item, ``[T or num_logits, vocab_size]`` float32 logits.
+
+        Raises:
+            ValueError: empty tokens, or positions / tree_mask of the wrong shape.
+        """
+        exact = self.exact if exact is None else exact
+        plans = [self._plan(item) for item in items]
+        ids = torch.cat([p.ids for p in plans])
+        positions = torch.cat([p.positions for p in plans])
+        cos, sin = self._rotary(positions)
+        x = self.weights.embed.index_select(0, ids)
+        for index, layer in enumerate(self.layers):
+            x = self._layer(index, layer, x, cos, sin, plans, exact)
+        rows, offset = [], 0
+        for p in plans:  # the last num_logits rows of each sequence
+            rows.append(torch.arange(offset + p.length - p.num_logits, offset + p.length))
+            offset += p.length
+            p.item.cache.num_tokens = p.start + p.length
+        index = torch.cat(rows).to(self.device)
+        hidden = _rms_norm(x.index_select(0, index), self.weights.norm, self.config.rms_eps)
+        logits = self.lm_head(hidden, exact).float()
+        return list(logits.split([p.num_logits for p in plans]))
+
+    # ----------------------------------------------------------------- internals
+
+    def _plan(self, item: BatchItem) -> _Plan:
+        ids = torch.as_tensor(item.token_ids, dtype=torch.long, device=self.device).view(-1)
+        t = ids.numel()
+        if t == 0:
+            raise ValueError("a forward needs at least one token per sequence")
+        cache = item.cache
+        start = cache.num_tokens
+        cache.reserve(start + t)
+        if item.positions is None:
+            positions = torch.arange(start, start + t, device=self.device)
+        else:
+            positions = torch.as_tensor(item.positions, dtype=torch.long, device=self.device)
+            if positions.shape != (t,):
+                raise ValueError(f"{positions.numel()} positions for {t} tokens")
+        visible = _visibility(item.tree_mask, start, t, self.device)
+        n = t if item.num_logits <= 0 else min(item.num_logits, t)
+        return _Plan(item, ids, positions, visible, start, t, n)
+
+    def _layer(self, index, layer, x, cos, sin, plans, exact):
+        cfg = self.config
+        h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        w = self.weights.layers[index]
+        qkv = layer["qkv"](_rms_norm(x, w.attn_norm, cfg.rms_eps), exact)
+        q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+        q, k, v = q.view(-1, h, d), k.view(-1, g, d), v.view(-1, g, d)
+        if w.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
+            q, k = _rms_norm(q, w.q_norm, cfg.rms_eps), _rms_norm(k, w.k_norm, cfg.rms_eps)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        outputs, row = [], 0
+        for p in plans:
+            keys, values = p.item.cache.keys[index], p.item.cache.values[index]
+            end = row + p.length
+            keys[:, p.start : p.start + p.length] = k[row:end].transpose(0, 1)
+            values[:, p.start : p.start + p.length] = v[row:end].transpose(0, 1)
+            if exact:
+                outputs.append(attention_exact(q[row:end], keys, values, p.visible, self.scale))
+            else:
+                filled = p.start + p.length
+                outputs.append(
+                    attention_fast(
+                        q[row:end], keys[:, :filled], values[:, :filled], p.visible, self.scale
+                    )
+                )
+            row = end
+        attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        x = x + layer["o"](attn, exact)
+        gate, up = layer["gate_up"](_rms_norm(x, w.mlp_norm, cfg.rms_eps), exact).chunk(2, dim=-1)
+        return x + layer["down"](torch.nn.functional.silu(gate) * up, exact)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[T, 1, d]`` for the positions (a table grown on demand, as transformers
+        computes them: float32 ``pos * inv_freq``, then cast to the model dtype)."""
+        needed = int(positions.max()) + 1
+        if needed > self._cos.shape[0]:
+            size = max(needed, 2 * self._cos.shape[0], 256)
+            cfg = self.config
+            pos = torch.arange(size, dtype=torch.float32)
+            freqs = pos[:, None] * cfg.inv_freq[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._cos = (emb.cos() * cfg.rope_scale).to(self.dtype).to(self.device)
+            self._sin = (emb.sin() * cfg.rope_scale).to(self.dtype).to(self.device)
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+
+@dataclass
+class _Plan:
+    item: BatchItem
+    ids: torch.Tensor
+    positions: torch.Tensor
+    visible: list[Visibility]
+    start: int
+    length: int
+    num_logits: int
+
+
+def _visibility(tree_mask, start: int, t: int, device) -> list[Visibility]:
+    """Per new row: a prefix length (causal) or the slots it sees (tree)."""
+    if tree_mask is None:
+        return [start + i + 1 for i in range(t)]
+    mask = torch.as_tensor(tree_mask, dtype=torch.bool)
+    s = mask.shape[1] if mask.dim() == 2 else -1
+    if mask.dim() != 2 or mask.shape[0] != t or not t <= s <= start + t:
+        raise ValueError(
+            f"tree_mask must be [{t}, S] with {t} <= S <= {start + t}, got {tuple(mask.shape)}"
+        )
+    base = start + t - s  # slots before the tree part: all visible
+    out: list[Visibility] = []
+    for row in range(t):
+        tree_slots = base + torch.nonzero(mask[row]).flatten()
+        n = tree_slots.numel()
+        if torch.equal(tree_slots, torch.arange(base, base + n)):
+            out.append(base + n)  # a plain prefix of the slots (the causal case)
+        else:
+            out.append(torch.cat([torch.arange(base), tree_slots]).to(device))
+    return out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32, as transformers' Llama computes it."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (``x * cos + rotate_half(x) * sin``); x ``[T, heads, d]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,242 @@
+"""Native runtime oracles: logits equal transformers' (tiny Llama, Qwen2, Qwen3, Mistral and
+the real model), ragged batches, batch invariance of the exact mode (bit for bit), greedy
+speculative identity, rollback / compaction, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from conftest import make_tokenizer
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.models.hf import HFModel
+from specdec.models.native import NativeModel
+from specdec.runtime.model import BatchItem
+from specdec.runtime.weights import UnsupportedModel
+from specdec.trees import ROOT, TokenTree
+
+COMMON = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v biases
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),  # q/k norms, wide heads
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def tiny_hf(arch: str, seed: int = 0, dtype=torch.float32) -> HFModel:
+    config_cls, model_cls, extra = ARCHS[arch]
+    tokenizer = make_tokenizer()
+    config = config_cls(vocab_size=len(tokenizer), **COMMON, **extra)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if arch == "qwen2":  # random biases (transformers initialises them to zero)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    proj.bias.normal_(0, 0.3)
+    return HFModel(model.to(dtype), tokenizer, name=f"tiny-{arch}")
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def pair(request):
+    hf = tiny_hf(request.param)
+    return hf, NativeModel(hf, exact=False)
+
+
+PROMPT = [1, 5, 6, 7, 8, 9, 10, 5, 6, 7]
+TREE = TokenTree.build([ROOT, ROOT, 0, 0, 1, 2], [11, 12, 13, 14, 15, 16])
+
+
+def test_logits_equal_transformers(pair):
+    hf, native = pair
+    ref, mine = hf.new_cache(32), native.new_cache(32)
+    close = dict(atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(native.forward(PROMPT, mine), hf.forward(PROMPT, ref), **close)
+    chain = [3, 4, 20]
+    torch.testing.assert_close(native.forward(chain, mine), hf.forward(chain, ref), **close)
+    torch.testing.assert_close(
+        native.forward_tree(21, TREE, mine), hf.forward_tree(21, TREE, ref), **close
+    )
+    assert mine.num_tokens == ref.num_tokens == len(PROMPT) + 3 + len(TREE) + 1
+    # only the last rows' logits
+    last = native.forward([5], native.new_cache(4), num_logits=1)
+    assert last.shape == (1, hf.vocab_size)
+
+
+def test_ragged_batch_equals_separate_forwards(pair):
+    _, native = pair
+    for exact in (False, True):
+        prompts = [PROMPT, [1, 9], [1, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]]
+        caches = [native.new_cache(8) for _ in prompts]
+        for p, c in zip(prompts, caches, strict=True):
+            native.decoder.forward([BatchItem(p[:-1], c)], exact=exact)
+        tree_item = BatchItem(
+            [prompts[2][-1], *TREE.token_ids],
+            caches[2],
+            positions=caches[2].num_tokens + TREE.position_offsets(),
+            tree_mask=TREE.attention_mask(),
+        )
+        items = [
+            BatchItem([prompts[0][-1], 3, 4], caches[0]),
+            BatchItem([prompts[1][-1]], caches[1]),
+            tree_item,
+        ]
+        batched = native.decoder.forward(items, exact=exact)
+        for item, logits in zip(items, batched, strict=True):
+            item.cache.truncate(item.cache.num_tokens - len(item.token_ids))
+            alone = native.decoder.forward([item], exact=exact)[0]
+            if exact:
+                assert torch.equal(logits, alone)
+            else:
+                torch.testing.assert_close(logits, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_exact_mode_is_batch_invariant(dtype):
+    """A row's logits: the same bits decoded alone, as row i of a chain of 1..64 rows, as a
+    tree node, and next to other sequences."""
+    native = NativeModel(tiny_hf("llama", dtype=dtype), exact=True)
+    seq = [1, *[(7 * i) % 29 + 3 for i in range(80)]]
+    cache = native.new_cache(128)
+    native.forward(seq[:10], cache)
+    decoded = []
+    for i in range(10, 80):  # plain decoding, one token at a time
+        decoded.append(native.forward([seq[i]], cache)[0])
+    for width in (2, 3, 7, 16, 33, 64):
+        for start in (10, 12):
+            if start + width > 80:
+                continue
+            cache.truncate(start)
+            rows = native.forward(seq[start : start + width], cache)
+            for j in range(width):
+                assert torch.equal(rows[j], decoded[start - 10 + j]), (width, start, j)
+    # as the deepest node of a tree whose other branches are noise
+    cache.truncate(20)
+    tree = TokenTree.build([ROOT, ROOT, 1, 1, 3], [5, seq[21], 9, seq[22], seq[23]])
+    rows = native.forward_tree(seq[20], tree, cache)
+    for node, i in ((1, 21), (3, 22), (4, 23)):
+        assert torch.equal(rows[node + 1], decoded[i - 10])
+    # beside other sequences in one ragged forward
+    cache.truncate(20)
+    native.forward(seq[20:30], cache)
+    other = native.new_cache(16)
+    native.forward([1, 4, 4, 4], other)
+    out = native.forward_batch([BatchItem([9, 9], other), BatchItem(seq[30:34], cache)])
+    for j in range(4):
+        assert torch.equal(out[1][j], decoded[20 + j])
+
+
+def test_compaction_and_rollback_equal_recompute(pair):
+    _, native = pair
+    cache = native.new_cache(8)
+    native.forward(PROMPT, cache)
+    base = cache.num_tokens
+    native.forward_tree(3, TREE, cache)
+    path = TREE.path_to(4)  # root's child 1, then node 4
+    cache.compact([base + 1 + n for n in path], start=base + 1)
+    fresh = native.new_cache(8)
+    native.forward([*PROMPT, 3, *[TREE.token_ids[n] for n in path]], fresh)
+    a = native.forward([7], cache)
+    b = native.forward([7], fresh)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    cache.truncate(4)
+    fresh = native.new_cache(8)
+    native.forward(PROMPT[:4], fresh)
+    torch.testing.assert_close(native.forward([7], cache), native.forward([7], fresh))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "method, tree",
+    [
+        ("ngram", None),
+        ("draft-model", None),
+        ("ngram", "dynamic:top_k=2,depth=4,budget=8"),
+        ("draft-model", "static:tree-8"),
+        ("draft-model", "best-first:budget=8,depth=4"),
+        ("ngram", "sequoia:budget=8,depth=4"),
+    ],
+)
+def test_greedy_speculation_is_identical_to_plain_decoding(dtype, method, tree):
+    """Exact mode: identity is guaranteed in any dtype, not observed."""
+    target = NativeModel(tiny_hf("llama", dtype=dtype), exact=True)
+    draft = NativeModel(tiny_hf("llama", seed=1, dtype=dtype), exact=True)
+    llm = LLM(target, draft=draft, speculative=SpeculativeConfig(method="none"))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=4, ngram_min=1, tree=tree)
+    for prompt in (PROMPT, [1, 20, 21, 22, 20, 21]):
+        plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
+        out = llm.generate(prompt, params, speculative=spec)
+        assert out.token_ids == plain.token_ids
+
+
+def test_unsupported_architecture_is_a_clear_error():
+    tokenizer = make_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(UnsupportedModel, match="architecture 'gpt2' is not implemented"):
+        NativeModel(HFModel(gpt2.eval(), tokenizer))
+
+
+@pytest.mark.real_model
+def test_real_model_native_equals_transformers_and_is_invariant():
+    from specdec.models.loading import load
+
+    hf = load()
+    native = NativeModel(hf, exact=True)
+    ids = hf.encode("Explain how tides work in two sentences.")
+    ref = hf.forward(ids, hf.new_cache(64))
+    cache = native.new_cache(64)
+    mine = native.forward(ids, cache)
+    torch.testing.assert_close(mine, ref, atol=5e-4, rtol=1e-4)
+    cache.truncate(len(ids) - 1)
+    alone = native.forward(ids[-1:], cache)[0]
+    assert torch.equal(alone, mine[-1])
+
+
+def test_backend_choice(tmp_path, caplog):
+    from specdec.models.loading import load
+
+    hf = tiny_hf("qwen3")
+    hf.model.save_pretrained(tmp_path / "qwen3")
+    hf.tokenizer.save_pretrained(tmp_path / "qwen3")
+    assert load(str(tmp_path / "qwen3"), backend="native").backend == "native"
+    assert load(str(tmp_path / "qwen3"), backend="auto").backend == "native"
+    assert load(str(tmp_path / "qwen3")).backend == "hf"
+    tokenizer = make_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="backend native cannot run .*'gpt2'"):
+        load(str(tmp_path / "gpt2"), backend="native")
+    with caplog.at_level("WARNING"):
+        assert load(str(tmp_path / "gpt2"), backend="auto").backend == "hf"
+    assert "runs on transformers (backend auto)" in caplog.text
+    with pytest.raises(ValueError, match="unknown backend"):
+        load(str(tmp_path / "gpt2"), backend="tpu")
+    with pytest.raises(ValueError, match="needs the transformers backend"):
+        load(str(tmp_path / "gpt2"), dtype="int8-dynamic", backend="native")
