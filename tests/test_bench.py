@@ -401,6 +401,10 @@ def _bench_argv(tmp_path, *extra):
         (["--limit-per-category", "0"], "must be >= 1"),
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
+        (["--method", "ngram:k=0"], "num_speculative_tokens must be an integer >= 1"),
+        (["--method", "ngram:min=5,max=2"], "ngram_min <= ngram_max"),
+        (["--method", "hf-prompt-lookup:k=0"], "k=0 must be >= 1"),
+        (["--draft-dtype", "int4"], "int4"),
     ],
 )
 def test_bench_options_are_checked_before_any_model_loads(tmp_path, capsys, extra, message):
@@ -421,3 +425,18 @@ def test_bench_refuses_a_dataset_given_twice(tmp_path, capsys):
     (other / "d.jsonl").write_text('{"prompt": "w1", "category": "copy"}\n')  # same stem
     assert main([*argv, "--dataset", str(other / "d.jsonl")]) == 2
     assert "prompt ids" in capsys.readouterr().err
+
+
+def test_rewriting_an_out_folder_leaves_no_stale_plot(tmp_path, tiny_llm):
+    methods = [parse_method("ar"), parse_method("ngram:k=3,min=1")]
+    records = run_benchmark(tiny_llm, methods, PROMPTS, SamplingParams(max_new_tokens=6))
+    summary = summarize(records, "autoregressive")
+    write_outputs(tmp_path, records, summary, "autoregressive", {}, {})
+    assert (tmp_path / "speedup_by_category.png").exists()
+    only_ar = [r for r in records if r.method == "autoregressive"]
+    paths = write_outputs(
+        tmp_path, only_ar, summarize(only_ar, "autoregressive"), "autoregressive", {}, {}
+    )
+    assert not (tmp_path / "speedup_by_category.png").exists()
+    assert not (tmp_path / "accepted_lengths.png").exists()
+    assert sorted(p.name for p in paths) == ["report.md", "results.json"]

@@ -336,3 +336,15 @@ def test_int8_draft_of_the_target(capsys, model_dir):
     )
     assert record["identical"] is True
     assert record["metrics"]["num_accepted_tokens"] > 0
+
+
+def test_unknown_hub_model_is_one_quick_line(capsys):
+    assert main(["generate", "hi", "--model", "specdec-tests/no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: cannot load model") and err.count("\n") == 1
+
+
+def test_draft_dtype_is_checked_without_a_draft(capsys, tmp_path):
+    missing = str(tmp_path / "no-model")  # never loaded: the error comes first
+    assert main(["generate", "hi", "--model", missing, "--draft-dtype", "int4"]) == 2
+    assert "int4" in capsys.readouterr().err

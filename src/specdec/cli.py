@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except (ValueError, OSError) as error:
-        print(f"specdec: error: {error}", file=sys.stderr)
+        message = " ".join(str(error).split())  # always one line
+        print(f"specdec: error: {message}", file=sys.stderr)
         return 2
 
 
@@ -247,10 +248,12 @@ def _print_metrics(output: GenerationOutput, baseline, params: SamplingParams, t
     print(f"speedup                  {_speedup(output, baseline):.2f}x")
     if params.greedy:
         print(f"identical to baseline    {'yes' if identical else 'NO'}")
+    elif identical:
+        print("identical to baseline    yes")
     else:
         print(
-            f"identical to baseline    {'yes' if identical else 'no'} (sampling: outputs "
-            "differ by chance; the distribution is the same)"
+            "identical to baseline    no (expected with sampling: the random draws differ; "
+            "the distribution is the same)"
         )
 
 

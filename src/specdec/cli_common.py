@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specdec.config import SamplingParams
-from specdec.models.loading import BACKENDS, DEFAULT_BACKEND
+from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, check_dtype
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:
@@ -49,7 +49,16 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
 
 
 def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> SamplingParams:
-    """:class:`SamplingParams` from the options added by :func:`add_sampling_args`."""
+    """:class:`SamplingParams` from the options added by :func:`add_sampling_args`; also
+    checks ``--dtype`` and ``--draft-dtype`` (whether or not a draft is used), so every
+    such mistake is refused before a model loads.
+
+    Raises:
+        ValueError: a bad value (the message names it).
+    """
+    check_dtype(args.dtype)
+    if args.draft_dtype is not None:
+        check_dtype(args.draft_dtype)
     return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,

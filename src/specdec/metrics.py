@@ -106,14 +106,15 @@ class SpecStats:
         return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        """JSON-ready dict: the counters, timings and derived rates."""
+        """JSON-ready dict: the counters, timings and derived rates (``acceptance_rate``
+        is ``None`` when nothing was drafted)."""
         return {
             "num_steps": self.num_steps,
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_output_tokens": self.num_output_tokens,
-            "acceptance_rate": self.acceptance_rate,
+            "acceptance_rate": self.acceptance_rate if self.num_draft_tokens else None,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance_rate": self.per_position_acceptance_rate,
             "accepted_length_counts": list(self.accepted_length_counts),

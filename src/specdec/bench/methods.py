@@ -61,6 +61,29 @@ class Method:
     def is_specdec(self) -> bool:
         return self.kind in SPECDEC_KINDS
 
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The :class:`SpeculativeConfig` a specdec method runs (``None`` for external
+        baselines).
+
+        Raises:
+            ValueError: an option value the config refuses (e.g. ``k=0``).
+        """
+        if self.kind == "ar":
+            return SpeculativeConfig(method="none")
+        if self.kind == "ngram":
+            return SpeculativeConfig(
+                method="ngram",
+                num_speculative_tokens=self.option("k"),
+                ngram_min=self.option("min"),
+                ngram_max=self.option("max"),
+                tree=self.tree,
+            )
+        if self.kind == "draft-model":
+            return SpeculativeConfig(
+                method="draft-model", num_speculative_tokens=self.option("k"), tree=self.tree
+            )
+        return None
+
 
 #: Options each kind takes, with their defaults.
 _DEFAULTS = {
@@ -101,7 +124,15 @@ def parse_method(text: str) -> Method:
             raise ValueError(
                 f"option {key!r} of {kind!r} needs an integer, got {value!r}"
             ) from None
-    return Method(kind, tuple(options), tree or None)
+    method = Method(kind, tuple(options), tree or None)
+    try:
+        method.speculative_config()  # specdec's own checks, now rather than mid-run
+    except ValueError as error:
+        raise ValueError(f"method {text!r}: {error}") from None
+    small = [f"{key}={value}" for key, value in options if value < 1]
+    if small:
+        raise ValueError(f"method {text!r}: {', '.join(small)} must be >= 1")
+    return method
 
 
 def parse_methods(texts: Sequence[str]) -> list[Method]:
@@ -152,27 +183,9 @@ class MethodRunner:
         self.draft = draft_llm_model
         if method.kind in ("draft-model", "hf-assisted") and draft_llm_model is None:
             raise ValueError(f"method {method.kind!r} needs --draft-model")
-        self.speculative = self._speculative_config()
+        self.speculative = method.speculative_config()
         if method.kind == "draft-model":  # a view sharing the loaded target, with the draft
             self.llm = LLM(llm.target, draft=draft_llm_model, speculative=self.speculative)
-
-    def _speculative_config(self) -> SpeculativeConfig | None:
-        m = self.method
-        if m.kind == "ar":
-            return SpeculativeConfig(method="none")
-        if m.kind == "ngram":
-            return SpeculativeConfig(
-                method="ngram",
-                num_speculative_tokens=m.option("k"),
-                ngram_min=m.option("min"),
-                ngram_max=m.option("max"),
-                tree=m.tree,
-            )
-        if m.kind == "draft-model":
-            return SpeculativeConfig(
-                method="draft-model", num_speculative_tokens=m.option("k"), tree=m.tree
-            )
-        return None
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RunResult:
         start = time.perf_counter()

@@ -224,8 +224,15 @@ def write_outputs(
         f"# specdec bench\n\n## Environment\n\n{env}\n\n## Configuration\n\n"
         f"{cfg}\n\n## Results\n\n{markdown_tables(summary, baseline)}{mismatches(records)}"
     )
-    paths += plot_speedups(out_dir / "speedup_by_category.png", summary, baseline)
-    paths += plot_accepted_lengths(out_dir / "accepted_lengths.png", summary)
+    plots = {
+        out_dir / "speedup_by_category.png": plot_speedups,
+        out_dir / "accepted_lengths.png": plot_accepted_lengths,
+    }
+    for path, plot in plots.items():
+        written = plot(path, summary, baseline)
+        if not written and path.exists():
+            path.unlink()  # a plot of an earlier run in the same folder would mislead
+        paths += written
     return paths
 
 
@@ -256,7 +263,7 @@ def plot_speedups(path: Path, summary, baseline: str) -> list[Path]:
     return [path]
 
 
-def plot_accepted_lengths(path: Path, summary) -> list[Path]:
+def plot_accepted_lengths(path: Path, summary, baseline: str | None = None) -> list[Path]:
     """Per method: fraction of steps that accepted n draft tokens."""
     import matplotlib
 

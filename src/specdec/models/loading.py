@@ -84,6 +84,16 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+def check_dtype(dtype: str) -> None:
+    """Refuse a dtype name :func:`load` would refuse (before any loading starts).
+
+    Raises:
+        ValueError: not ``int8-dynamic`` and not a name :func:`parse_dtype` knows.
+    """
+    if str(dtype).lower() != INT8_DYNAMIC:
+        parse_dtype(dtype)
+
+
 def parse_device(device: str | torch.device) -> torch.device:
     """Validate a torch device string before any loading.
 
@@ -218,10 +228,34 @@ def _load_hf(name_or_path, dtype, device) -> HFModel:
         return _load_gguf(gguf, torch_dtype, device, gguf.name)
     if _looks_local(name) and not Path(name).expanduser().exists():
         raise FileNotFoundError(f"model directory not found: {name}")
-    try:
+    if _looks_local(name) or Path(name).expanduser().exists():
         return _from_pretrained(name, torch_dtype, device, name)
-    except OSError as error:  # transformers' message for an unknown hub id or no network
-        raise FileNotFoundError(f"cannot load model {name!r}: {error}") from error
+    return _from_hub(name, torch_dtype, device)
+
+
+def _from_hub(name: str, dtype: torch.dtype, device) -> HFModel:
+    """A hub id: from the local Hugging Face cache when it is there, else after one quick
+    check that the hub has it (so a typo or no network fails in a second, in one line,
+    instead of after minutes of retries)."""
+    try:
+        return _from_pretrained(name, dtype, device, name, local_files_only=True)
+    except OSError:
+        pass
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().model_info(name, timeout=10)
+    except Exception as error:  # not found, no network, bad id: all mean "cannot load"
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise FileNotFoundError(
+            f"cannot load model {name!r}: not a local path, not in the Hugging Face cache, "
+            f"and the hub does not answer for it ({reason[:200]})"
+        ) from None
+    try:
+        return _from_pretrained(name, dtype, device, name)
+    except OSError as error:
+        reason = " ".join(str(error).split())
+        raise FileNotFoundError(f"cannot load model {name!r}: {reason[:300]}") from error
 
 
 def _looks_local(name: str) -> bool:
@@ -240,16 +274,23 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, device, label: str) -> HFModel:
     return HFModel(model.to(device), tokenizer, name=label)
 
 
-def _from_pretrained(source, dtype: torch.dtype, device, label: str) -> HFModel:
-    model, tokenizer = _read_pretrained(source, dtype)
+def _from_pretrained(source, dtype: torch.dtype, device, label: str, **kwargs) -> HFModel:
+    model, tokenizer = _read_pretrained(source, dtype, **kwargs)
     return HFModel(model.to(device), tokenizer, name=label)
 
 
-def _read_pretrained(source, dtype: torch.dtype):
+def _read_pretrained(source, dtype: torch.dtype, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype), tokenizer
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a library call should not draw progress bars
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs), tokenizer
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def cached_gguf_conversion(gguf: Path) -> Path:
