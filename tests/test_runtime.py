@@ -216,6 +216,18 @@ def test_real_model_native_equals_transformers_and_is_invariant():
     cache.truncate(len(ids) - 1)
     alone = native.forward(ids[-1:], cache)[0]
     assert torch.equal(alone, mine[-1])
+    # decoding token by token vs a 16-token chain vs the same tokens as a tree path
+    start = len(ids) - 16
+    cache.truncate(start)
+    decoded = [native.forward([t], cache)[0] for t in ids[start:]]
+    cache.truncate(start)
+    chain = native.forward(ids[start:], cache)
+    assert all(torch.equal(chain[i], decoded[i]) for i in range(16))
+    cache.truncate(start)
+    tree = TokenTree.build([ROOT, ROOT, 1, 2, 2], [7, ids[start + 1], ids[start + 2], 9, 11])
+    rows = native.forward_tree(ids[start], tree, cache)
+    assert torch.equal(rows[0], decoded[0])
+    assert torch.equal(rows[2], decoded[1]) and torch.equal(rows[3], decoded[2])
 
 
 def test_backend_choice(tmp_path, caplog):

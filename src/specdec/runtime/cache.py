@@ -1,7 +1,7 @@
 """KV storage of the native runtime: one contiguous buffer per sequence, indexed by slot.
 
 Layout (gpt-fast style): keys and values are ``[num_layers, num_kv_heads, capacity,
-head_dim]`` tensors; slot ``i`` holds the ``i``-th cached token, so rolling back after a
+head_dim]`` views of one buffer; slot ``i`` holds the ``i``-th cached token, so rolling back after a
 partial acceptance is moving the cursor and compaction after a token tree is one gather
 along the slot axis. Same cursor rule and the same ``truncate`` / ``compact`` contract as
 :class:`specdec.kv_cache.KVCache`.
@@ -21,7 +21,9 @@ class NativeKVCache:
         dtype, device: storage dtype and device (the model's).
 
     Attributes:
-        keys, values: ``[num_layers, num_kv_heads, capacity, head_dim]`` buffers.
+        kv: ``[num_layers, 2, num_kv_heads, capacity, head_dim]``: keys then values, one
+            buffer so that a layer's new keys and values are written in one copy.
+        keys, values: ``[num_layers, num_kv_heads, capacity, head_dim]`` views of it.
         num_tokens: slots in use (the cursor); the next write goes to this slot.
     """
 
@@ -34,21 +36,28 @@ class NativeKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_layers, num_kv_heads, max(1, capacity), head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        shape = (num_layers, 2, num_kv_heads, max(1, capacity), head_dim)
+        self.kv = torch.empty(shape, dtype=dtype, device=device)
         self.num_tokens = 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kv[:, 0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.kv[:, 1]
 
     @property
     def capacity(self) -> int:
         """Slots allocated."""
-        return self.keys.shape[2]
+        return self.kv.shape[3]
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one cached token takes over all layers (keys and values)."""
-        layers, heads, _, head_dim = self.keys.shape
-        return 2 * layers * heads * head_dim * self.keys.element_size()
+        layers, two, heads, _, head_dim = self.kv.shape
+        return two * layers * heads * head_dim * self.kv.element_size()
 
     @torch.inference_mode()
     def reserve(self, num_tokens: int) -> None:
@@ -56,11 +65,9 @@ class NativeKVCache:
         if num_tokens <= self.capacity:
             return
         capacity = max(num_tokens, 2 * self.capacity)
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_empty((*old.shape[:2], capacity, old.shape[3]))
-            new[:, :, : self.num_tokens] = old[:, :, : self.num_tokens]
-            setattr(self, name, new)
+        old = self.kv
+        self.kv = old.new_empty((*old.shape[:3], capacity, old.shape[4]))
+        self.kv[:, :, :, : self.num_tokens] = old[:, :, :, : self.num_tokens]
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` slots (rollback after a partial acceptance).
@@ -91,7 +98,6 @@ class NativeKVCache:
         if n and (int(index.min()) < start or int(index.max()) >= self.num_tokens):
             raise ValueError(f"compact indices must lie in [{start}, {self.num_tokens})")
         if not torch.equal(index, torch.arange(start, start + n)):
-            index = index.to(self.keys.device)
-            self.keys[:, :, start : start + n] = self.keys.index_select(2, index)
-            self.values[:, :, start : start + n] = self.values.index_select(2, index)
+            index = index.to(self.kv.device)
+            self.kv[:, :, :, start : start + n] = self.kv.index_select(3, index)
         self.num_tokens = start + n

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,16 +38,46 @@ logger = logging.getLogger(__name__)
 
 #: Row-count buckets the fast mode measures (a product of M rows uses the first bucket >= M).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-#: Formulations of ``y = x W^T``: name -> f(x, W, W_t).
-FORMULATIONS = {
-    "linear": lambda x, w, wt: F.linear(x, w),
-    "w_xt": lambda x, w, wt: (w @ x.t()).t(),
-    "x_wt": lambda x, w, wt: x @ wt,
-}
 #: Exact-mode tiles tried, largest first.
 TILES = (64, 32, 16, 8, 4, 2)
 #: Bump when the calibration procedure changes (invalidates cached choices).
-_VERSION = 1
+_VERSION = 3
+
+
+@dataclass(frozen=True)
+class Formulation:
+    """One way to compute ``y = x W^T``: ``prepare(W)`` once (a transposed or packed copy,
+    or ``W`` itself), then ``apply(x, prepared)`` per call."""
+
+    prepare: Callable[[torch.Tensor], torch.Tensor]
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _onednn_available(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+#: The formulations calibration chooses from (``onednn``: oneDNN's inner product on a
+#: weight packed once, CPU only).
+FORMULATIONS = {
+    "linear": Formulation(lambda w: w, lambda x, w: F.linear(x, w)),
+    "w_xt": Formulation(lambda w: w, lambda x, w: (w @ x.t()).t()),
+    "x_wt": Formulation(lambda w: w.t().contiguous(), lambda x, wt: x @ wt),
+    "onednn": Formulation(
+        lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
+        lambda x, packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+    ),
+}
+
+
+def available_formulations(weight: torch.Tensor) -> list[str]:
+    """Formulation names usable for ``weight`` on its device."""
+    return [n for n in FORMULATIONS if n != "onednn" or _onednn_available(weight)]
 
 
 @dataclass
@@ -56,13 +87,16 @@ class KernelChoice:
     Attributes:
         fast: formulation per bucket in :data:`BUCKETS` order.
         exact: the exact-mode formulation.
-        tile: exact-mode tile T (rows per product; 1 = one padded row at a time).
+        tile: exact-mode tile T (most rows per product; 1 = one row at a time).
+        min_rows: exact mode pads a product of fewer rows up to this many (1 or 2): 2 when
+            the formulation's one-row path gives other bits than its multi-row path.
         times_ms: measured milliseconds, ``{formulation: [per bucket]}`` (for reports).
     """
 
     fast: list[str]
     exact: str
     tile: int
+    min_rows: int = 2
     times_ms: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -76,11 +110,14 @@ class Linear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice):
-        self.weight = weight.contiguous()
         self.bias = bias
         self.choice = choice
-        uses_wt = "x_wt" in choice.fast or choice.exact == "x_wt"
-        self.weight_t = self.weight.t().contiguous() if uses_wt else None
+        names = {*choice.fast, choice.exact}
+        self.prepared = {name: FORMULATIONS[name].prepare(weight) for name in names}
+        self._by_bucket = [
+            (bucket, FORMULATIONS[name].apply, self.prepared[name])
+            for bucket, name in zip(BUCKETS, choice.fast, strict=True)
+        ]
 
     def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """``x``: ``[M, K]``; returns ``[M, N]`` in ``x``'s dtype."""
@@ -89,88 +126,135 @@ class Linear:
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        name = self.choice.fast[-1]
-        for bucket, candidate in zip(BUCKETS, self.choice.fast, strict=True):
+        for bucket, apply, prepared in self._by_bucket:
             if m <= bucket:
-                name = candidate
-                break
-        return FORMULATIONS[name](x, self.weight, self.weight_t)
+                return apply(x, prepared)
+        return apply(x, prepared)
 
     def _exact(self, x: torch.Tensor) -> torch.Tensor:
-        return exact_product(x, self.weight, self.weight_t, self.choice.exact, self.choice.tile)
+        c = self.choice
+        return exact_product(x, self.prepared[c.exact], c.exact, c.tile, c.min_rows)
 
 
-def exact_product(x, weight, weight_t, name: str, tile: int) -> torch.Tensor:
-    """Rows in chunks of at most ``tile`` (at least 2: one row is duplicated)."""
-    f = FORMULATIONS[name]
-    step = max(1, tile)
+def exact_product(x, prepared, name: str, tile: int, min_rows: int) -> torch.Tensor:
+    """Rows in chunks of at most ``tile``; a chunk of fewer than ``min_rows`` rows is padded
+    by repeating its first row (and the padding dropped)."""
+    apply = FORMULATIONS[name].apply
     chunks = []
-    for start in range(0, x.shape[0], step):
-        chunk = x[start : start + step]
-        if chunk.shape[0] == 1:
-            chunks.append(f(chunk.expand(2, -1).contiguous(), weight, weight_t)[:1])
+    for start in range(0, x.shape[0], max(1, tile)):
+        chunk = x[start : start + max(1, tile)]
+        m = chunk.shape[0]
+        if m < min_rows:
+            pad = chunk[:1].expand(min_rows - m, -1)
+            chunks.append(apply(torch.cat([chunk, pad]).contiguous(), prepared)[:m])
         else:
-            chunks.append(f(chunk.contiguous(), weight, weight_t))
+            chunks.append(apply(chunk.contiguous(), prepared))
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 # ------------------------------------------------------------------ calibration
 
 
-def calibrate(weight: torch.Tensor, repeats: int = 3) -> KernelChoice:
-    """Measure every formulation per bucket and find the exact-mode formulation and tile.
+def calibrate(products: dict[str, list[torch.Tensor]], repeats: int = 2) -> dict[str, KernelChoice]:
+    """Measure every formulation per product and bucket, and find each product's exact-mode
+    formulation and tile.
+
+    Timings come from passes that run the products layer by layer, interleaved as a forward
+    runs them, over (up to 1 GiB of) the real weights: they stream from memory as they do
+    in a forward, where a warm cache would flatter small products. Each call is timed on
+    its own inside the pass.
 
     Args:
-        weight: ``[N, K]`` a real weight of the shape (invariance is checked on it).
-        repeats: timed runs per measurement (the median is kept).
+        products: ``{name: [N, K] weights, one per layer}`` (an LM head: a list of one).
+        repeats: passes per formulation and bucket (the median is kept).
     """
-    wt = weight.t().contiguous()
+    first = next(iter(products.values()))[0]
+    names = available_formulations(first)
+    layers = _layers_to_time(products)
+    times: dict[str, dict[str, list[float]]] = {p: {} for p in products}
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(max(BUCKETS) + 8, weight.shape[1], generator=gen).to(weight)
-    times = {
-        name: [_time(f, x[:m], weight, wt, repeats) for m in BUCKETS]
-        for name, f in FORMULATIONS.items()
+    inputs = {
+        p: torch.randn(max(BUCKETS) + 8, w[0].shape[1], generator=gen).to(first)
+        for p, w in products.items()
     }
-    fast = [min(times, key=lambda n, i=i: times[n][i]) for i in range(len(BUCKETS))]
-    exact, tile = _exact_choice(weight, wt, x, times)
-    return KernelChoice(fast, exact, tile, times)
+    for name in names:
+        f = FORMULATIONS[name]
+        prepared = {p: [f.prepare(w) for w in ws[:layers]] for p, ws in products.items()}
+        for p in products:
+            times[p][name] = []
+        for m in BUCKETS:
+            per_product = _time_passes(f.apply, prepared, inputs, m, repeats)
+            for p, t in per_product.items():
+                times[p][name].append(t)
+        del prepared
+    out = {}
+    for p, ws in products.items():
+        t = times[p]
+        fast = [min(t, key=lambda n, i=i: t[n][i]) for i in range(len(BUCKETS))]
+        exact, tile, min_rows = _exact_choice(ws[0], inputs[p], t)
+        out[p] = KernelChoice(fast, exact, tile, min_rows, t)
+    return out
 
 
-def _time(f, x, w, wt, repeats: int) -> float:
-    f(x, w, wt)  # warm
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f(x, w, wt)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return sorted(samples)[len(samples) // 2]
+def _layers_to_time(products: dict[str, list[torch.Tensor]], budget: int = 1 << 30) -> int:
+    """How many layers a pass covers: all of them, or as many as fit in ``budget`` bytes."""
+    per_layer = sum(ws[0].numel() * ws[0].element_size() for ws in products.values() if len(ws) > 1)
+    most = max(len(ws) for ws in products.values())
+    return max(1, min(most, budget // max(per_layer, 1)))
 
 
-def _exact_choice(weight, wt, x, times) -> tuple[str, int]:
-    """The formulation (fastest for 2 rows among those invariant up to the largest tile)."""
-    best: tuple[float, int, str] | None = None
-    for name in FORMULATIONS:
-        tile = next((t for t in TILES if is_row_invariant(x, weight, wt, name, t)), 1)
-        score = (times[name][1], -tile, name)  # 2 rows = an exact decoding step
-        if tile >= 16 and (best is None or score < best):
-            best = score
+def _time_passes(apply, prepared, inputs, m: int, repeats: int) -> dict[str, float]:
+    """Median milliseconds per call of each product over ``repeats`` interleaved passes."""
+    samples: dict[str, list[float]] = {p: [] for p in prepared}
+    depth = max(len(ws) for ws in prepared.values())
+    for repeat in range(repeats + 1):  # the first pass warms up and is not kept
+        totals = dict.fromkeys(prepared, 0.0)
+        counts = dict.fromkeys(prepared, 0)
+        for layer in range(depth):
+            for p, ws in prepared.items():
+                if layer < len(ws):
+                    x = inputs[p][:m]
+                    start = time.perf_counter()
+                    apply(x, ws[layer])
+                    totals[p] += time.perf_counter() - start
+                    counts[p] += 1
+        if repeat:
+            for p in prepared:
+                samples[p].append(totals[p] * 1e3 / counts[p])
+    return {p: sorted(v)[len(v) // 2] for p, v in samples.items()}
+
+
+def _exact_choice(weight, x, times) -> tuple[str, int, int]:
+    """The exact formulation: among those invariant up to a tile >= 16, the one with the
+    best decoding step (one row, or two when padding is needed) plus a quarter of its
+    16-row time (verification)."""
+    best = None
+    for name in times:
+        prepared = FORMULATIONS[name].prepare(weight)
+        for min_rows in (1, 2):
+            tile = next((t for t in TILES if is_row_invariant(x, prepared, name, t, min_rows)), 1)
+            if tile >= 16:
+                score = times[name][min_rows - 1] + 0.25 * times[name][BUCKETS.index(16)]
+                if best is None or score < best[0]:
+                    best = (score, name, tile, min_rows)
+                break  # invariant without padding: padding could only be slower
     if best is not None:
-        return best[2], -best[1]
-    name = min(FORMULATIONS, key=lambda n: times[n][1])
-    return name, 1
+        return best[1], best[2], best[3]
+    name = min(times, key=lambda n: times[n][1])
+    return name, 1, 2
 
 
-def is_row_invariant(x: torch.Tensor, weight, wt, name: str, tile: int) -> bool:
-    """Does a row give the same bits alone (padded to 2) and at positions 0, middle and
-    last among 2..``tile`` rows? (Checked for a spread of row counts, on ``x``'s rows.)"""
-    f = FORMULATIONS[name]
-    alone = [f(x[i : i + 1].expand(2, -1).contiguous(), weight, wt)[0] for i in range(3)]
-    counts = sorted({2, 3, tile // 2, tile // 2 + 1, tile - 1, tile} & set(range(2, tile + 1)))
-    for m in counts:
-        for probe, position in enumerate({0, m // 2, m - 1}):
+def is_row_invariant(x: torch.Tensor, prepared, name: str, tile: int, min_rows: int) -> bool:
+    """Does a row give the same bits alone (padded to ``min_rows``) and at positions 0,
+    middle and last among ``min_rows``..``tile`` rows? (A spread of row counts.)"""
+    apply = FORMULATIONS[name].apply
+    alone = [exact_product(x[i : i + 1], prepared, name, tile, min_rows)[0] for i in range(3)]
+    counts = {2, 3, tile // 2, tile // 2 + 1, tile - 1, tile}
+    for m in sorted(c for c in counts if min_rows <= c <= tile and c >= 2):
+        for probe, position in enumerate(sorted({0, m // 2, m - 1})):
             rows = x[3 : 3 + m].clone()
-            rows[position] = x[probe % 3]
-            if not torch.equal(f(rows, weight, wt)[position], alone[probe % 3]):
+            rows[position] = x[probe]
+            if not torch.equal(apply(rows, prepared)[position], alone[probe]):
                 return False
     return True
 
@@ -208,32 +292,30 @@ def cpu_name() -> str:
 
 
 def kernel_choices(
-    weights: dict[str, torch.Tensor], refresh: bool = False
+    products: dict[str, list[torch.Tensor]], refresh: bool = False
 ) -> dict[str, KernelChoice]:
-    """A :class:`KernelChoice` per named weight, from the on-disk table or measured now.
+    """A :class:`KernelChoice` per named product, from the on-disk table or measured now.
+
+    The table is keyed by the machine (:func:`machine_key`) and the model's product shapes
+    together (timings depend on what streams around each product).
 
     Args:
-        weights: ``{name: [N, K] weight}``; shapes already measured on this machine (same
-            dtype, device, torch and thread count) are read from the table.
-        refresh: measure again even if the table has them.
+        products: ``{name: [N, K] weights, one per layer}``.
+        refresh: measure again even if the table has this model's shapes.
     """
-    some = next(iter(weights.values()))
+    some = next(iter(products.values()))[0]
     key = machine_key(some.dtype, some.device)
+    model_key = ";".join(
+        f"{name}={'x'.join(map(str, ws[0].shape))}*{len(ws)}" for name, ws in products.items()
+    )
     path = kernel_table_path()
     table = _read_table(path)
     entries = table.setdefault(key, {})
-    changed = False
-    out = {}
-    for name, weight in weights.items():
-        shape = "x".join(map(str, weight.shape))
-        if refresh or shape not in entries:
-            logger.info("calibrating matrix products for %s %s", shape, weight.dtype)
-            entries[shape] = vars(calibrate(weight))
-            changed = True
-        out[name] = KernelChoice(**entries[shape])
-    if changed:
+    if refresh or model_key not in entries:
+        logger.info("calibrating matrix products (%s, %s)", model_key, some.dtype)
+        entries[model_key] = {p: vars(c) for p, c in calibrate(products).items()}
         _write_table(path, table)
-    return out
+    return {p: KernelChoice(**c) for p, c in entries[model_key].items()}
 
 
 def _read_table(path: Path) -> dict:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from specdec.runtime.attention import Visibility, attention_exact, attention_fast
 from specdec.runtime.cache import NativeKVCache
@@ -62,12 +63,13 @@ class NativeDecoder:
         self.weights = weights
         self.config = cfg = weights.config
         self.exact = exact
-        first = weights.layers[0]
-        shapes = {
-            "qkv": first.qkv, "o": first.o, "gate_up": first.gate_up, "down": first.down,
-            "lm_head": weights.lm_head,
+        layers = weights.layers
+        products = {
+            "qkv": [w.qkv for w in layers], "o": [w.o for w in layers],
+            "gate_up": [w.gate_up for w in layers], "down": [w.down for w in layers],
+            "lm_head": [weights.lm_head],
         }  # fmt: skip
-        self.choices = choices or kernel_choices(shapes)
+        self.choices = choices or kernel_choices(products)
         self.layers = [
             {
                 "qkv": Linear(w.qkv, w.qkv_bias, self.choices["qkv"]),
@@ -147,17 +149,22 @@ class NativeDecoder:
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = self.weights.layers[index]
         qkv = layer["qkv"](_rms_norm(x, w.attn_norm, cfg.rms_eps), exact)
-        q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
-        q, k, v = q.view(-1, h, d), k.view(-1, g, d), v.view(-1, g, d)
+        qk, v = qkv.split([(h + g) * d, g * d], dim=-1)
+        qk = qk.reshape(-1, h + g, d)
         if w.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
-            q, k = _rms_norm(q, w.q_norm, cfg.rms_eps), _rms_norm(k, w.k_norm, cfg.rms_eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            qk = torch.cat(
+                [_rms_norm(qk[:, :h], w.q_norm, cfg.rms_eps),
+                 _rms_norm(qk[:, h:], w.k_norm, cfg.rms_eps)], dim=1,
+            )  # fmt: skip
+        qk = _rotate(qk, cos, sin)  # queries and keys in one go
+        q = qk[:, :h]
+        kv_new = torch.cat([qk[:, h:], v.view(-1, g, d)], dim=1).view(-1, 2, g, d)
         outputs, row = [], 0
         for p in plans:
-            keys, values = p.item.cache.keys[index], p.item.cache.values[index]
+            kv = p.item.cache.kv[index]  # [2, G, C, d]
+            keys, values = kv[0], kv[1]
             end = row + p.length
-            keys[:, p.start : p.start + p.length] = k[row:end].transpose(0, 1)
-            values[:, p.start : p.start + p.length] = v[row:end].transpose(0, 1)
+            kv[:, :, p.start : p.start + p.length] = kv_new[row:end].permute(1, 2, 0, 3)
             if exact:
                 outputs.append(attention_exact(q[row:end], keys, values, p.visible, self.scale))
             else:
@@ -171,7 +178,7 @@ class NativeDecoder:
         attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         x = x + layer["o"](attn, exact)
         gate, up = layer["gate_up"](_rms_norm(x, w.mlp_norm, cfg.rms_eps), exact).chunk(2, dim=-1)
-        return x + layer["down"](torch.nn.functional.silu(gate) * up, exact)
+        return x + layer["down"](F.silu(gate) * up, exact)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, d]`` for the positions (a table grown on demand, as transformers
@@ -183,8 +190,10 @@ class NativeDecoder:
             pos = torch.arange(size, dtype=torch.float32)
             freqs = pos[:, None] * cfg.inv_freq[None, :]
             emb = torch.cat([freqs, freqs], dim=-1)
+            sign = torch.ones(emb.shape[-1])
+            sign[: emb.shape[-1] // 2] = -1.0  # rotate_half negates the second half
             self._cos = (emb.cos() * cfg.rope_scale).to(self.dtype).to(self.device)
-            self._sin = (emb.sin() * cfg.rope_scale).to(self.dtype).to(self.device)
+            self._sin = (emb.sin() * cfg.rope_scale * sign).to(self.dtype).to(self.device)
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
 
 
@@ -222,15 +231,14 @@ def _visibility(tree_mask, start: int, t: int, device) -> list[Visibility]:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in float32, as transformers' Llama computes it."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    """RMSNorm over the last dim (one fused op; float32 accumulation for 16-bit inputs)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (``x * cos + rotate_half(x) * sin``); x ``[T, heads, d]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """Rotary embedding ``x * cos + rotate_half(x) * sin`` for ``x`` ``[T, heads, d]``;
+    ``sin`` carries rotate_half's sign (its first half negated, see ``_rotary``), so
+    rotate_half is a swap of the two halves: one ``flip`` of a ``[.., 2, d/2]`` view."""
+    t, heads, d = x.shape
+    swapped = x.view(t, heads, 2, d // 2).flip(2).view(t, heads, d)
+    return x * cos + swapped * sin
