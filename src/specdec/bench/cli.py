@@ -78,6 +78,13 @@ def add_parser(sub) -> None:
     add_sampling_args(p, max_new_tokens=128, seed=0)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation")
     p.add_argument("--out", metavar="DIR", help="write results.json, report.md and PNG plots")
+    p.add_argument(
+        "--forward-cost",
+        action="store_true",
+        help="instead of prompts: time one target forward of T = 1..64 tokens for the hf "
+        "and native backends in float32 and bfloat16 (native: exact on and off) against "
+        "this machine's measured roofline; writes forward_cost.{json,md,png} with --out",
+    )
     p.set_defaults(func=cmd_bench)
 
 
@@ -90,6 +97,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise ValueError(f"--limit-per-category must be >= 1, got {args.limit_per_category}")
     out_dir = _check_out_dir(args.out) if args.out else None
+    if args.forward_cost:
+        return _forward_cost(args, out_dir)
     needs_draft = [m.name for m in methods if m.kind in ("draft-model", "hf-assisted")]
     if needs_draft and not args.draft_model:
         raise ValueError(f"method {needs_draft[0]!r} needs --draft-model")
@@ -157,6 +166,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _forward_cost(args: argparse.Namespace, out_dir: Path | None) -> int:
+    from tqdm import tqdm
+
+    from specdec.bench.forward_cost import (
+        CONFIGS,
+        report_markdown,
+        run_forward_cost,
+        write_forward_cost,
+    )
+
+    with tqdm(total=len(CONFIGS), desc="forward cost", unit="config", file=sys.stderr) as bar:
+        result = run_forward_cost(args.model, args.device, progress=bar.update)
+    print(report_markdown(result))
+    if out_dir is not None:
+        env = environment(None)
+        env["model"] = args.model
+        paths = write_forward_cost(out_dir, result, env)
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
 def _check_out_dir(out: str) -> Path:
     """Create ``--out`` (or accept an existing folder) and prove it is writable, now.
 
@@ -191,21 +221,25 @@ def _load_prompts(args):
     return prompts
 
 
-def environment(llm: LLM) -> dict:
-    """Machine and library facts recorded with every result."""
+def environment(llm: LLM | None) -> dict:
+    """Machine and library facts recorded with every result (model facts when ``llm``)."""
     import transformers
 
-    return {
+    facts = {
         "cpu": cpu_name(),
         "cpu_count": __import__("os").cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "device": str(llm.target.device),
+        "device": str(llm.target.device) if llm is not None else None,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "model": llm.target.name,
-        "dtype": str(llm.target.dtype).replace("torch.", ""),
-        "backend": llm.target.backend,
-        "exact": getattr(llm.target, "exact", False),
     }
+    if llm is not None:
+        facts.update(
+            model=llm.target.name,
+            dtype=str(llm.target.dtype).replace("torch.", ""),
+            backend=llm.target.backend,
+            exact=getattr(llm.target, "exact", False),
+        )
+    return facts

@@ -15,17 +15,33 @@ tree node: the prefix plus its ancestors and itself).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 Visibility = int | torch.Tensor  # prefix length, or [n] int64 slots in position order
 
 
+def visibility_mask(visible: list[Visibility], num_slots: int, device) -> torch.Tensor | None:
+    """``[T, num_slots]`` bool mask for :func:`attention_fast` (``None``: one row that sees
+    every slot, the plain decoding step)."""
+    if len(visible) == 1 and isinstance(visible[0], int) and visible[0] == num_slots:
+        return None
+    mask = torch.zeros((len(visible), num_slots), dtype=torch.bool)
+    for row, vis in enumerate(visible):
+        if isinstance(vis, int):
+            mask[row, :vis] = True
+        else:
+            mask[row, vis.cpu()] = True
+    return mask.to(device)
+
+
 def attention_fast(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    visible: list[Visibility],
+    mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """Batched attention of T rows.
@@ -33,25 +49,15 @@ def attention_fast(
     Args:
         q: ``[T, H, d]`` queries (rotary applied).
         keys, values: ``[G, S, d]`` the cache slots written so far (new rows included).
-        visible: per row, what it sees (see the module docstring).
+        mask: ``[T, S]`` bool from :func:`visibility_mask`, or ``None`` (all visible).
         scale: softmax scale (``1 / sqrt(d)``).
 
     Returns:
         ``[T, H * d]``.
     """
     t, h, d = q.shape
-    s = keys.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
     kh, vh = keys.unsqueeze(0), values.unsqueeze(0)
-    if t == 1 and isinstance(visible[0], int) and visible[0] == s:
-        mask = None
-    else:
-        mask = torch.zeros((t, s), dtype=torch.bool, device=q.device)
-        for row, vis in enumerate(visible):
-            if isinstance(vis, int):
-                mask[row, :vis] = True
-            else:
-                mask[row, vis] = True
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=kh.shape[1] != h
     )
@@ -62,11 +68,40 @@ def attention_fast(
 KEY_BLOCK = 64
 
 
+@dataclass
+class KeyGroup:
+    """Rows that share a padded key width: ``rows`` ``[R]``, ``index`` ``[R, W]`` slots to
+    gather (visible ones first, in position order; filler after), ``valid`` ``[R, W]``."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    valid: torch.Tensor
+
+
+def key_groups(visible: list[Visibility], device) -> list[KeyGroup]:
+    """Group rows by ``W = ceil(n / KEY_BLOCK) * KEY_BLOCK`` (n = visible keys), once per
+    forward: the same for every layer."""
+    slots = [torch.arange(v) if isinstance(v, int) else v.cpu() for v in visible]
+    widths = [-(-s.numel() // KEY_BLOCK) * KEY_BLOCK for s in slots]
+    groups = []
+    for width in sorted(set(widths)):
+        rows = [i for i, w in enumerate(widths) if w == width]
+        index = torch.zeros((len(rows), width), dtype=torch.long)  # slot 0 as filler
+        valid = torch.zeros((len(rows), width), dtype=torch.bool)
+        for j, i in enumerate(rows):
+            index[j, : slots[i].numel()] = slots[i]
+            valid[j, : slots[i].numel()] = True
+        groups.append(
+            KeyGroup(torch.tensor(rows, device=device), index.to(device), valid.to(device))
+        )
+    return groups
+
+
 def attention_exact(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    visible: list[Visibility],
+    groups: list[KeyGroup],
     scale: float,
 ) -> torch.Tensor:
     """Attention whose result for a row depends only on the keys that row sees.
@@ -83,7 +118,7 @@ def attention_exact(
         q: ``[T, H, d]``.
         keys, values: ``[G, C, d]`` the layer's cache buffers (slots written so far
             included).
-        visible: per row, a prefix length or the slots it sees (position order).
+        groups: from :func:`key_groups`.
         scale: softmax scale.
 
     Returns:
@@ -91,22 +126,14 @@ def attention_exact(
     """
     t, h, d = q.shape
     g = keys.shape[0]
-    slots = [torch.arange(v) if isinstance(v, int) else v.cpu() for v in visible]
-    widths = [-(-s.numel() // KEY_BLOCK) * KEY_BLOCK for s in slots]
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
-    for width in sorted(set(widths)):
-        rows = [i for i, w in enumerate(widths) if w == width]
-        index = torch.zeros((len(rows), width), dtype=torch.long)  # slot 0 as filler
-        valid = torch.zeros((len(rows), width), dtype=torch.bool)
-        for j, i in enumerate(rows):
-            index[j, : slots[i].numel()] = slots[i]
-            valid[j, : slots[i].numel()] = True
-        index, valid = index.to(q.device), valid.to(q.device)
-        k = keys[:, index].permute(1, 0, 2, 3)  # [R, G, W, d]
-        v = values[:, index].permute(1, 0, 2, 3)
-        qg = q[rows].view(len(rows), g, h // g, d)  # [R, G, H/G, d]
+    for group in groups:
+        r = group.rows.numel()
+        k = keys[:, group.index].transpose(0, 1)  # [R, G, W, d]
+        v = values[:, group.index].transpose(0, 1)
+        qg = q.index_select(0, group.rows).view(r, g, h // g, d)  # [R, G, H/G, d]
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [R, G, H/G, W]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(~group.valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[rows] = torch.matmul(probs, v).view(len(rows), h, d)
+        out.index_copy_(0, group.rows, torch.matmul(probs, v).view(r, h, d))
     return out.view(t, h * d)

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.runtime.attention import Visibility, attention_exact, attention_fast
+from specdec.runtime.attention import (
+    Visibility,
+    attention_exact,
+    attention_fast,
+    key_groups,
+    visibility_mask,
+)
 from specdec.runtime.cache import NativeKVCache
 from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
 from specdec.runtime.weights import ModelWeights
@@ -166,12 +172,14 @@ class NativeDecoder:
             end = row + p.length
             kv[:, :, p.start : p.start + p.length] = kv_new[row:end].permute(1, 2, 0, 3)
             if exact:
-                outputs.append(attention_exact(q[row:end], keys, values, p.visible, self.scale))
+                groups = p.attention(exact)
+                outputs.append(attention_exact(q[row:end], keys, values, groups, self.scale))
             else:
                 filled = p.start + p.length
+                mask = p.attention(exact)
                 outputs.append(
                     attention_fast(
-                        q[row:end], keys[:, :filled], values[:, :filled], p.visible, self.scale
+                        q[row:end], keys[:, :filled], values[:, :filled], mask, self.scale
                     )
                 )
             row = end
@@ -206,6 +214,17 @@ class _Plan:
     start: int
     length: int
     num_logits: int
+    _attention: object = None
+
+    def attention(self, exact: bool):
+        """What attention needs about visibility, built once per forward for all layers."""
+        if self._attention is None:
+            device = self.ids.device
+            if exact:
+                self._attention = key_groups(self.visible, device)
+            else:
+                self._attention = visibility_mask(self.visible, self.start + self.length, device)
+        return self._attention
 
 
 def _visibility(tree_mask, start: int, t: int, device) -> list[Visibility]:

@@ -1,0 +1,238 @@
+"""Forward-cost report: what one target forward of T tokens costs, per backend, dtype and
+exact mode, against this machine's roofline.
+
+Speculative decoding pays when verifying T = k + 1 tokens costs about as much as decoding
+one, so the curve t(T) / t(1) is what decides whether a drafter can win. The roofline is
+measured here, on the machine the report runs on:
+
+* read bandwidth: the best of a few ``sum`` passes over a 1 GiB float32 tensor;
+* GEMM peak per dtype: the best of a few 2048 x 2048 x 2048 products;
+* ``roofline(T) = max(weight bytes / bandwidth, T * 2 * params / peak)`` (Williams et al.,
+  "Roofline", CACM 2009): a decoder forward reads every weight once and does 2 FLOPs per
+  weight and token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.models.hf import HFModel
+
+#: Token counts of the curve.
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+#: (backend, dtype, exact) configurations of the report.
+CONFIGS = (
+    ("hf", "float32", False),
+    ("native", "float32", False),
+    ("native", "float32", True),
+    ("hf", "bfloat16", False),
+    ("native", "bfloat16", False),
+    ("native", "bfloat16", True),
+)
+#: Context already cached when the T tokens are run (a typical prompt).
+CONTEXT = 128
+
+
+@dataclass
+class Machine:
+    """Measured limits: read bandwidth (GB/s) and GEMM peak per dtype (GFLOP/s)."""
+
+    bandwidth_gbs: float
+    peak_gflops: dict[str, float]
+    threads: int
+
+
+def measure_machine(dtypes=("float32", "bfloat16"), repeats: int = 3) -> Machine:
+    """Measure read bandwidth and GEMM peak (see the module docstring)."""
+    data = torch.ones(1 << 28)  # 1 GiB of float32
+    best = min(_seconds(data.sum) for _ in range(repeats))
+    bandwidth = data.numel() * 4 / best / 1e9
+    data = None
+    peaks = {}
+    n = 2048
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a @ b
+        best = min(_seconds(lambda a=a, b=b: a @ b) for _ in range(repeats))
+        peaks[name] = 2 * n**3 / best / 1e9
+    return Machine(bandwidth, peaks, torch.get_num_threads())
+
+
+def _seconds(f) -> float:
+    start = time.perf_counter()
+    f()
+    return time.perf_counter() - start
+
+
+def weight_stats(model: HFModel) -> tuple[int, int]:
+    """``(parameters read per forward, bytes)``: every matrix of the decoder layers plus
+    the LM head (an embedding row gather is negligible; a tied LM head counts once)."""
+    module = model.model
+    head = module.get_output_embeddings().weight
+    params = head.numel()
+    for layer in module.model.layers:
+        params += sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+    return params, params * head.element_size()
+
+
+def roofline_ms(params: int, weight_bytes: int, tokens: int, machine: Machine, dtype: str):
+    """The machine's lower bound on a forward of ``tokens`` tokens, in milliseconds."""
+    memory = weight_bytes / (machine.bandwidth_gbs * 1e9)
+    compute = tokens * 2 * params / (machine.peak_gflops[dtype] * 1e9)
+    return max(memory, compute) * 1e3
+
+
+def forward_times(model: HFModel, tokens=TOKENS, repeats: int = 7) -> list[float]:
+    """Median milliseconds of one forward of T new tokens after ``CONTEXT`` cached ones."""
+    gen = torch.Generator().manual_seed(0)
+    high = min(model.vocab_size, len(model.tokenizer))
+    context = torch.randint(3, high, (CONTEXT,), generator=gen).tolist()
+    cache = model.new_cache(CONTEXT + max(tokens))
+    model.forward(context, cache, num_logits=1)
+    out = []
+    for t in tokens:
+        new = torch.randint(3, high, (t,), generator=gen).tolist()
+        samples = []
+        for _ in range(repeats + 1):  # the first run warms up
+            start = time.perf_counter()
+            model.forward(new, cache)
+            samples.append((time.perf_counter() - start) * 1e3)
+            cache.truncate(CONTEXT)
+        out.append(sorted(samples[1:])[repeats // 2])
+    return out
+
+
+@dataclass
+class CurveRecord:
+    """One configuration's curve."""
+
+    backend: str
+    dtype: str
+    exact: bool
+    times_ms: list[float]
+    roofline_ms: list[float]
+    kv_bytes_per_token: int | None = None
+    tokens: list[int] = field(default_factory=lambda: list(TOKENS))
+
+    @property
+    def label(self) -> str:
+        mode = " exact" if self.exact else ""
+        return f"{self.backend} {self.dtype}{mode}"
+
+
+def run_forward_cost(model_name: str, device: str = "cpu", progress=None) -> dict:
+    """Measure the machine and every configuration of :data:`CONFIGS` for ``model_name``.
+
+    Returns:
+        ``{"machine", "params", "weight_bytes", "curves"}`` (JSON-ready).
+    """
+    from specdec.models.loading import load, with_backend
+
+    machine = measure_machine()
+    curves, stats = [], {}
+    loaded: dict[str, HFModel] = {}
+    for backend, dtype, exact in CONFIGS:
+        if dtype not in loaded:
+            loaded = {dtype: load(model_name, dtype, device)}  # one dtype in memory at a time
+        model = loaded[dtype]
+        if backend == "native":
+            model = with_backend(model, "native", exact)
+        params, weight_bytes = weight_stats(model)
+        stats.update({"params": params, f"weight_bytes_{dtype}": weight_bytes})
+        roof = [roofline_ms(params, weight_bytes, t, machine, dtype) for t in TOKENS]
+        kv = model.new_cache(1).bytes_per_token if backend == "native" else None
+        curves.append(CurveRecord(backend, dtype, exact, forward_times(model), roof, kv))
+        if progress:
+            progress(1)
+    return {"machine": asdict(machine), **stats, "curves": [asdict(c) for c in curves]}
+
+
+def report_markdown(result: dict) -> str:
+    """Tables: t(T) in ms (and t(T)/t(1)), the roofline, and the issue's three checks."""
+    m = result["machine"]
+    peaks = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in m["peak_gflops"].items())
+    lines = [
+        f"Machine (measured here): read bandwidth {m['bandwidth_gbs']:.1f} GB/s, GEMM peak "
+        f"{peaks}, {m['threads']} threads. Context: {CONTEXT} cached tokens.\n",
+        "| configuration | " + " | ".join(f"T={t}" for t in TOKENS) + " |",
+        "|---|" + "---|" * len(TOKENS),
+    ]
+    curves = [CurveRecord(**c) for c in result["curves"]]
+    for c in curves:
+        cells = [f"{ms:.1f} ({ms / c.times_ms[0]:.2f}x)" for ms in c.times_ms]
+        lines.append(f"| {c.label} | " + " | ".join(cells) + " |")
+    for dtype in dict.fromkeys(c.dtype for c in curves):
+        roof = next(c.roofline_ms for c in curves if c.dtype == dtype)
+        lines.append(f"| roofline {dtype} | " + " | ".join(f"{r:.1f}" for r in roof) + " |")
+    lines += ["", "| configuration | t(1) / bandwidth bound | worst t(T) / roofline(T) |"]
+    lines += ["|---|---|---|"]
+    for c in curves:
+        ratios = [t / r for t, r in zip(c.times_ms, c.roofline_ms, strict=True)]
+        lines.append(
+            f"| {c.label} | {c.roofline_ms[0] / c.times_ms[0]:.0%} of the bound | "
+            f"{max(ratios):.2f}x |"
+        )
+    lines.append("")
+    for dtype in dict.fromkeys(c.dtype for c in curves):
+        exact = [c for c in curves if c.dtype == dtype and c.exact]
+        others = [c for c in curves if c.dtype == dtype and not c.exact]
+        if exact and others:
+            fastest = min(c.times_ms[0] for c in others)
+            lines.append(
+                f"- {dtype}: exact decoding step {exact[0].times_ms[0]:.1f} ms = "
+                f"{exact[0].times_ms[0] / fastest:.2f}x the fastest non-exact step "
+                f"({fastest:.1f} ms)."
+            )
+        kv = [c.kv_bytes_per_token for c in curves if c.dtype == dtype and c.kv_bytes_per_token]
+        if kv:
+            lines.append(f"- {dtype}: KV cache {kv[0]} bytes per cached token (all layers).")
+    return "\n".join(lines) + "\n"
+
+
+def plot_forward_cost(path: Path, result: dict) -> Path:
+    """t(T) per configuration against T (log-log), with each dtype's roofline dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = [CurveRecord(**c) for c in result["curves"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in curves:
+        style = "-" if c.backend == "native" else ":"
+        ax.plot(c.tokens, c.times_ms, style, marker="o", label=c.label)
+    for dtype in dict.fromkeys(c.dtype for c in curves):
+        roof = next(c.roofline_ms for c in curves if c.dtype == dtype)
+        ax.plot(TOKENS, roof, "--", color="black" if dtype == "float32" else "gray",
+                label=f"roofline {dtype}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per forward (T)")
+    ax.set_ylabel("ms per forward")
+    ax.set_title("Forward cost vs roofline")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_forward_cost(out_dir: Path, result: dict, environment: dict) -> list[Path]:
+    """``forward_cost.json``, ``forward_cost.md`` and ``forward_cost.png`` in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"environment": environment, **result}
+    paths = [out_dir / "forward_cost.json", out_dir / "forward_cost.md"]
+    paths[0].write_text(json.dumps(data, indent=1))
+    env = "\n".join(f"- {k}: {v}" for k, v in environment.items())
+    paths[1].write_text(
+        f"# specdec forward cost\n\n## Environment\n\n{env}\n\n## Result\n\n"
+        f"{report_markdown(result)}"
+    )
+    paths.append(plot_forward_cost(out_dir / "forward_cost.png", result))
+    return paths
