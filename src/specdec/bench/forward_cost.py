@@ -88,13 +88,16 @@ def roofline_ms(params: int, weight_bytes: int, tokens: int, machine: Machine, d
     return max(memory, compute) * 1e3
 
 
-def forward_times(model: HFModel, tokens=TOKENS, repeats: int = 7) -> list[float]:
-    """Median milliseconds of one forward of T new tokens after ``CONTEXT`` cached ones."""
+def forward_times(
+    model: HFModel, tokens=TOKENS, repeats: int = 7, context: int = CONTEXT
+) -> list[float]:
+    """Median milliseconds of one forward of T new tokens after ``context`` cached ones
+    (random token ids; the timing does not depend on them)."""
     gen = torch.Generator().manual_seed(0)
     high = min(model.vocab_size, len(model.tokenizer))
-    context = torch.randint(3, high, (CONTEXT,), generator=gen).tolist()
-    cache = model.new_cache(CONTEXT + max(tokens))
-    model.forward(context, cache, num_logits=1)
+    prefix = torch.randint(3, high, (context,), generator=gen).tolist()
+    cache = model.new_cache(context + max(tokens))
+    model.forward(prefix, cache, num_logits=1)
     out = []
     for t in tokens:
         new = torch.randint(3, high, (t,), generator=gen).tolist()
@@ -103,7 +106,7 @@ def forward_times(model: HFModel, tokens=TOKENS, repeats: int = 7) -> list[float
             start = time.perf_counter()
             model.forward(new, cache)
             samples.append((time.perf_counter() - start) * 1e3)
-            cache.truncate(CONTEXT)
+            cache.truncate(context)
         out.append(sorted(samples[1:])[repeats // 2])
     return out
 

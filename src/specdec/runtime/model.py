@@ -171,7 +171,7 @@ class NativeDecoder:
             keys, values = kv[0], kv[1]
             end = row + p.length
             kv[:, :, p.start : p.start + p.length] = kv_new[row:end].permute(1, 2, 0, 3)
-            if exact:
+            if exact and not p.prefill:
                 groups = p.attention(exact)
                 outputs.append(attention_exact(q[row:end], keys, values, groups, self.scale))
             else:
@@ -216,11 +216,19 @@ class _Plan:
     num_logits: int
     _attention: object = None
 
+    @property
+    def prefill(self) -> bool:
+        """A sequence's first forward (empty cache, causal): its attention runs the fast
+        path even in exact mode. Every run of the same prompt makes this same call, so it
+        gives the same bits; exact mode is about rows computed in different shapes across
+        runs (decoding vs verification), which all come after it."""
+        return self.start == 0 and self.item.tree_mask is None
+
     def attention(self, exact: bool):
         """What attention needs about visibility, built once per forward for all layers."""
         if self._attention is None:
             device = self.ids.device
-            if exact:
+            if exact and not self.prefill:
                 self._attention = key_groups(self.visible, device)
             else:
                 self._attention = visibility_mask(self.visible, self.start + self.length, device)
