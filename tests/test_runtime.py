@@ -249,3 +249,25 @@ def test_backend_choice(tmp_path, caplog):
         load(str(tmp_path / "gpt2"), backend="tpu")
     with pytest.raises(ValueError, match="needs the transformers backend"):
         load(str(tmp_path / "gpt2"), dtype="int8-dynamic", backend="native")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert load(str(tmp_path / "qwen3"), dtype="int8-dynamic", backend="auto").backend == "hf"
+    assert "int8-dynamic layers" in caplog.text
+    # the backend applies to the draft too, but an int8 draft runs on transformers
+    llm = LLM(
+        str(tmp_path / "qwen3"),
+        draft=str(tmp_path / "qwen3"),
+        draft_dtype="int8-dynamic",
+        backend="native",
+        speculative=SpeculativeConfig(method="draft-model"),
+    )
+    assert llm.target.backend == "native" and llm._draft.backend == "hf"
+
+
+def test_cli_refuses_native_int8_before_loading(tmp_path, capsys):
+    from specdec.cli import main
+
+    missing = str(tmp_path / "no-model")
+    argv = ["generate", "hi", "--model", missing, "--backend", "native", "--dtype", "int8-dynamic"]
+    assert main(argv) == 2
+    assert "needs the transformers backend" in capsys.readouterr().err

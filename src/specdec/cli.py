@@ -173,6 +173,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         record = _json_record(output, baseline)
         record["tree"] = str(speculative.tree) if speculative.tree else None
+        record["backend"] = llm.target.backend
+        record["dtype"] = str(llm.target.dtype).replace("torch.", "")
+        record["exact"] = bool(getattr(llm.target, "exact", False))
         print(json.dumps(record))
     else:
         _print_metrics(output, baseline, params, speculative.tree)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specdec.config import SamplingParams
-from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, check_dtype
+from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, check_backend, check_dtype
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:
@@ -36,8 +36,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         "--backend",
         default=DEFAULT_BACKEND,
         choices=BACKENDS,
-        help="who runs the model's forward: hf (transformers; default), native (specdec's "
-        "runtime: Llama, Mistral, Qwen2, Qwen3), auto (native when supported)",
+        help="who runs the model's forward (target and draft): hf (transformers; default), "
+        "native (specdec's runtime: Llama, Mistral, Qwen2, Qwen3), auto (native when "
+        "supported); an int8-dynamic draft always runs on transformers",
     )
     parser.add_argument(
         "--exact",
@@ -57,6 +58,7 @@ def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> Sam
         ValueError: a bad value (the message names it).
     """
     check_dtype(args.dtype)
+    check_backend(args.backend, args.dtype)
     if args.draft_dtype is not None:
         check_dtype(args.draft_dtype)
     return SamplingParams(

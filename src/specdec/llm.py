@@ -13,7 +13,7 @@ from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
 from specdec.models.hf import HFModel
-from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_MODEL, load
+from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_MODEL, INT8_DYNAMIC, load
 from specdec.sampling import make_generator
 from specdec.trees.builders import TreeBuilder, make_tree_builder
 
@@ -69,7 +69,8 @@ class LLM:
             ``draft`` is given).
         dtype, device: for models loaded by name.
         backend: ``"hf"`` (transformers), ``"native"`` (specdec's runtime) or ``"auto"``
-            for models loaded by name (see :func:`specdec.models.load`).
+            for models loaded by name (see :func:`specdec.models.load`); it applies to the
+            draft too, except that an ``int8-dynamic`` draft always runs on transformers.
         exact: native backend: batch-invariant forwards (default on).
         draft_dtype: dtype of a draft loaded by name (default: ``dtype``); e.g.
             ``"int8-dynamic"`` for a cheaper quantized copy of the target as draft.
@@ -150,14 +151,18 @@ class LLM:
         source = config.draft_model or self._draft_source
         if source is None:
             raise ValueError(
-                "method 'draft-model' needs a draft model (draft=... or draft_model=...)"
+                "method 'draft-model' needs a draft model (--draft-model on the command "
+                "line; draft=... or draft_model=... in Python)"
             )
         if isinstance(source, HFModel):
             draft = source
         elif self._draft is not None and self._draft.name == source:
             draft = self._draft
         else:
-            draft = load(source, self._draft_dtype, self._device, self._backend, self._exact)
+            backend = self._backend
+            if backend == "native" and str(self._draft_dtype).lower() == INT8_DYNAMIC:
+                backend = "auto"  # an int8 draft runs on transformers; the log says so
+            draft = load(source, self._draft_dtype, self._device, backend, self._exact)
         check_vocab_compatible(self.target, draft)
         self._draft = draft
         return draft

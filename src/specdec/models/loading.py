@@ -84,6 +84,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+#: Why int8-dynamic models run on transformers.
+INT8_NOTE = f"{INT8_DYNAMIC} layers are torch's quantized modules, which only transformers runs"
+
+
+def check_backend(backend: str, dtype: str) -> None:
+    """Refuse a backend / dtype pair :func:`load` would refuse (before any loading starts).
+
+    Raises:
+        ValueError: an unknown backend, or ``native`` with ``int8-dynamic``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "native" and str(dtype).lower() == INT8_DYNAMIC:
+        raise ValueError(
+            f"dtype {INT8_DYNAMIC} needs the transformers backend (--backend hf or auto): "
+            f"{INT8_NOTE}"
+        )
+
+
 def check_dtype(dtype: str) -> None:
     """Refuse a dtype name :func:`load` would refuse (before any loading starts).
 
@@ -185,13 +204,13 @@ def load(
         FileNotFoundError: the model cannot be found (missing path, unknown hub id, or a
             hub id without network).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    check_backend(backend, str(dtype))
     if str(dtype).lower() == INT8_DYNAMIC:
         if str(device).split(":")[0] != "cpu":
             raise ValueError(f"dtype {INT8_DYNAMIC} runs on CPU only, not {device}")
-        if backend == "native":
-            raise ValueError(f"dtype {INT8_DYNAMIC} needs the transformers backend (hf)")
+        check_backend(backend, dtype)
+        if backend == "auto":
+            logger.warning("%s runs on transformers (backend auto): %s", name_or_path, INT8_NOTE)
         return quantize_int8_dynamic(load(name_or_path, "float32", device))
     model = _load_hf(name_or_path, dtype, device)
     return model if backend == "hf" else with_backend(model, backend, exact)

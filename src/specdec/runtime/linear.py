@@ -2,23 +2,25 @@
 (batch-invariant) mode.
 
 Why: on CPU the same product ``y = x W^T`` runs at very different speeds depending on how
-it is written (``F.linear``, ``W @ x^T`` or ``x @ W_t`` with a pre-transposed weight) and on
-the number of rows M, and a row's result can change in its last bits with M, because the
-BLAS library picks another kernel (a matrix-vector kernel for M = 1, other blockings for
-larger M). Speculative decoding verifies k + 1 rows where plain decoding computes one, so
-greedy identity with plain decoding is luck unless every row is computed the same way.
+it is written (``F.linear``, ``W @ x^T``, ``x @ W_t`` with a pre-transposed weight, or
+oneDNN's inner product on a packed weight) and on the number of rows M, and a row's
+result can change in its last bits with M, because the library picks another kernel (a
+matrix-vector kernel for M = 1, other blockings for larger M). Speculative decoding
+verifies k + 1 rows where plain decoding computes one, so greedy identity with plain
+decoding is luck unless every row is computed the same way.
 
-* **fast mode**: for each weight shape and row-count bucket, the fastest formulation,
-  measured once per machine (dtype, device, thread count) and cached on disk.
-* **exact mode**: one formulation and a row tile T per weight shape such that a row's
-  result is bit-identical for every M (rows are processed in chunks of at most T; a
-  chunk of one row is padded to two, so the matrix-vector path is never taken). The
-  candidates are *checked* at calibration: each probe row, placed at several positions
-  among 2..T rows, must give the bits it gives alone (padded). A formulation that passes
-  for no tile falls back to one padded row at a time, which is invariant by construction
-  (the same call on the same data). This is the fixed-reduction-order idea of batch-
-  invariant inference (Thinking Machines, "Defeating Nondeterminism in LLM Inference",
-  2025; vLLM/SGLang deterministic modes), applied to the row count of one sequence.
+* **fast mode**: for each product and row-count bucket, the fastest formulation, measured
+  once per machine (dtype, device, thread count) and model, and cached on disk.
+* **exact mode**: one formulation, a row tile T and a minimum row count (1, or 2 when the
+  one-row kernel gives other bits) per product, such that a row's result is bit-identical
+  for every M: rows go in chunks of at most T, and a chunk below the minimum is padded.
+  The candidates are *checked* at calibration: each probe row, placed at several positions
+  among the allowed row counts, must give the bits it gives alone. If no formulation passes
+  for a tile of at least 16, rows go one at a time (padded to two), which is invariant by
+  construction (the same call on the same data). This is the fixed-reduction-order idea of
+  batch-invariant inference (Thinking Machines, "Defeating Nondeterminism in LLM
+  Inference", 2025; vLLM's and SGLang's deterministic modes), applied to the row count of
+  one sequence.
 """
 
 from __future__ import annotations
