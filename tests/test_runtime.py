@@ -271,3 +271,13 @@ def test_cli_refuses_native_int8_before_loading(tmp_path, capsys):
     argv = ["generate", "hi", "--model", missing, "--backend", "native", "--dtype", "int8-dynamic"]
     assert main(argv) == 2
     assert "needs the transformers backend" in capsys.readouterr().err
+
+
+def test_both_backends_implement_the_protocol(pair):
+    from specdec.models import Backend, KVCacheLike
+
+    hf, native = pair
+    for model in (hf, native):
+        assert isinstance(model, Backend)
+        assert isinstance(model.new_cache(4), KVCacheLike)
+    assert (hf.backend, native.backend) == ("hf", "native")

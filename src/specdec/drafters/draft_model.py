@@ -12,13 +12,13 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal
-from specdec.models.hf import HFModel
+from specdec.models.base import Backend
 from specdec.sampling import logits_to_probs, sample
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
 
 
-def check_vocab_compatible(target: HFModel, draft: HFModel) -> None:
+def check_vocab_compatible(target: Backend, draft: Backend) -> None:
     """Refuse a draft whose tokenizer maps tokens to ids differently from the target's.
 
     Padded embedding matrices (``vocab_size`` larger than the tokenizer) are fine; the
@@ -86,7 +86,7 @@ class DraftModelDrafter:
         num_real_tokens: size of the shared tokenizer vocabulary.
     """
 
-    def __init__(self, draft: HFModel, target_vocab_size: int, num_real_tokens: int) -> None:
+    def __init__(self, draft: Backend, target_vocab_size: int, num_real_tokens: int) -> None:
         self.draft = draft
         self.target_vocab_size = target_vocab_size
         self.num_real_tokens = num_real_tokens

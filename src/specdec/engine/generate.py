@@ -22,9 +22,8 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter, DraftProposal, SequenceDrafter
 from specdec.engine.stops import StopChecker
-from specdec.kv_cache import KVCache
 from specdec.metrics import SpecStats
-from specdec.models.hf import HFModel
+from specdec.models.base import Backend, KVCacheLike
 from specdec.sampling import logits_to_probs
 from specdec.trees.builders import TreeBuilder, TreeProposal
 from specdec.trees.tree import TokenTree
@@ -72,7 +71,7 @@ def verify(
 
 
 def generate_steps(
-    target: HFModel,
+    target: Backend,
     drafter: Drafter,
     prompt_ids: Sequence[int],
     params: SamplingParams,
@@ -145,9 +144,9 @@ def generate_steps(
 class _Run:
     """Everything one sequence's generation carries from step to step."""
 
-    target: HFModel
+    target: Backend
     sequence: SequenceDrafter
-    cache: KVCache
+    cache: KVCacheLike
     tokens: list[int]  # prompt + output so far; the last one is pending (not cached)
     num_prompt: int
     max_total: int
