@@ -200,10 +200,9 @@ def report_markdown(result: dict) -> str:
 
 def plot_forward_cost(path: Path, result: dict) -> Path:
     """t(T) per configuration against T (log-log), with each dtype's roofline dashed."""
-    import matplotlib
+    from specdec.bench.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     curves = [CurveRecord(**c) for c in result["curves"]]
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -236,12 +236,19 @@ def write_outputs(
     return paths
 
 
-def plot_speedups(path: Path, summary, baseline: str) -> list[Path]:
-    """Grouped bars: speedup (per-turn mean) by group, one bar per non-baseline method."""
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_speedups(path: Path, summary, baseline: str) -> list[Path]:
+    """Grouped bars: speedup (per-turn mean) by group, one bar per non-baseline method."""
+    plt = pyplot()
 
     methods = [m for m in summary if m != baseline]
     if not methods:
@@ -265,10 +272,7 @@ def plot_speedups(path: Path, summary, baseline: str) -> list[Path]:
 
 def plot_accepted_lengths(path: Path, summary, baseline: str | None = None) -> list[Path]:
     """Per method: fraction of steps that accepted n draft tokens."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     methods = [
         m
