@@ -10,7 +10,9 @@ verifies k + 1 rows where plain decoding computes one, so greedy identity with p
 decoding is luck unless every row is computed the same way.
 
 * **fast mode**: for each product and row-count bucket, the fastest formulation, measured
-  once per machine (dtype, device, thread count) and model, and cached on disk.
+  once per machine (dtype, device, thread count) and model, and cached on disk. A product
+  may be padded to the next bucket when that is faster (on some CPUs a one-row bf16
+  product runs a slower matrix-vector kernel than a two-row one).
 * **exact mode**: one formulation, a row tile T and a minimum row count (1, or 2 when the
   one-row kernel gives other bits) per product, such that a row's result is bit-identical
   for every M: rows go in chunks of at most T, and a chunk below the minimum is padded.
@@ -43,7 +45,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 #: Exact-mode tiles tried, largest first.
 TILES = (64, 32, 16, 8, 4, 2)
 #: Bump when the calibration procedure changes (invalidates cached choices).
-_VERSION = 3
+_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class KernelChoice:
 
     Attributes:
         fast: formulation per bucket in :data:`BUCKETS` order.
+        fast_rows: per bucket, the row count a product is padded to (0: not padded;
+            the next bucket's size when its measured time is lower).
         exact: the exact-mode formulation.
         tile: exact-mode tile T (most rows per product; 1 = one row at a time).
         min_rows: exact mode pads a product of fewer rows up to this many (1 or 2): 2 when
@@ -100,6 +104,7 @@ class KernelChoice:
     tile: int
     min_rows: int = 2
     times_ms: dict[str, list[float]] = field(default_factory=dict)
+    fast_rows: list[int] = field(default_factory=list)
 
 
 class Linear:
@@ -116,9 +121,10 @@ class Linear:
         self.choice = choice
         names = {*choice.fast, choice.exact}
         self.prepared = {name: FORMULATIONS[name].prepare(weight) for name in names}
+        rows = choice.fast_rows or [0] * len(BUCKETS)
         self._by_bucket = [
-            (bucket, FORMULATIONS[name].apply, self.prepared[name])
-            for bucket, name in zip(BUCKETS, choice.fast, strict=True)
+            (bucket, FORMULATIONS[name].apply, self.prepared[name], pad)
+            for bucket, name, pad in zip(BUCKETS, choice.fast, rows, strict=True)
         ]
 
     def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
@@ -128,8 +134,10 @@ class Linear:
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        for bucket, apply, prepared in self._by_bucket:
+        for bucket, apply, prepared, pad in self._by_bucket:
             if m <= bucket:
+                if pad > m:
+                    return apply(torch.cat([x, x[:1].expand(pad - m, -1)]), prepared)[:m]
                 return apply(x, prepared)
         return apply(x, prepared)
 
@@ -157,7 +165,7 @@ def exact_product(x, prepared, name: str, tile: int, min_rows: int) -> torch.Ten
 # ------------------------------------------------------------------ calibration
 
 
-def calibrate(products: dict[str, list[torch.Tensor]], repeats: int = 2) -> dict[str, KernelChoice]:
+def calibrate(products: dict[str, list[torch.Tensor]], repeats: int = 3) -> dict[str, KernelChoice]:
     """Measure every formulation per product and bucket, and find each product's exact-mode
     formulation and tile.
 
@@ -168,7 +176,8 @@ def calibrate(products: dict[str, list[torch.Tensor]], repeats: int = 2) -> dict
 
     Args:
         products: ``{name: [N, K] weights, one per layer}`` (an LM head: a list of one).
-        repeats: passes per formulation and bucket (the median is kept).
+        repeats: passes per formulation and bucket (the fastest is kept: interference
+            from other processes only ever adds time).
     """
     first = next(iter(products.values()))[0]
     names = available_formulations(first)
@@ -192,9 +201,9 @@ def calibrate(products: dict[str, list[torch.Tensor]], repeats: int = 2) -> dict
     out = {}
     for p, ws in products.items():
         t = times[p]
-        fast = [min(t, key=lambda n, i=i: t[n][i]) for i in range(len(BUCKETS))]
+        fast, fast_rows = _fast_choice(t)
         exact, tile, min_rows = _exact_choice(ws[0], inputs[p], t)
-        out[p] = KernelChoice(fast, exact, tile, min_rows, t)
+        out[p] = KernelChoice(fast, exact, tile, min_rows, t, fast_rows)
     return out
 
 
@@ -206,7 +215,7 @@ def _layers_to_time(products: dict[str, list[torch.Tensor]], budget: int = 1 << 
 
 
 def _time_passes(apply, prepared, inputs, m: int, repeats: int) -> dict[str, float]:
-    """Median milliseconds per call of each product over ``repeats`` interleaved passes."""
+    """Fastest milliseconds per call of each product over ``repeats`` interleaved passes."""
     samples: dict[str, list[float]] = {p: [] for p in prepared}
     depth = max(len(ws) for ws in prepared.values())
     for repeat in range(repeats + 1):  # the first pass warms up and is not kept
@@ -223,12 +232,33 @@ def _time_passes(apply, prepared, inputs, m: int, repeats: int) -> dict[str, flo
         if repeat:
             for p in prepared:
                 samples[p].append(totals[p] * 1e3 / counts[p])
-    return {p: sorted(v)[len(v) // 2] for p, v in samples.items()}
+    return {p: min(v) for p, v in samples.items()}
+
+
+#: Padding to the next bucket must save at least this fraction of the time.
+PAD_GAIN = 0.05
+
+
+def _fast_choice(times: dict[str, list[float]]) -> tuple[list[str], list[int]]:
+    """Per bucket: the fastest formulation at that bucket, or at the next bucket (padded to
+    its size) when that is faster by at least :data:`PAD_GAIN`."""
+    fast, rows = [], []
+    for i in range(len(BUCKETS)):
+        here = min(times, key=lambda n: times[n][i])
+        best, pad = here, 0
+        if i + 1 < len(BUCKETS):
+            up = min(times, key=lambda n: times[n][i + 1])
+            if times[up][i + 1] < (1 - PAD_GAIN) * times[here][i]:
+                best, pad = up, BUCKETS[i + 1]
+        fast.append(best)
+        rows.append(pad)
+    return fast, rows
 
 
 def _exact_choice(weight, x, times) -> tuple[str, int, int]:
     """The exact formulation: among those invariant up to a tile >= 16, the one with the
-    best decoding step (one row, or two when padding is needed) plus a quarter of its
+    best decoding step (one row, or two when padded: padding is required when the
+    one-row kernel gives other bits, and chosen when it is faster) plus a quarter of its
     16-row time (verification)."""
     best = None
     for name in times:
@@ -237,9 +267,10 @@ def _exact_choice(weight, x, times) -> tuple[str, int, int]:
             tile = next((t for t in TILES if is_row_invariant(x, prepared, name, t, min_rows)), 1)
             if tile >= 16:
                 score = times[name][min_rows - 1] + 0.25 * times[name][BUCKETS.index(16)]
+                if min_rows == 2:
+                    score += PAD_GAIN * times[name][0]  # a padded choice must win clearly
                 if best is None or score < best[0]:
                     best = (score, name, tile, min_rows)
-                break  # invariant without padding: padding could only be slower
     if best is not None:
         return best[1], best[2], best[3]
     name = min(times, key=lambda n: times[n][1])

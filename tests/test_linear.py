@@ -1,0 +1,98 @@
+"""Kernel choice of the native runtime's matrix products: padding to a faster bucket,
+exact-mode choice by score, the on-disk table, and padded products computing the same
+rows as unpadded ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.runtime import linear
+from specdec.runtime.linear import BUCKETS, KernelChoice, Linear, _exact_choice, _fast_choice
+
+
+def times(**per_formulation):
+    """``{name: [ms per bucket]}`` from a value per bucket (a list of 7)."""
+    return {name: list(ms) for name, ms in per_formulation.items()}
+
+
+def test_fast_choice_pads_to_the_next_bucket_only_when_clearly_faster():
+    t = times(a=[1.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], b=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
+    fast, rows = _fast_choice(t)
+    assert fast[0] == "a" and rows[0] == 2  # 0.5 at two rows beats 0.9 at one
+    assert fast[1] == "a" and rows[1] == 0  # next bucket (0.6) is slower
+    assert fast[-1] == "b" and rows[-1] == 0  # the last bucket never pads
+    # a 2% gain is not worth padding
+    fast, rows = _fast_choice(times(a=[1.0, 0.98, 2, 2, 2, 2, 2]))
+    assert rows[0] == 0
+
+
+def test_padded_fast_product_equals_unpadded():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    choice = KernelChoice(
+        fast=["linear"] * len(BUCKETS), exact="linear", tile=16, min_rows=2,
+        fast_rows=[2, 4, 8, 0, 0, 0, 0],
+    )  # fmt: skip
+    lin = Linear(weight, bias, choice)
+    for m in (1, 2, 3, 5, 9):
+        x = torch.randn(m, 32, generator=gen)
+        y = lin(x)
+        assert y.shape == (m, 48)
+        torch.testing.assert_close(y, F.linear(x, weight, bias))
+
+
+def test_old_table_entries_without_padding_still_load():
+    choice = KernelChoice(fast=["linear"] * len(BUCKETS), exact="linear", tile=16)
+    lin = Linear(torch.eye(4), None, choice)
+    torch.testing.assert_close(lin(torch.ones(3, 4)), torch.ones(3, 4))
+
+
+def test_exact_choice_prefers_padding_when_it_is_faster():
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(80, 32, generator=torch.Generator().manual_seed(2))
+    slow_one_row = {"x_wt": [1.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]}
+    name, tile, min_rows = _exact_choice(weight, x, slow_one_row)
+    assert (name, min_rows) == ("x_wt", 2) and tile >= 16
+    fast_one_row = {"x_wt": [0.2, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]}
+    name, tile, min_rows = _exact_choice(weight, x, fast_one_row)
+    # one row unpadded only if the one-row kernel is bit-compatible with the others
+    if linear.is_row_invariant(x, weight.t().contiguous(), "x_wt", 16, 1):
+        assert min_rows == 1
+
+
+def test_kernel_table_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calls = []
+    real = linear.calibrate
+
+    def counting(products, repeats=1):
+        calls.append(1)
+        return real(products, repeats=1)
+
+    monkeypatch.setattr(linear, "calibrate", counting)
+    gen = torch.Generator().manual_seed(0)
+    products = {"p": [torch.randn(16, 8, generator=gen) for _ in range(2)]}
+    first = linear.kernel_choices(products)
+    second = linear.kernel_choices(products)
+    assert len(calls) == 1 and first == second
+    assert (tmp_path / "kernels.json").exists()
+    linear.kernel_choices(products, refresh=True)
+    assert len(calls) == 2
+    assert len(first["p"].fast_rows) == len(BUCKETS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_product_is_row_invariant_for_the_chosen_tile(dtype):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 48, generator=gen).to(dtype)
+    x = torch.randn(80, 48, generator=gen).to(dtype)
+    t = {name: [1.0] * len(BUCKETS) for name in linear.available_formulations(weight)}
+    name, tile, min_rows = _exact_choice(weight, x, t)
+    prepared = linear.FORMULATIONS[name].prepare(weight)
+    alone = linear.exact_product(x[:1], prepared, name, tile, min_rows)
+    for m in (1, 2, 7, 16, 33):
+        rows = torch.cat([x[:1], x[1:m]])
+        assert torch.equal(linear.exact_product(rows, prepared, name, tile, min_rows)[:1], alone)
