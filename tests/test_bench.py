@@ -280,7 +280,7 @@ def test_bench_cli(tmp_path, capsys):
     hf = make_model(make_tokenizer(), seed=0)
     model_dir = tmp_path / "m"
     hf.model.save_pretrained(model_dir)
-    hf.tokenizer.save_pretrained(model_dir)
+    hf.tokenizer.hf.save_pretrained(model_dir)
     data = tmp_path / "d.jsonl"
     data.write_text(
         '{"prompt": "w5 w6 w7 w5 w6", "category": "copy"}\n'

@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory) -> str:
     hf = make_model(make_tokenizer(), seed=0)
     directory = tmp_path_factory.mktemp("tiny-model")
     hf.model.save_pretrained(directory)
-    hf.tokenizer.save_pretrained(directory)
+    hf.tokenizer.hf.save_pretrained(directory)
     return str(directory)
 
 

@@ -12,6 +12,7 @@ from specdec.drafters.base import DraftProposal
 from specdec.engine import StopChecker, generate_steps
 from specdec.models.hf import HFModel
 from specdec.sampling import make_generator
+from specdec.tokenizer import Tokenizer
 
 PROMPTS = [[1, 5, 6, 7, 8, 5, 6], [1, 20, 21, 22, 23, 24, 20, 21, 22], [1, 9]]
 
@@ -192,7 +193,7 @@ def test_stop_token_inside_accepted_block(target):
     out = llm.generate(prompt, _greedy(30, stop_token_ids=(truth[j],)))
     assert out.token_ids == truth[: j + 1]
     assert out.finish_reason == "stop"
-    assert out.text == target.decode(truth[:j])
+    assert out.text == target.tokenizer.decode(truth[:j])
     assert out.metrics.num_output_tokens == j + 1
 
 
@@ -200,8 +201,8 @@ def test_model_eos_and_end_of_turn_stop_generation(target):
     prompt = PROMPTS[0]
     truth = hf_greedy(target, prompt, 30)
     j = next(i for i in range(3, 30) if truth[i] not in truth[:i])
-    eos_model = HFModel(target.model, target.tokenizer, "eos")
-    eos_model.eos_token_ids = frozenset({truth[j]})
+    eos_model = HFModel(target.model, Tokenizer(target.tokenizer.hf, [truth[j]]), "eos")
+    eos_model.tokenizer.eos_token_ids = frozenset({truth[j]})
     llm = _scripted_llm(eos_model, truth, prompt, 8)
     out = llm.generate(prompt, SamplingParams(max_new_tokens=30))
     assert out.token_ids == truth[: j + 1] and out.finish_reason == "stop"
@@ -211,7 +212,7 @@ def test_model_eos_and_end_of_turn_stop_generation(target):
 
 def _expected_stop(target, truth, stop):
     for m in range(1, len(truth) + 1):
-        text = target.decode(truth[:m])
+        text = target.tokenizer.decode(truth[:m])
         if stop in text:
             return truth[:m], text[: text.find(stop)]
     raise AssertionError("stop string not in output")
@@ -221,7 +222,7 @@ def _expected_stop(target, truth, stop):
 def test_stop_string_ends_output_exactly(target, k):
     prompt = PROMPTS[1]
     truth = hf_greedy(target, prompt, 30)
-    words = target.decode(truth).split(" ")
+    words = target.tokenizer.decode(truth).split(" ")
     stop = f"{words[6]} {words[7]}"
     expected_ids, expected_text = _expected_stop(target, truth, stop)
     for llm in (

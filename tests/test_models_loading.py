@@ -61,7 +61,7 @@ class CountingBuild:
         self.calls.append(Path(out))
         hf = make_model(make_tokenizer(), seed=self.seed)
         hf.model.save_pretrained(out)
-        hf.tokenizer.save_pretrained(out)
+        hf.tokenizer.hf.save_pretrained(out)
 
 
 def _safetensors(directory: Path) -> Path:
@@ -188,12 +188,12 @@ def test_load_directory(saved_model):
     assert hf.vocab_size == len(make_tokenizer()) == 32
     assert hf.num_layers == 3
     assert hf.max_context == 96
-    assert 2 in hf.eos_token_ids
+    assert 2 in hf.tokenizer.eos_token_ids
     assert hf.dtype == torch.float32
     assert hf.device.type == "cpu"
     assert not hf.model.training
     assert hf.name == str(directory)
-    assert hf.encode("w1 w2") == original.encode("w1 w2")
+    assert hf.tokenizer.encode("w1 w2") == original.tokenizer.encode("w1 w2")
     # Same weights as the model that was saved.
     ids = torch.tensor([[1, 4, 5, 6]])
     with torch.no_grad():

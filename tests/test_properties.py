@@ -89,7 +89,7 @@ def model_dir(tmp_path_factory):
     hf = make_model(make_tokenizer(), seed=0)
     path = tmp_path_factory.mktemp("props") / "tiny"
     hf.model.save_pretrained(path)
-    hf.tokenizer.save_pretrained(path)
+    hf.tokenizer.hf.save_pretrained(path)
     return path
 
 

@@ -28,11 +28,11 @@ def baseline(llm):
 
 def test_chat_template_and_eos_ids(llm):
     ids = llm.encode(PROMPT)
-    text = llm.target.tokenizer.decode(ids)
+    text = llm.tokenizer.hf.decode(ids)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
-    im_end = llm.target.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert im_end in llm.target.eos_token_ids
-    assert llm.encode(PROMPT, chat=False) == llm.target.tokenizer(PROMPT)["input_ids"]
+    im_end = llm.tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in llm.tokenizer.eos_token_ids
+    assert llm.encode(PROMPT, chat=False) == llm.tokenizer.hf(PROMPT)["input_ids"]
 
 
 def test_plain_decoding_equals_transformers_greedy(llm, baseline):
@@ -63,7 +63,7 @@ def test_draft_model_greedy_equals_plain(llm, baseline):
 def test_end_of_turn_ends_output(llm, baseline):
     out = llm.generate("Say hello.", SamplingParams(max_new_tokens=100))
     assert out.finish_reason == "stop"
-    assert out.token_ids[-1] in llm.target.eos_token_ids
+    assert out.token_ids[-1] in llm.tokenizer.eos_token_ids
     assert "<|im_end|>" not in out.text and out.text.strip()
 
 
@@ -104,7 +104,7 @@ def test_text_never_ends_inside_a_character(llm):
     them must not end its text (final, streamed or JSON) with U+FFFD."""
     prompt = "把这句话重复两遍：我喜欢吃苹果和香蕉。我喜欢吃苹果和香蕉。"
     full = llm.generate(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
-    decode = llm.target.decode
+    decode = llm.tokenizer.decode
     cuts = [n for n in range(1, 49) if decode(full.token_ids[:n]).endswith("\ufffd")]
     assert cuts, "the prompt should produce a generation cut inside a character"
     n = cuts[0]

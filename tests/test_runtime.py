@@ -208,7 +208,7 @@ def test_real_model_native_equals_transformers_and_is_invariant():
 
     hf = load()
     native = NativeModel(hf, exact=True)
-    ids = hf.encode("Explain how tides work in two sentences.")
+    ids = hf.tokenizer.encode("Explain how tides work in two sentences.")
     ref = hf.forward(ids, hf.new_cache(64))
     cache = native.new_cache(64)
     mine = native.forward(ids, cache)
@@ -232,7 +232,7 @@ def test_backend_choice(tmp_path, caplog):
 
     hf = tiny_hf("qwen3")
     hf.model.save_pretrained(tmp_path / "qwen3")
-    hf.tokenizer.save_pretrained(tmp_path / "qwen3")
+    hf.tokenizer.hf.save_pretrained(tmp_path / "qwen3")
     assert load(str(tmp_path / "qwen3"), backend="native").backend == "native"
     assert load(str(tmp_path / "qwen3"), backend="auto").backend == "native"
     assert load(str(tmp_path / "qwen3")).backend == "hf"
@@ -281,3 +281,9 @@ def test_both_backends_implement_the_protocol(pair):
         assert isinstance(model, Backend)
         assert isinstance(model.new_cache(4), KVCacheLike)
     assert (hf.backend, native.backend) == ("hf", "native")
+    # the native model is not a transformers model: it shares only the tokenizer
+    assert not isinstance(native, HFModel) and native.tokenizer is hf.tokenizer
+    llm = LLM(native, speculative=SpeculativeConfig(method="ngram"))
+    assert llm.tokenizer is hf.tokenizer
+    out = llm.generate([1, 5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4 and out.text == hf.tokenizer.decode(out.token_ids)

@@ -12,9 +12,10 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
-from specdec.models.hf import HFModel
+from specdec.models.base import Backend
 from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_MODEL, INT8_DYNAMIC, load
 from specdec.sampling import make_generator
+from specdec.tokenizer import Tokenizer
 from specdec.trees.builders import TreeBuilder, make_tree_builder
 
 Prompt = str | list[dict] | list[int]
@@ -63,7 +64,8 @@ class LLM:
 
     Args:
         model: target model name/path (see :func:`specdec.models.load`) or a loaded
-            :class:`~specdec.models.HFModel`. Default: the embedded SmolLM2-135M-Instruct.
+            backend (:class:`~specdec.models.HFModel`, :class:`~specdec.models.NativeModel`).
+            Default: the embedded SmolLM2-135M-Instruct.
         draft: draft model (name/path or loaded) for ``method="draft-model"``.
         speculative: drafter settings; default ``ngram`` (or ``draft-model`` when
             ``draft`` is given).
@@ -87,8 +89,8 @@ class LLM:
 
     def __init__(
         self,
-        model: str | HFModel = DEFAULT_MODEL,
-        draft: str | HFModel | None = None,
+        model: str | Backend = DEFAULT_MODEL,
+        draft: str | Backend | None = None,
         speculative: SpeculativeConfig | None = None,
         *,
         dtype: str = "float32",
@@ -105,11 +107,12 @@ class LLM:
         self._dtype, self._device = dtype, device
         self._draft_dtype = draft_dtype or dtype
         self._backend, self._exact = backend, exact
-        self.target = (
-            model if isinstance(model, HFModel) else load(model, dtype, device, backend, exact)
+        self.target: Backend = (
+            load(model, dtype, device, backend, exact) if isinstance(model, str) else model
         )
+        self.tokenizer: Tokenizer = self.target.tokenizer
         self._draft_source = draft
-        self._draft: HFModel | None = None
+        self._draft: Backend | None = None
         self._drafters: dict[SpeculativeConfig, Drafter] = {}
         self._tree_builders: dict[SpeculativeConfig, TreeBuilder] = {}
         self.drafter(speculative)  # load and check the draft now, not mid-generation
@@ -145,16 +148,16 @@ class LLM:
         if config.method == "ngram":
             return NgramDrafter(config.ngram_min, config.ngram_max)
         draft = self._load_draft(config)
-        return DraftModelDrafter(draft, self.target.vocab_size, len(self.target.tokenizer))
+        return DraftModelDrafter(draft, self.target.vocab_size, len(self.tokenizer))
 
-    def _load_draft(self, config: SpeculativeConfig) -> HFModel:
+    def _load_draft(self, config: SpeculativeConfig) -> Backend:
         source = config.draft_model or self._draft_source
         if source is None:
             raise ValueError(
                 "method 'draft-model' needs a draft model (--draft-model on the command "
                 "line; draft=... or draft_model=... in Python)"
             )
-        if isinstance(source, HFModel):
+        if not isinstance(source, str):
             draft = source
         elif self._draft is not None and self._draft.name == source:
             draft = self._draft
@@ -181,7 +184,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")
-            return self.target.encode(prompt, chat)
+            return self.tokenizer.encode(prompt, chat)
         if not prompt:
             raise ValueError("prompt is empty")
         if all(isinstance(t, int) for t in prompt):
@@ -190,7 +193,7 @@ class LLM:
                 raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
             return list(prompt)
         if all(isinstance(m, dict) for m in prompt):
-            return self.target.encode(prompt, chat)
+            return self.tokenizer.encode(prompt, chat)
         raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
 
     def generate(
@@ -222,7 +225,7 @@ class LLM:
         ids: list[int] = []
         for step in steps:  # no per-step detokenization: the text is built once at the end
             ids.extend(step.new_token_ids)
-        text = _final_text(self.target, ids, step)
+        text = _final_text(self.tokenizer, ids, step)
         return GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats)
 
     def stream(
@@ -241,7 +244,7 @@ class LLM:
         """
         params = sampling_params or SamplingParams()
         prompt_ids, steps = self._steps(prompt, params, speculative, chat)
-        yield from _stream_text(self.target, prompt_ids, steps, params)
+        yield from _stream_text(self.tokenizer, prompt_ids, steps, params)
 
     def _steps(self, prompt: Prompt, params: SamplingParams, speculative, chat):
         """Encode the prompt and start the engine's step iterator."""
@@ -268,11 +271,11 @@ class LLM:
             )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
-            stop_ids |= self.target.eos_token_ids
-        return StopChecker(stop_ids, params.stop, self.target.decode)
+            stop_ids |= self.tokenizer.eos_token_ids
+        return StopChecker(stop_ids, params.stop, self.tokenizer.decode)
 
 
-def _stream_text(target: HFModel, prompt_ids: list[int], steps, params: SamplingParams):
+def _stream_text(tokenizer: Tokenizer, prompt_ids: list[int], steps, params: SamplingParams):
     """Turn engine steps into text chunks (incremental detokenization)."""
     holdback = max((len(s) for s in params.stop), default=1) - 1
     ids: list[int] = []
@@ -280,24 +283,24 @@ def _stream_text(target: HFModel, prompt_ids: list[int], steps, params: Sampling
     for step in steps:
         ids.extend(step.new_token_ids)
         if step.finish_reason is None:
-            text = complete_text(target.decode(ids))
+            text = complete_text(tokenizer.decode(ids))
             end = max(sent, len(text) - holdback)
             yield GenerationChunk(text[sent:end], list(step.new_token_ids))
             sent = end
             continue
-        text = _final_text(target, ids, step)
+        text = _final_text(tokenizer, ids, step)
         output = GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats)
         yield GenerationChunk(text[sent:], list(step.new_token_ids), output)
 
 
-def _final_text(target: HFModel, ids: Sequence[int], step) -> str:
+def _final_text(tokenizer: Tokenizer, ids: Sequence[int], step) -> str:
     """The output text: up to a stop string, without a stop token, and without the
     incomplete character a generation may end inside (see :func:`complete_text`)."""
     if step.text_end is not None:
-        return complete_text(target.decode(ids)[: step.text_end])
+        return complete_text(tokenizer.decode(ids)[: step.text_end])
     if step.finish_reason == "stop":  # ended by a stop token: it is not part of the text
-        return complete_text(target.decode(ids[:-1]))
-    return complete_text(target.decode(ids))
+        return complete_text(tokenizer.decode(ids[:-1]))
+    return complete_text(tokenizer.decode(ids))
 
 
 def complete_text(text: str) -> str:

@@ -128,10 +128,10 @@ def _run_turns(llm: LLM, runner: MethodRunner, prompt: BenchPrompt, params, prog
                 metrics=result.stats.to_dict() if result.stats is not None else None,
             )
         )
-        answer_ids = [t for t in result.token_ids if t not in llm.target.eos_token_ids]
+        answer_ids = [t for t in result.token_ids if t not in llm.tokenizer.eos_token_ids]
         history += [
             {"role": "user", "content": question},
-            {"role": "assistant", "content": llm.target.decode(answer_ids)},
+            {"role": "assistant", "content": llm.tokenizer.decode(answer_ids)},
         ]
         if progress:
             progress(1)
@@ -139,7 +139,7 @@ def _run_turns(llm: LLM, runner: MethodRunner, prompt: BenchPrompt, params, prog
 
 
 def _encode(llm: LLM, prompt: BenchPrompt, history: list[dict], question: str) -> list[int]:
-    if prompt.chat and llm.target.has_chat_template:
+    if prompt.chat and llm.tokenizer.has_chat_template:
         return llm.encode(history + [{"role": "user", "content": question}])
     # Raw completion: earlier turns and answers are concatenated before the question.
     return llm.encode("\n".join([m["content"] for m in history] + [question]), chat=False)

@@ -199,8 +199,8 @@ class MethodRunner:
     def _run_transformers(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         kwargs = dict(
             max_new_tokens=params.max_new_tokens,
-            eos_token_id=sorted(self.target.eos_token_ids) or None,
-            pad_token_id=min(self.target.eos_token_ids, default=0),
+            eos_token_id=sorted(self.target.tokenizer.eos_token_ids) or None,
+            pad_token_id=min(self.target.tokenizer.eos_token_ids, default=0),
         )
         if params.greedy:
             kwargs.update(do_sample=False)

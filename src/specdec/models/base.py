@@ -10,6 +10,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdec.tokenizer import Tokenizer
 from specdec.trees.tree import TokenTree
 
 
@@ -35,15 +36,15 @@ class Backend(Protocol):
         backend: ``"hf"`` or ``"native"``.
         vocab_size: width of the logits.
         max_context: longest sequence (prompt + output), in tokens.
-        eos_token_ids: ids that end generation (EOS, chat end-of-turn).
-        tokenizer: the Hugging Face tokenizer (shared by a target and its draft).
+        tokenizer: the :class:`~specdec.tokenizer.Tokenizer` the model was loaded with
+            (what :class:`~specdec.LLM` encodes and decodes with; the forward never uses it).
     """
 
     name: str
     backend: str
     vocab_size: int
     max_context: int
-    eos_token_ids: frozenset[int]
+    tokenizer: Tokenizer
 
     def new_cache(self, capacity: int = 256) -> KVCacheLike:
         """An empty cache for one sequence."""
@@ -61,8 +62,30 @@ class Backend(Protocol):
     def forward_tree(self, root_token: int, tree: TokenTree, cache: KVCacheLike) -> torch.Tensor:
         """The pending token plus every node of ``tree`` with tree attention."""
 
-    def encode(self, prompt, chat: bool | None = None) -> list[int]:
-        """Prompt (text or chat messages) -> token ids."""
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Token ids -> text (special tokens dropped)."""
+class BackendBase:
+    """What every backend derives from :meth:`Backend.forward` the same way."""
+
+    def forward_tree(self, root_token: int, tree: TokenTree, cache) -> torch.Tensor:
+        """Tree attention pass: the pending (root) token plus every node of ``tree``.
+
+        Root at position ``cache.num_tokens``, node ``i`` at that plus its depth, each
+        seeing the cache, its ancestors and itself (:meth:`TokenTree.attention_mask`).
+
+        Returns:
+            ``[N + 1, vocab_size]`` float32 logits: row 0 after the root, row ``i + 1``
+            after node ``i``'s root-to-node path.
+        """
+        return self.forward(
+            [root_token, *tree.token_ids],
+            cache,
+            positions=cache.num_tokens + tree.position_offsets(),
+            tree_mask=tree.attention_mask(),
+        )
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: Sequence[int] = (1, 8)) -> None:
+        """Run throwaway forwards of the given lengths so first-call costs leave timings."""
+        for n in num_tokens:
+            cache = self.new_cache(n)
+            self.forward([0] * n, cache)

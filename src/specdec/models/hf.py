@@ -8,26 +8,27 @@ from collections.abc import Sequence
 import torch
 
 from specdec.kv_cache import KVCache
-from specdec.trees.tree import TokenTree, tree_attention_bias
-
-#: End-of-turn markers of common chat templates; each one that the template uses and the
-#: tokenizer maps to a single token ends generation like EOS.
-END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+from specdec.models.base import BackendBase
+from specdec.tokenizer import Tokenizer, model_eos_token_ids
+from specdec.trees.tree import tree_attention_bias
 
 
-class HFModel:
-    """A transformers causal LM plus its tokenizer, as specdec uses it (target or draft).
+class HFModel(BackendBase):
+    """A transformers causal LM as specdec drives it (target or draft), and the tokenizer it
+    was loaded with.
 
     Args:
         model: a ``transformers`` causal LM (``PreTrainedModel``) in eval mode.
-        tokenizer: its tokenizer (``PreTrainedTokenizerBase``).
+        tokenizer: its tokenizer (``PreTrainedTokenizerBase``, or a
+            :class:`~specdec.tokenizer.Tokenizer`).
         name: a label for logs and reports.
 
     Attributes:
+        tokenizer: the :class:`~specdec.tokenizer.Tokenizer` (its EOS ids include the
+            model's configured ``eos_token_id``); not used by the forward.
         vocab_size: width of the logits (may exceed ``len(tokenizer)`` when the embedding
             matrix is padded).
         max_context: maximum sequence length (prompt + output), in tokens.
-        eos_token_ids: token ids that end generation (EOS and chat end-of-turn tokens).
         device, dtype: where the weights live and their dtype.
     """
 
@@ -36,8 +37,8 @@ class HFModel:
 
     def __init__(self, model, tokenizer, name: str = "model") -> None:
         self.model = model.eval()
-        self.tokenizer = tokenizer
         self.name = name
+        self.tokenizer = Tokenizer.of(tokenizer, model_eos_token_ids(model), name)
         config = (
             model.config.get_text_config()
             if hasattr(model.config, "get_text_config")
@@ -45,10 +46,9 @@ class HFModel:
         )
         self.num_layers = int(config.num_hidden_layers)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.max_context = _max_context(config, tokenizer)
+        self.max_context = _max_context(config, self.tokenizer.hf)
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.eos_token_ids = frozenset(_eos_token_ids(model, tokenizer))
 
     @property
     def device(self) -> torch.device:
@@ -57,10 +57,6 @@ class HFModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         """An empty :class:`KVCache` sized for ``capacity`` tokens."""
@@ -133,62 +129,6 @@ class HFModel:
         )
         return out.logits[0].float()
 
-    def forward_tree(self, root_token: int, tree: TokenTree, cache: KVCache) -> torch.Tensor:
-        """Tree attention pass: the pending (root) token plus every node of ``tree``.
-
-        Root at position ``cache.num_tokens``, node ``i`` at that plus its depth, each
-        seeing the cache, its ancestors and itself (:meth:`TokenTree.attention_mask`).
-
-        Returns:
-            ``[N + 1, vocab_size]`` float32 logits: row 0 after the root, row ``i + 1``
-            after node ``i``'s root-to-node path.
-        """
-        return self.forward(
-            [root_token, *tree.token_ids],
-            cache,
-            positions=cache.num_tokens + tree.position_offsets(),
-            tree_mask=tree.attention_mask(),
-        )
-
-    def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
-        """Tokenize a prompt; with ``chat`` (default: when a template exists) use the chat template.
-
-        Args:
-            prompt: a user message, or a list of ``{"role", "content"}`` messages.
-            chat: apply the chat template (``None``: if the tokenizer has one).
-
-        Returns:
-            prompt token ids (list of int).
-
-        Raises:
-            ValueError: messages given but the model has no chat template.
-        """
-        if chat is None:
-            chat = self.has_chat_template
-        if isinstance(prompt, list):
-            if not self.has_chat_template:
-                raise ValueError(f"{self.name} has no chat template; pass a plain string prompt")
-            messages = prompt
-        elif chat and self.has_chat_template:
-            messages = [{"role": "user", "content": prompt}]
-        else:
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Detokenize, dropping special tokens (EOS, end-of-turn)."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    @torch.inference_mode()
-    def warmup(self, num_tokens: Sequence[int] = (1, 8)) -> None:
-        """Run throwaway forwards of the given lengths so first-call costs leave timings."""
-        for n in num_tokens:
-            cache = self.new_cache(n)
-            self.forward([0] * n, cache)
-
 
 def _max_context(config, tokenizer) -> int:
     for attr in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
@@ -199,22 +139,3 @@ def _max_context(config, tokenizer) -> int:
     if isinstance(value, int) and 0 < value < 10**7:
         return value
     return 2048
-
-
-def _eos_token_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, str):
-        for marker in END_OF_TURN_MARKERS:
-            if marker in template:
-                token_ids = tokenizer.convert_tokens_to_ids([marker])
-                unk = getattr(tokenizer, "unk_token_id", None)
-                if token_ids and token_ids[0] is not None and token_ids[0] != unk:
-                    ids.add(int(token_ids[0]))
-    return ids

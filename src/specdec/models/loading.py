@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.models.base import Backend
 from specdec.models.hf import HFModel
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,8 @@ def load(
     device: str | torch.device = "cpu",
     backend: str = DEFAULT_BACKEND,
     exact: bool = True,
-) -> HFModel:
-    """Load a target or draft model.
+) -> Backend:
+    """Load a target or draft model (its tokenizer is ``model.tokenizer``).
 
     Args:
         name_or_path: ``smollm2-135m-instruct`` (embedded), a ``.gguf`` file, a local HF
@@ -194,8 +195,8 @@ def load(
             :class:`~specdec.models.native.NativeModel`).
 
     Returns:
-        an :class:`HFModel` (a :class:`~specdec.models.native.NativeModel` for the native
-        backend) in eval mode.
+        an :class:`HFModel`, or a :class:`~specdec.models.native.NativeModel` for the
+        native backend (and ``auto`` on a supported model).
 
     Raises:
         ValueError: unknown dtype or backend, ``int8-dynamic`` on a device other than CPU,
@@ -216,7 +217,7 @@ def load(
     return model if backend == "hf" else with_backend(model, backend, exact)
 
 
-def with_backend(model: HFModel, backend: str, exact: bool = True) -> HFModel:
+def with_backend(model: HFModel, backend: str, exact: bool = True) -> Backend:
     """``model`` run by ``backend`` (``"native"`` or ``"auto"``; see :func:`load`).
 
     Raises:

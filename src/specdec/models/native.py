@@ -1,5 +1,5 @@
 """The native backend: specdec's own forward (:mod:`specdec.runtime`) for Llama-family
-models, behind the same interface as :class:`~specdec.models.hf.HFModel`."""
+models, behind the backend protocol (:class:`~specdec.models.base.Backend`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.models.base import BackendBase
 from specdec.models.hf import HFModel
 from specdec.runtime.cache import NativeKVCache
 from specdec.runtime.linear import KernelChoice
@@ -14,12 +15,13 @@ from specdec.runtime.model import BatchItem, NativeDecoder
 from specdec.runtime.weights import extract_weights
 
 
-class NativeModel(HFModel):
+class NativeModel(BackendBase):
     """A Llama / Mistral / Qwen2 / Qwen3 model run by specdec's native runtime.
 
-    Tokenizer, chat template, EOS ids and the transformers module (for the transformers
-    baselines of ``specdec bench``) come from the wrapped :class:`HFModel`; the forward,
-    the KV cache and the matrix-product kernels are specdec's own.
+    The forward, the KV cache and the matrix-product kernels are specdec's own; the
+    tokenizer and the transformers module (for the transformers baselines of
+    ``specdec bench``) are those of the loaded :class:`HFModel`, whose forward is never
+    called.
 
     Args:
         hf: the loaded model (its weights are shared, not copied, except the fused
@@ -40,9 +42,26 @@ class NativeModel(HFModel):
     def __init__(
         self, hf: HFModel, exact: bool = True, choices: dict[str, KernelChoice] | None = None
     ) -> None:
-        super().__init__(hf.model, hf.tokenizer, name=hf.name)
-        self.decoder = NativeDecoder(extract_weights(hf.model, self.max_context), exact, choices)
+        self.hf = hf
+        self.name = hf.name
+        self.tokenizer = hf.tokenizer
+        self.vocab_size = hf.vocab_size
+        self.decoder = NativeDecoder(extract_weights(hf.model, hf.max_context), exact, choices)
         self.max_context = self.decoder.config.max_context
+        self.num_layers = len(self.decoder.layers)
+
+    @property
+    def model(self):
+        """The transformers module the weights came from (for transformers baselines)."""
+        return self.hf.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.dtype
 
     @property
     def exact(self) -> bool:

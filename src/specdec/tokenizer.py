@@ -1,0 +1,117 @@
+"""The tokenizer side of a model, kept apart from its forward: prompts (text or chat
+messages) to token ids, ids to text, and the ids that end generation.
+
+A backend (:class:`specdec.models.Backend`) only maps token ids to logits; :class:`LLM`,
+the benchmark and the server encode and decode with a :class:`Tokenizer`. A target and its
+draft model share one vocabulary (checked when the draft is attached).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+#: End-of-turn markers of common chat templates; each one that the template uses and the
+#: tokenizer maps to a single token ends generation like EOS.
+END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer as specdec uses it.
+
+    Args:
+        hf: the ``transformers`` tokenizer (``PreTrainedTokenizerBase``), or a
+            :class:`Tokenizer` (returned as is by :meth:`of`).
+        extra_eos_token_ids: more ids that end generation (a model's ``eos_token_id`` from
+            its config or generation config).
+        name: label for error messages.
+
+    Attributes:
+        hf: the wrapped tokenizer (for transformers APIs).
+        eos_token_ids: ids that end generation: EOS (tokenizer and model), and each chat
+            end-of-turn marker (:data:`END_OF_TURN_MARKERS`) the template uses.
+    """
+
+    def __init__(self, hf, extra_eos_token_ids: Iterable[int] = (), name: str = "model") -> None:
+        self.hf = hf
+        self.name = name
+        self.eos_token_ids = frozenset(_eos_token_ids(hf) | {int(i) for i in extra_eos_token_ids})
+
+    @classmethod
+    def of(cls, tokenizer, extra_eos_token_ids: Iterable[int] = (), name: str = "model"):
+        """``tokenizer`` itself if it is a :class:`Tokenizer`, else a new one wrapping it."""
+        if isinstance(tokenizer, cls):
+            return tokenizer
+        return cls(tokenizer, extra_eos_token_ids, name)
+
+    def __len__(self) -> int:
+        """Tokens the tokenizer knows (added tokens included)."""
+        return len(self.hf)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id."""
+        return self.hf.get_vocab()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
+        """Tokenize a prompt; with ``chat`` (default: when a template exists) use the chat
+        template with the generation prompt appended.
+
+        Args:
+            prompt: a user message, or a list of ``{"role", "content"}`` messages.
+            chat: apply the chat template (``None``: if the tokenizer has one).
+
+        Returns:
+            prompt token ids (list of int).
+
+        Raises:
+            ValueError: messages given but the tokenizer has no chat template.
+        """
+        if chat is None:
+            chat = self.has_chat_template
+        if isinstance(prompt, list):
+            if not self.has_chat_template:
+                raise ValueError(f"{self.name} has no chat template; pass a plain string prompt")
+            messages = prompt
+        elif chat and self.has_chat_template:
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            return list(self.hf(prompt, add_special_tokens=True)["input_ids"])
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Detokenize, dropping special tokens (EOS, end-of-turn)."""
+        return self.hf.decode(list(token_ids), skip_special_tokens=True)
+
+
+def model_eos_token_ids(model) -> set[int]:
+    """``eos_token_id`` (an int or a list) of a transformers model's generation config and
+    config."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        ids |= _ids(getattr(source, "eos_token_id", None))
+    return ids
+
+
+def _ids(value) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, (list, tuple)):
+        return {int(v) for v in value}
+    return set()
+
+
+def _eos_token_ids(tokenizer) -> set[int]:
+    ids = _ids(getattr(tokenizer, "eos_token_id", None))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, str):
+        for marker in END_OF_TURN_MARKERS:
+            if marker in template:
+                token_ids = tokenizer.convert_tokens_to_ids([marker])
+                unk = getattr(tokenizer, "unk_token_id", None)
+                if token_ids and token_ids[0] is not None and token_ids[0] != unk:
+                    ids.add(int(token_ids[0]))
+    return ids

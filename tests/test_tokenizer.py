@@ -1,0 +1,51 @@
+"""The tokenizer kept apart from the model: encoding with and without a chat template, and
+the ids that end generation."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_tokenizer
+from specdec.tokenizer import Tokenizer, model_eos_token_ids
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+)
+
+
+def test_plain_tokenizer_encodes_text_and_refuses_messages():
+    tok = Tokenizer(make_tokenizer())
+    assert not tok.has_chat_template
+    ids = tok.encode("w1 w2")
+    assert tok.decode(ids) == "w1 w2"
+    assert tok.eos_token_ids == {2}  # </s>
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.encode([{"role": "user", "content": "w1"}])
+
+
+def test_chat_template_and_end_of_turn_marker_end_generation():
+    hf = make_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf.chat_template = TEMPLATE
+    tok = Tokenizer(hf, extra_eos_token_ids=[7])
+    im_end = hf.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_ids == {2, 7, im_end}
+    chat = tok.encode("w1")
+    assert chat == tok.encode([{"role": "user", "content": "w1"}])
+    assert chat != tok.encode("w1", chat=False)
+    assert Tokenizer.of(tok) is tok and len(tok) == len(hf)
+
+
+def test_model_eos_ids_from_config_and_generation_config():
+    class Config:
+        eos_token_id = [3, 4]
+
+    class Generation:
+        eos_token_id = 5
+
+    class Model:
+        config = Config()
+        generation_config = Generation()
+
+    assert model_eos_token_ids(Model()) == {3, 4, 5}
