@@ -88,6 +88,71 @@ def test_logits_equal_transformers(pair):
     assert last.shape == (1, hf.vocab_size)
 
 
+def test_hidden_states_equal_transformers(pair):
+    hf, native = pair
+    close = dict(atol=2e-5, rtol=1e-5)
+    ref = hf.forward_full(PROMPT, hf.new_cache(16), num_logits=3)
+    mine = native.forward_full(PROMPT, native.new_cache(16), num_logits=3)
+    assert mine.hidden.shape == ref.hidden.shape == (3, hf.model.config.hidden_size)
+    torch.testing.assert_close(mine.hidden, ref.hidden, **close)
+    torch.testing.assert_close(mine.logits, ref.logits, **close)
+    # the hidden states are what the LM head reads
+    head = hf.model.get_output_embeddings().weight.detach()
+    torch.testing.assert_close(mine.hidden @ head.t(), mine.logits, **close)
+    with pytest.raises(ValueError, match="native backend"):
+        hf.forward_full(PROMPT, hf.new_cache(16), layers=[0])
+
+
+def _hf_with_layers(hf: HFModel, layers: list[int]) -> HFModel:
+    """A transformers model made of ``layers`` of ``hf`` only (same embeddings, norm, head)."""
+    import copy
+
+    module = copy.deepcopy(hf.model)
+    module.model.layers = torch.nn.ModuleList([module.model.layers[i] for i in layers])
+    for new_index, layer in enumerate(module.model.layers):
+        layer.self_attn.layer_idx = new_index
+    module.config.num_hidden_layers = len(layers)
+    if getattr(module.config, "layer_types", None):
+        module.config.layer_types = [module.config.layer_types[i] for i in layers]
+    return HFModel(module, hf.tokenizer, name="subset")
+
+
+@pytest.mark.parametrize("layers", [[0], [1]], ids=["first-layer", "skip-first"])
+def test_layer_subset_equals_a_model_of_those_layers(pair, layers):
+    hf, native = pair
+    subset = _hf_with_layers(hf, layers)
+    close = dict(atol=2e-5, rtol=1e-5)
+    ref_cache, cache = subset.new_cache(16), native.new_cache(16)
+    ref = subset.forward(PROMPT, ref_cache)
+    mine = native.forward_full(PROMPT, cache, layers=layers)
+    torch.testing.assert_close(mine.logits, ref, **close)
+    # drafting continues on the subset, sharing the cache with the full model
+    torch.testing.assert_close(
+        native.forward_full([3, 4], cache, layers=layers).logits,
+        subset.forward([3, 4], ref_cache),
+        **close,
+    )
+    with pytest.raises(ValueError, match="increasing"):
+        native.forward_full([3], cache, layers=[1, 0])
+    with pytest.raises(ValueError, match="increasing"):
+        native.forward_full([3], cache, layers=[5])
+
+
+def test_layer_skip_drafting_then_full_verification_equals_plain(pair):
+    """Draft on the first layer over the shared cache, roll back, verify with all layers:
+    the same logits as a cache that never saw the drafting pass."""
+    _, native = pair
+    cache, fresh = native.new_cache(16), native.new_cache(16)
+    for c in (cache, fresh):
+        native.forward(PROMPT, c)
+    start = cache.num_tokens
+    native.forward_full([3, 4, 20], cache, layers=[0])
+    cache.truncate(start)
+    torch.testing.assert_close(
+        native.forward([3, 4, 20], cache), native.forward([3, 4, 20], fresh), atol=0, rtol=0
+    )
+
+
 def test_ragged_batch_equals_separate_forwards(pair):
     _, native = pair
     for exact in (False, True):

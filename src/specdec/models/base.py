@@ -6,6 +6,7 @@ model. :class:`~specdec.models.hf.HFModel` (transformers) and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -61,6 +62,33 @@ class Backend(Protocol):
 
     def forward_tree(self, root_token: int, tree: TokenTree, cache: KVCacheLike) -> torch.Tensor:
         """The pending token plus every node of ``tree`` with tree attention."""
+
+    def forward_full(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        cache: KVCacheLike,
+        num_logits: int = 0,
+        positions: Sequence[int] | torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> ForwardOutput:
+        """:meth:`forward` plus hidden states; ``layers`` (a subset of the decoder layers,
+        for early exit / layer skip sharing the cache) only on the native backend."""
+
+
+@dataclass
+class ForwardOutput:
+    """A forward's logits and hidden states (``forward_full`` of either backend).
+
+    Attributes:
+        logits: ``[n, vocab_size]`` float32.
+        hidden: ``[n, hidden_size]`` in the model dtype: the final-normed hidden states the
+            LM head reads (transformers' last ``hidden_states``; the features draft heads
+            such as EAGLE are trained on).
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
 
 
 class BackendBase:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from specdec.kv_cache import KVCache
-from specdec.models.base import BackendBase
+from specdec.models.base import BackendBase, ForwardOutput
 from specdec.tokenizer import Tokenizer, model_eos_token_ids
 from specdec.trees.tree import tree_attention_bias
 
@@ -95,6 +95,11 @@ class HFModel(BackendBase):
         Raises:
             ValueError: ``tree_mask`` or ``positions`` has the wrong shape.
         """
+        return self._forward(token_ids, cache, num_logits, positions, tree_mask, False)[0]
+
+    @torch.inference_mode()
+    def _forward(self, token_ids, cache, num_logits, positions, tree_mask, hidden: bool):
+        """``(logits, final-normed hidden states or None)`` (see :meth:`forward`)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).view(1, -1)
         num_new = ids.shape[1]
         start = cache.num_tokens
@@ -124,10 +129,36 @@ class HFModel(BackendBase):
             position_ids=pos,
             use_cache=True,
             logits_to_keep=num_logits,
+            output_hidden_states=hidden,
             **{self._cache_kwarg: cache},
             **extra,
         )
-        return out.logits[0].float()
+        logits = out.logits[0].float()
+        if not hidden:
+            return logits, None
+        return logits, out.hidden_states[-1][0, num_new - logits.shape[0] :]
+
+    def forward_full(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        cache: KVCache,
+        num_logits: int = 0,
+        positions: Sequence[int] | torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> ForwardOutput:
+        """:meth:`forward` with the final-normed hidden states the LM head reads
+        (transformers' last ``hidden_states``), ``[n, hidden_size]``.
+
+        Raises:
+            ValueError: ``layers`` given (running a subset of the layers needs the native
+                backend).
+        """
+        if layers is not None:
+            raise ValueError("running a subset of the layers needs the native backend")
+        return ForwardOutput(
+            *self._forward(token_ids, cache, num_logits, positions, tree_mask, True)
+        )
 
 
 def _max_context(config, tokenizer) -> int:

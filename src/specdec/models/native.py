@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.models.base import BackendBase
+from specdec.models.base import BackendBase, ForwardOutput
 from specdec.models.hf import HFModel
 from specdec.runtime.cache import NativeKVCache
 from specdec.runtime.linear import KernelChoice
@@ -84,6 +84,21 @@ class NativeModel(BackendBase):
         causal or tree attention, logits of the last ``num_logits`` rows)."""
         item = BatchItem(token_ids, cache, positions, tree_mask, num_logits)
         return self.decoder.forward([item])[0]
+
+    def forward_full(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        cache: NativeKVCache,
+        num_logits: int = 0,
+        positions: Sequence[int] | torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> ForwardOutput:
+        """:meth:`forward` with the hidden states, optionally over a subset of the layers
+        (early exit / layer skip sharing this cache); see
+        :meth:`specdec.runtime.model.NativeDecoder.forward_full`."""
+        item = BatchItem(token_ids, cache, positions, tree_mask, num_logits)
+        return self.decoder.forward_full([item], layers=layers)[0]
 
     def forward_batch(
         self, items: Sequence[BatchItem], exact: bool | None = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.models.base import ForwardOutput
 from specdec.runtime.attention import (
     Visibility,
     attention_exact,
@@ -98,28 +99,53 @@ class NativeDecoder:
             len(self.layers), cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device
         )
 
+    def forward(
+        self,
+        items: Sequence[BatchItem],
+        exact: bool | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> list[torch.Tensor]:
+        """One forward over a ragged batch; per item, ``[T or num_logits, vocab_size]``
+        float32 logits. See :meth:`forward_full` for the arguments."""
+        return [out.logits for out in self.forward_full(items, exact, layers)]
+
     @torch.inference_mode()
-    def forward(self, items: Sequence[BatchItem], exact: bool | None = None) -> list[torch.Tensor]:
-        """One forward over a ragged batch.
+    def forward_full(
+        self,
+        items: Sequence[BatchItem],
+        exact: bool | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> list[ForwardOutput]:
+        """One forward over a ragged batch, with hidden states.
 
         Args:
             items: the sequences (each with its own cache; no cache twice).
             exact: batch-invariant mode (default: the decoder's ``exact``).
+            layers: the decoder layers to run, in increasing order (default: all). A
+                prefix ``range(L)`` is early exit after L layers; any subset is a
+                layer-skip forward (Draft & Verify, Zhang et al. 2024; SWIFT, Xia et al.
+                2025). The final norm and LM head apply after the last layer run. Only
+                the run layers write the new tokens' keys and values; the cursor moves
+                past the tokens all the same, so a drafting pass is rolled back with
+                ``truncate`` before the full forward verifies (and rewrites) them.
 
         Returns:
-            per item, ``[T or num_logits, vocab_size]`` float32 logits.
+            per item, a :class:`ForwardOutput`: ``logits`` ``[n, vocab_size]`` float32
+            and ``hidden`` ``[n, hidden_size]`` (the model dtype), n = ``num_logits`` or T.
 
         Raises:
-            ValueError: empty tokens, or positions / tree_mask of the wrong shape.
+            ValueError: empty tokens, positions / tree_mask of the wrong shape, or layers
+                out of range or not increasing.
         """
         exact = self.exact if exact is None else exact
+        order = self._layer_order(layers)
         plans = [self._plan(item) for item in items]
         ids = torch.cat([p.ids for p in plans])
         positions = torch.cat([p.positions for p in plans])
         cos, sin = self._rotary(positions)
         x = self.weights.embed.index_select(0, ids)
-        for index, layer in enumerate(self.layers):
-            x = self._layer(index, layer, x, cos, sin, plans, exact)
+        for index in order:
+            x = self._layer(index, self.layers[index], x, cos, sin, plans, exact)
         rows, offset = [], 0
         for p in plans:  # the last num_logits rows of each sequence
             rows.append(torch.arange(offset + p.length - p.num_logits, offset + p.length))
@@ -128,7 +154,22 @@ class NativeDecoder:
         index = torch.cat(rows).to(self.device)
         hidden = _rms_norm(x.index_select(0, index), self.weights.norm, self.config.rms_eps)
         logits = self.lm_head(hidden, exact).float()
-        return list(logits.split([p.num_logits for p in plans]))
+        sizes = [p.num_logits for p in plans]
+        return [
+            ForwardOutput(lg, h)
+            for lg, h in zip(logits.split(sizes), hidden.split(sizes), strict=True)
+        ]
+
+    def _layer_order(self, layers: Sequence[int] | None) -> Sequence[int]:
+        n = len(self.layers)
+        if layers is None:
+            return range(n)
+        order = [int(i) for i in layers]
+        if not order or any(not 0 <= i < n for i in order) or order != sorted(set(order)):
+            raise ValueError(
+                f"layers must be increasing indices in [0, {n}) (at least one), got {layers}"
+            )
+        return order
 
     # ----------------------------------------------------------------- internals
 
