@@ -466,3 +466,35 @@ def test_ngram_tree_merges_several_continuations():
     assert {(c,), (d,), (c, e)} <= spelled
     assert proposal.tree.token_ids[0] == c  # the more frequent continuation ranks first
     assert np.isclose(sum(session.expand([ROOT], 8)[0].scores), 1.0)
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_cache_is_sized_for_the_largest_tree_and_never_grows(target, near_draft, tree):
+    """The target cache holds prompt + max_new_tokens + the builder's node limit, every
+    tree respects that limit, and the native cache is allocated once."""
+    from specdec.models.native import NativeModel
+
+    native = NativeModel(target, exact=False)
+    llm = LLM(native, draft=near_draft, speculative=SpeculativeConfig("draft-model", tree=tree))
+    builder = llm.tree_builder(llm.speculative, seed=None)
+    caches, sizes = [], []
+    new_cache, build = native.new_cache, type(builder).build
+
+    def recording(capacity=256):
+        caches.append(new_cache(capacity))
+        return caches[-1]
+
+    def checked_build(self, *args, **kwargs):
+        proposal = build(self, *args, **kwargs)
+        sizes.append(len(proposal.tree))
+        return proposal
+
+    native.new_cache = recording
+    type(builder).build = checked_build
+    try:
+        llm.generate(PROMPTS[0], _greedy(12))
+    finally:
+        type(builder).build = build
+    (cache,) = caches
+    assert cache.capacity == len(PROMPTS[0]) + 12 + builder.max_nodes
+    assert sizes and max(sizes) <= builder.max_nodes

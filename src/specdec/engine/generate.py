@@ -115,9 +115,11 @@ def generate_steps(
     max_total = min(len(prompt_ids) + params.max_new_tokens, target.max_context)
     tokens = list(prompt_ids)
     t0 = time.perf_counter()
-    # A step verifies at most the remaining budget (chains), so the cache never needs more
-    # than max_total entries; a tree's breadth may exceed that and the cache then grows.
-    cache = target.new_cache(max_total)
+    # The cache holds the sequence plus the largest verification: a chain verifies at most
+    # the remaining budget, so max_total; a tree may hold more nodes than remain (its depth
+    # is capped, not its breadth), so max_total + its node limit.
+    largest_tree = tree_builder.max_nodes if tree_builder is not None else 0
+    cache = target.new_cache(max_total + largest_tree)
     if len(tokens) > 1:
         target.forward(tokens[:-1], cache, num_logits=1)
     stats.prefill_s = time.perf_counter() - t0

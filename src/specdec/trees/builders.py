@@ -119,7 +119,14 @@ class _Recorder:
 
 
 class TreeBuilder(ABC):
-    """Base class: ``build`` one tree per step; ``observe`` the verification outcome."""
+    """Base class: ``build`` one tree per step; ``observe`` the verification outcome.
+
+    Attributes:
+        max_nodes: most draft nodes a tree of this builder holds (the root excluded); the
+            engine sizes KV caches with it.
+    """
+
+    max_nodes: int
 
     @abstractmethod
     def build(
@@ -153,6 +160,7 @@ class StaticTreeBuilder(TreeBuilder):
 
     def __init__(self, paths: Sequence[tuple[int, ...]], draw: str = "top") -> None:
         self.paths = sorted(paths, key=lambda p: (len(p), p))
+        self.max_nodes = len(self.paths)
         self.draw = draw
 
     def build(self, session, max_depth, sampling, generator) -> TreeProposal:
@@ -206,6 +214,7 @@ class DynamicTreeBuilder(TreeBuilder):
 
     def __init__(self, top_k: int, depth: int, budget: int) -> None:
         self.top_k, self.depth, self.budget = top_k, depth, budget
+        self.max_nodes = budget
 
     def build(self, session, max_depth, sampling, generator) -> TreeProposal:
         rec = _Recorder(session)
@@ -251,6 +260,7 @@ class BestFirstTreeBuilder(TreeBuilder):
 
     def __init__(self, budget: int, depth: int) -> None:
         self.budget, self.depth = budget, depth
+        self.max_nodes = budget
 
     def build(self, session, max_depth, sampling, generator) -> TreeProposal:
         rec = _Recorder(session)
@@ -321,6 +331,7 @@ class SequoiaTreeBuilder(TreeBuilder):
 
     def __init__(self, budget: int, depth: int) -> None:
         self.budget, self.depth = budget, depth
+        self.max_nodes = budget
         self.stats = RankAcceptance(NUM_RANKS)
         self._shape: list[tuple[int, ...]] | None = None
         self._solved_at = 0
