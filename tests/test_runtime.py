@@ -200,6 +200,13 @@ def test_exact_mode_is_batch_invariant(dtype):
             rows = native.forward(seq[start : start + width], cache)
             for j in range(width):
                 assert torch.equal(rows[j], decoded[start - 10 + j]), (width, start, j)
+    # in a cache of another capacity (keys read in place at other strides)
+    big = native.new_cache(1000)
+    native.forward(seq[:10], big)  # the same first forward (the prompt)
+    native.forward(seq[10:12], big)
+    rows = native.forward(seq[12:40], big)
+    for j in range(28):
+        assert torch.equal(rows[j], decoded[2 + j]), j
     # as the deepest node of a tree whose other branches are noise
     cache.truncate(20)
     tree = TokenTree.build([ROOT, ROOT, 1, 1, 3], [5, seq[21], 9, seq[22], seq[23]])

@@ -481,8 +481,9 @@ def test_cache_is_sized_for_the_largest_tree_and_never_grows(target, near_draft,
     new_cache, build = native.new_cache, type(builder).build
 
     def recording(capacity=256):
-        caches.append(new_cache(capacity))
-        return caches[-1]
+        cache = new_cache(capacity)
+        caches.append((capacity, cache.capacity, cache))
+        return cache
 
     def checked_build(self, *args, **kwargs):
         proposal = build(self, *args, **kwargs)
@@ -495,6 +496,7 @@ def test_cache_is_sized_for_the_largest_tree_and_never_grows(target, near_draft,
         llm.generate(PROMPTS[0], _greedy(12))
     finally:
         type(builder).build = build
-    (cache,) = caches
-    assert cache.capacity == len(PROMPTS[0]) + 12 + builder.max_nodes
+    ((requested, allocated, cache),) = caches
+    assert requested == len(PROMPTS[0]) + 12 + builder.max_nodes
+    assert cache.capacity == allocated >= requested  # never grew
     assert sizes and max(sizes) <= builder.max_nodes

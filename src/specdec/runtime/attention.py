@@ -70,12 +70,25 @@ KEY_BLOCK = 64
 
 @dataclass
 class KeyGroup:
-    """Rows that share a padded key width: ``rows`` ``[R]``, ``index`` ``[R, W]`` slots to
-    gather (visible ones first, in position order; filler after), ``valid`` ``[R, W]``."""
+    """Rows that share a padded key width ``W``.
+
+    Attributes:
+        rows: ``[R]`` the rows (indices into the forward's rows of this sequence).
+        width: ``W``, a multiple of :data:`KEY_BLOCK`.
+        index: ``[R, W]`` slots to gather (visible ones first, in position order; filler
+            after), or ``None`` when every row sees a prefix of the slots: the keys are
+            then read in place, slots ``0 .. W - 1``.
+        valid: ``[R, W]`` bool, which columns are visible.
+        all_rows: the group is every row, in order (no row gather or scatter needed).
+        all_valid: every column is visible to every row (no mask needed).
+    """
 
     rows: torch.Tensor
-    index: torch.Tensor
+    width: int
+    index: torch.Tensor | None
     valid: torch.Tensor
+    all_rows: bool = False
+    all_valid: bool = False
 
 
 def key_groups(visible: list[Visibility], device) -> list[KeyGroup]:
@@ -86,13 +99,22 @@ def key_groups(visible: list[Visibility], device) -> list[KeyGroup]:
     groups = []
     for width in sorted(set(widths)):
         rows = [i for i, w in enumerate(widths) if w == width]
-        index = torch.zeros((len(rows), width), dtype=torch.long)  # slot 0 as filler
         valid = torch.zeros((len(rows), width), dtype=torch.bool)
+        prefix = all(isinstance(visible[i], int) for i in rows)
+        index = None if prefix else torch.zeros((len(rows), width), dtype=torch.long)
         for j, i in enumerate(rows):
-            index[j, : slots[i].numel()] = slots[i]
             valid[j, : slots[i].numel()] = True
+            if index is not None:
+                index[j, : slots[i].numel()] = slots[i]
         groups.append(
-            KeyGroup(torch.tensor(rows, device=device), index.to(device), valid.to(device))
+            KeyGroup(
+                torch.tensor(rows, device=device),
+                width,
+                None if index is None else index.to(device),
+                valid.to(device),
+                rows == list(range(len(visible))),
+                bool(valid.all()),
+            )
         )
     return groups
 
@@ -106,34 +128,54 @@ def attention_exact(
 ) -> torch.Tensor:
     """Attention whose result for a row depends only on the keys that row sees.
 
-    Each row's visible keys are gathered in position order and padded (masked) to
-    ``W = ceil(n / KEY_BLOCK) * KEY_BLOCK`` columns, n = number of visible keys (its
-    position + 1). Rows with the same ``W`` are computed together as a batch of identical
-    small products (one ``[H/G, d] x [d, W]`` score product and one ``[H/G, W] x [W, d]``
-    value product per row and key-value head), so a row's arithmetic is the same whether
-    it is decoded alone or verified with others, in a chain or a tree. Masked columns hold
-    finite values and get probability exactly 0.
+    Each row's visible keys, in position order, fill the first n of
+    ``W = ceil(n / KEY_BLOCK) * KEY_BLOCK`` columns (n = number of visible keys: its
+    position + 1); the other columns are masked. Rows with the same ``W`` are computed
+    together as a batch of identical small float32 products (one ``[H/G, d] x [d, W]``
+    score product and one ``[H/G, W] x [W, d]`` value product per row and key-value head,
+    the key block always laid out ``[W, d]`` with unit stride), so a row's arithmetic is
+    the same whether it is decoded alone or verified with others, in a chain or a tree.
+
+    A row that sees a prefix of the slots (decoding, chains) reads slots ``0 .. W - 1`` in
+    place; a tree row gathers its slots. Masked columns hold finite values (the cache is
+    zero-initialised and its capacity a multiple of :data:`KEY_BLOCK`; a gather fills with
+    slot 0) and get probability exactly 0, so they add exact zeros.
 
     Args:
         q: ``[T, H, d]``.
         keys, values: ``[G, C, d]`` the layer's cache buffers (slots written so far
-            included).
+            included; ``C`` a multiple of :data:`KEY_BLOCK`).
         groups: from :func:`key_groups`.
         scale: softmax scale.
 
     Returns:
-        ``[T, H * d]``; scores are softmaxed in float32 (as transformers' eager attention).
+        ``[T, H * d]`` in ``q``'s dtype; scores, softmax and the value product in float32.
     """
     t, h, d = q.shape
     g = keys.shape[0]
-    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    out = None
     for group in groups:
-        r = group.rows.numel()
-        k = keys[:, group.index].transpose(0, 1)  # [R, G, W, d]
-        v = values[:, group.index].transpose(0, 1)
-        qg = q.index_select(0, group.rows).view(r, g, h // g, d)  # [R, G, H/G, d]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [R, G, H/G, W]
-        scores = scores.masked_fill(~group.valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out.index_copy_(0, group.rows, torch.matmul(probs, v).view(r, h, d))
-    return out.view(t, h * d)
+        r, w = group.rows.numel(), group.width
+        if group.index is None:  # prefix rows: the first W slots, in place
+            k, v = keys[:, :w].unsqueeze(0), values[:, :w].unsqueeze(0)  # [1, G, W, d]
+            if r > 1:
+                k, v = k.expand(r, -1, -1, -1), v.expand(r, -1, -1, -1)
+        else:
+            k = keys[:, group.index].transpose(0, 1)  # [R, G, W, d]
+            v = values[:, group.index].transpose(0, 1)
+        k, v = k.float(), v.float()
+        if r > 1:
+            k, v = k.contiguous(), v.contiguous()
+        rows = q if group.all_rows else q.index_select(0, group.rows)
+        qg = rows.view(r, g, h // g, d).float()  # [R, G, H/G, d]
+        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [R, G, H/G, W]
+        if not group.all_valid:
+            scores.masked_fill_(~group.valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        result = torch.matmul(probs, v).to(q.dtype).view(r, h * d)
+        if group.all_rows:
+            return result
+        if out is None:
+            out = torch.empty((t, h * d), dtype=q.dtype, device=q.device)
+        out.index_copy_(0, group.rows, result)
+    return out

@@ -11,14 +11,27 @@ from __future__ import annotations
 
 import torch
 
+from specdec.runtime.attention import KEY_BLOCK
+
+#: Capacity granularity: exact attention's key block.
+SLOT_BLOCK = KEY_BLOCK
+
+
+def _round_up(capacity: int) -> int:
+    return -(-max(1, capacity) // SLOT_BLOCK) * SLOT_BLOCK
+
 
 class NativeKVCache:
     """One sequence's keys and values for every layer, with an explicit cursor.
 
     Args:
         num_layers, num_kv_heads, head_dim: the model's attention shape.
-        capacity: slots to allocate (the buffer grows, doubling, if a forward needs more).
+        capacity: slots to allocate, rounded up to a multiple of :data:`SLOT_BLOCK` (the
+            buffer grows, doubling, if a forward needs more).
         dtype, device: storage dtype and device (the model's).
+
+    The buffer is zero-initialised: exact attention reads whole blocks of
+    :data:`SLOT_BLOCK` slots in place and masks the unwritten ones, which must be finite.
 
     Attributes:
         kv: ``[num_layers, 2, num_kv_heads, capacity, head_dim]``: keys then values, one
@@ -36,8 +49,8 @@ class NativeKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_layers, 2, num_kv_heads, max(1, capacity), head_dim)
-        self.kv = torch.empty(shape, dtype=dtype, device=device)
+        shape = (num_layers, 2, num_kv_heads, _round_up(capacity), head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.num_tokens = 0
 
     @property
@@ -64,9 +77,9 @@ class NativeKVCache:
         """Make room for ``num_tokens`` slots in total (grows by at least doubling)."""
         if num_tokens <= self.capacity:
             return
-        capacity = max(num_tokens, 2 * self.capacity)
+        capacity = _round_up(max(num_tokens, 2 * self.capacity))
         old = self.kv
-        self.kv = old.new_empty((*old.shape[:3], capacity, old.shape[4]))
+        self.kv = old.new_zeros((*old.shape[:3], capacity, old.shape[4]))
         self.kv[:, :, :, : self.num_tokens] = old[:, :, :, : self.num_tokens]
 
     def truncate(self, num_tokens: int) -> None:
