@@ -119,6 +119,14 @@ def key_groups(visible: list[Visibility], device) -> list[KeyGroup]:
     return groups
 
 
+def _rows_of(block: torch.Tensor, head: int, r: int, shared: bool) -> torch.Tensor:
+    """``[R, W, d]`` keys (or values) of KV head ``head`` for R rows: one shared block
+    broadcast (stride 0, no copy) or each row's gathered block."""
+    if shared:
+        return block[head].unsqueeze(0).expand(r, -1, -1)
+    return block[head]
+
+
 def attention_exact(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -133,8 +141,9 @@ def attention_exact(
     position + 1); the other columns are masked. Rows with the same ``W`` are computed
     together as a batch of identical small float32 products (one ``[H/G, d] x [d, W]``
     score product and one ``[H/G, W] x [W, d]`` value product per row and key-value head,
-    the key block always laid out ``[W, d]`` with unit stride), so a row's arithmetic is
-    the same whether it is decoded alone or verified with others, in a chain or a tree.
+    the key block always laid out ``[W, d]`` with unit stride; several rows that see a
+    prefix share one key block, broadcast without a copy), so a row's arithmetic is the
+    same whether it is decoded alone or verified with others, in a chain or a tree.
 
     A row that sees a prefix of the slots (decoding, chains) reads slots ``0 .. W - 1`` in
     place; a tree row gathers its slots. Masked columns hold finite values (the cache is
@@ -156,23 +165,33 @@ def attention_exact(
     out = None
     for group in groups:
         r, w = group.rows.numel(), group.width
-        if group.index is None:  # prefix rows: the first W slots, in place
-            k, v = keys[:, :w].unsqueeze(0), values[:, :w].unsqueeze(0)  # [1, G, W, d]
-            if r > 1:
-                k, v = k.expand(r, -1, -1, -1), v.expand(r, -1, -1, -1)
-        else:
-            k = keys[:, group.index].transpose(0, 1)  # [R, G, W, d]
-            v = values[:, group.index].transpose(0, 1)
-        k, v = k.float(), v.float()
-        if r > 1:
-            k, v = k.contiguous(), v.contiguous()
         rows = q if group.all_rows else q.index_select(0, group.rows)
         qg = rows.view(r, g, h // g, d).float()  # [R, G, H/G, d]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [R, G, H/G, W]
+        if group.index is None:  # prefix rows: the first W slots, read in place
+            k, v = keys[:, :w].float(), values[:, :w].float()  # [G, W, d]
+        else:
+            k, v = keys[:, group.index].float(), values[:, group.index].float()  # [G, R, W, d]
+        if r == 1:
+            k = k.unsqueeze(0) if group.index is None else k.transpose(0, 1)
+            v = v.unsqueeze(0) if group.index is None else v.transpose(0, 1)
+            scores = torch.matmul(qg, k.transpose(-1, -2))  # [1, G, H/G, W]
+        else:  # per KV head, R identical products (prefix rows share one key block)
+            k, v = (
+                [_rows_of(k, j, r, group.index is None) for j in range(g)],
+                [_rows_of(v, j, r, group.index is None) for j in range(g)],
+            )
+            scores = torch.stack(
+                [torch.bmm(qg[:, j], k[j].transpose(1, 2)) for j in range(g)], dim=1
+            )
+        scores.mul_(scale)
         if not group.all_valid:
             scores.masked_fill_(~group.valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        result = torch.matmul(probs, v).to(q.dtype).view(r, h * d)
+        if r == 1:
+            result = torch.matmul(probs, v)
+        else:
+            result = torch.stack([torch.bmm(probs[:, j], v[j]) for j in range(g)], dim=1)
+        result = result.to(q.dtype).view(r, h * d)
         if group.all_rows:
             return result
         if out is None:
