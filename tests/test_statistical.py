@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specdec.engine.generate as engine
+import specdec.engine.commit as engine
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.sampling import logits_to_probs, sample
 from specdec.verify.result import VerifyResult

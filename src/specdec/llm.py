@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -9,6 +10,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Drafter, NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
 from specdec.drafters.ngram import NgramDrafter
+from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
@@ -76,6 +78,12 @@ class LLM:
         exact: native backend: batch-invariant forwards (default on).
         draft_dtype: dtype of a draft loaded by name (default: ``dtype``); e.g.
             ``"int8-dynamic"`` for a cheaper quantized copy of the target as draft.
+        engine_config: batching limits (:class:`~specdec.engine.EngineConfig`); the same
+            limits apply to single generations, so a batch gives each prompt the output it
+            gets alone.
+
+    Thread safety: any number of threads may call :meth:`generate` and :meth:`stream` on
+    one ``LLM``; steps run one at a time.
 
     Raises:
         ValueError: invalid configuration, or a draft whose vocabulary differs from the
@@ -98,6 +106,7 @@ class LLM:
         draft_dtype: str | None = None,
         backend: str = DEFAULT_BACKEND,
         exact: bool = True,
+        engine_config: EngineConfig | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -115,13 +124,18 @@ class LLM:
         self._draft: Backend | None = None
         self._drafters: dict[SpeculativeConfig, Drafter] = {}
         self._tree_builders: dict[SpeculativeConfig, TreeBuilder] = {}
+        self.engine_config = engine_config or EngineConfig()
+        # One step at a time on this LLM (models, drafters and builders are shared); held
+        # per step, never across a yield, so interleaved streams in one thread work.
+        self._lock = threading.RLock()
         self.drafter(speculative)  # load and check the draft now, not mid-generation
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
         """The drafter for ``config`` (built once per config; a draft model loads once)."""
-        if config not in self._drafters:
-            self._drafters[config] = self._build_drafter(config)
-        return self._drafters[config]
+        with self._lock:
+            if config not in self._drafters:
+                self._drafters[config] = self._build_drafter(config)
+            return self._drafters[config]
 
     def tree_builder(
         self, config: SpeculativeConfig, seed: int | None = None
@@ -138,9 +152,10 @@ class LLM:
             return None
         if seed is not None:
             return make_tree_builder(config.tree)
-        if config not in self._tree_builders:
-            self._tree_builders[config] = make_tree_builder(config.tree)
-        return self._tree_builders[config]
+        with self._lock:
+            if config not in self._tree_builders:
+                self._tree_builders[config] = make_tree_builder(config.tree)
+            return self._tree_builders[config]
 
     def _build_drafter(self, config: SpeculativeConfig) -> Drafter:
         if config.method == "none":
@@ -198,28 +213,38 @@ class LLM:
 
     def generate(
         self,
-        prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
+        prompt: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         speculative: SpeculativeConfig | None = None,
         chat: bool | None = None,
-    ) -> GenerationOutput:
-        """Generate a completion.
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """Generate a completion, or one per prompt of a batch.
 
         Args:
             prompt: a user message (str; chat template applied when the model has one and
-                ``chat`` is not False), a list of chat messages, or prompt token ids.
-            sampling_params: defaults to greedy with 256 new tokens.
+                ``chat`` is not False), a list of chat messages, or prompt token ids; or a
+                *batch*: a list of such prompts (a list of strings, of token-id lists or
+                of message lists), run together by the batched engine.
+            sampling_params: defaults to greedy with 256 new tokens; for a batch, one for
+                all or a list with one per prompt.
             speculative: override the LLM's drafter settings for this call
                 (e.g. ``SpeculativeConfig(method="none")`` for the plain baseline).
             chat: force the chat template on/off for string prompts.
 
         Returns:
-            :class:`GenerationOutput`.
+            a :class:`GenerationOutput`, or a list of them in prompt order for a batch
+            (each equal to what the prompt gives alone: greedy token for token, seeded
+            sampling the same draws).
 
         Raises:
-            ValueError: empty prompt, a prompt that fills the model's context, bad ids.
+            ValueError: empty prompt or batch, a prompt that fills the model's context, bad
+                ids, or as many sampling parameters as prompts expected.
         """
+        if _is_batch(prompt):
+            return self._generate_batch(prompt, sampling_params, speculative, chat)
+        if isinstance(sampling_params, list):
+            raise ValueError("a list of sampling parameters needs a list of prompts")
         params = sampling_params or SamplingParams()
         prompt_ids, steps = self._steps(prompt, params, speculative, chat)
         ids: list[int] = []
@@ -227,6 +252,46 @@ class LLM:
             ids.extend(step.new_token_ids)
         text = _final_text(self.tokenizer, ids, step)
         return GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats)
+
+    def _generate_batch(self, prompts, sampling_params, speculative, chat):
+        if not prompts:
+            raise ValueError("the batch of prompts is empty")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(
+                    f"{len(sampling_params)} sampling parameters for {len(prompts)} prompts"
+                )
+            all_params = [p or SamplingParams() for p in sampling_params]
+        else:
+            all_params = [sampling_params or SamplingParams()] * len(prompts)
+        config = speculative or self.speculative
+        encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked first
+        with self._lock:
+            engine = Engine(self.target, self.engine_config)
+            sequences = [
+                engine.add_request(str(i), ids, params, **self._request(config, params))
+                for i, (ids, params) in enumerate(zip(encoded, all_params, strict=True))
+            ]
+        try:
+            while True:
+                with self._lock:
+                    if not engine.has_unfinished():
+                        break
+                    engine.step()
+        finally:
+            for seq in sequences:
+                engine.abort(seq.request_id)
+        return [_output(self.tokenizer, seq) for seq in sequences]
+
+    def _request(self, config: SpeculativeConfig, params: SamplingParams) -> dict:
+        """The per-request engine arguments for ``config`` and ``params``."""
+        return dict(
+            drafter=self.drafter(config),
+            num_speculative_tokens=0 if config.method == "none" else config.num_speculative_tokens,
+            tree_builder=self.tree_builder(config, params.seed),
+            stop_checker=self._stop_checker(params),
+            generator=make_generator(params.seed, self.target.device),
+        )
 
     def stream(
         self,
@@ -247,20 +312,36 @@ class LLM:
         yield from _stream_text(self.tokenizer, prompt_ids, steps, params)
 
     def _steps(self, prompt: Prompt, params: SamplingParams, speculative, chat):
-        """Encode the prompt and start the engine's step iterator."""
+        """Encode the prompt and start the engine's step iterator (each step under the
+        lock)."""
         config = speculative or self.speculative
         prompt_ids = self.encode(prompt, chat)
+        request = self._request(config, params)
         steps = generate_steps(
             self.target,
-            self.drafter(config),
+            request["drafter"],
             prompt_ids,
             params,
-            0 if config.method == "none" else config.num_speculative_tokens,
-            self._stop_checker(params),
-            make_generator(params.seed, self.target.device),
-            self.tree_builder(config, params.seed),
+            request["num_speculative_tokens"],
+            request["stop_checker"],
+            request["generator"],
+            request["tree_builder"],
+            self.engine_config,
         )
-        return prompt_ids, steps
+        return prompt_ids, self._locked(steps)
+
+    def _locked(self, steps: Iterator) -> Iterator:
+        try:
+            while True:
+                with self._lock:
+                    try:
+                        step = next(steps)
+                    except StopIteration:
+                        return
+                yield step
+        finally:
+            with self._lock:
+                steps.close()
 
     def _stop_checker(self, params: SamplingParams) -> StopChecker:
         outside = [t for t in params.stop_token_ids if t >= self.target.vocab_size]
@@ -273,6 +354,30 @@ class LLM:
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
         return StopChecker(stop_ids, params.stop, self.tokenizer.decode)
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts (strings, token-id lists or message lists), not one prompt."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(p, (str, list, tuple)) for p in prompt)
+    )
+
+
+def _output(tokenizer: Tokenizer, seq) -> GenerationOutput:
+    """A finished engine :class:`~specdec.engine.Sequence` as a :class:`GenerationOutput`."""
+    ids = seq.output_ids
+    step = _Final(seq.finish_reason, seq.text_end)
+    return GenerationOutput(
+        _final_text(tokenizer, ids, step), ids, seq.prompt_ids, seq.finish_reason, seq.stats
+    )
+
+
+@dataclass
+class _Final:
+    finish_reason: str | None
+    text_end: int | None
 
 
 def _stream_text(tokenizer: Tokenizer, prompt_ids: list[int], steps, params: SamplingParams):

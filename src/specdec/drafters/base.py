@@ -51,7 +51,11 @@ class SequenceDrafter(Protocol):
 class Drafter(Protocol):
     """Makes a :class:`SequenceDrafter` per sequence; never decides how many tokens to
     draft (the engine passes ``num_tokens``). Holds only what sequences share (a loaded
-    draft model, settings); a stateless drafter may return itself from ``start``."""
+    draft model, settings); a stateless drafter may return itself from ``start``.
+
+    A drafter whose sequences offer ``tree_session`` declares it with a class attribute
+    ``supports_trees = True`` (the engine refuses token trees otherwise).
+    """
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceDrafter:
         """Begin drafting for a new sequence (optionally prefilling its own state)."""
@@ -59,6 +63,8 @@ class Drafter(Protocol):
 
 class NoDrafter:
     """Proposes nothing: every step is one plain autoregressive step of the target."""
+
+    supports_trees = False
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> NoDrafter:
         return self

@@ -86,6 +86,9 @@ class DraftModelDrafter:
         num_real_tokens: size of the shared tokenizer vocabulary.
     """
 
+    #: Its sequences offer ``tree_session`` (token trees).
+    supports_trees = True
+
     def __init__(self, draft: Backend, target_vocab_size: int, num_real_tokens: int) -> None:
         self.draft = draft
         self.target_vocab_size = target_vocab_size

@@ -139,6 +139,9 @@ class NgramDrafter:
         min_n, max_n: n-gram sizes to match, longest first.
     """
 
+    #: Its sequences offer ``tree_session`` (token trees).
+    supports_trees = True
+
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")

@@ -1,6 +1,19 @@
-"""Decoding engine: the single-sequence speculative loop and stop handling."""
+"""Decoding engine: the batched speculative engine, its single-sequence loop, and stops."""
 
-from specdec.engine.generate import StepOutput, generate_steps, verify
+from specdec.engine.commit import StepOutput, verify
+from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.generate import generate_steps
+from specdec.engine.sequence import Sequence, SequenceStatus
 from specdec.engine.stops import StopChecker, StopMatch
 
-__all__ = ["StepOutput", "StopChecker", "StopMatch", "generate_steps", "verify"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "Sequence",
+    "SequenceStatus",
+    "StepOutput",
+    "StopChecker",
+    "StopMatch",
+    "generate_steps",
+    "verify",
+]

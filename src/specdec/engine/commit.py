@@ -1,0 +1,72 @@
+"""What one verification step of one sequence produces, and the verifier choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import DraftProposal
+from specdec.engine.stops import StopChecker
+from specdec.metrics import SpecStats
+from specdec.sampling import logits_to_probs
+from specdec.verify.greedy import verify_greedy
+from specdec.verify.rejection import rejection_sample
+from specdec.verify.result import VerifyResult
+
+
+@dataclass
+class StepOutput:
+    """What one verification step added.
+
+    Attributes:
+        new_token_ids: tokens appended to the output (after stop truncation).
+        finish_reason: ``"stop"`` (stop token or string), ``"length"`` (max_new_tokens or
+            the context limit), or ``None`` while generation goes on.
+        text_end: for a stop string, where the output text ends (character offset).
+        stats: the generation's running :class:`SpecStats` (same object every step).
+    """
+
+    new_token_ids: list[int]
+    finish_reason: str | None
+    stats: SpecStats
+    text_end: int | None = None
+
+
+def verify(
+    proposal: DraftProposal,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> VerifyResult:
+    """Greedy match for temperature 0, lossless rejection sampling otherwise.
+
+    Args:
+        proposal: the step's draft tokens (k) and draft probabilities (or ``None``).
+        target_logits: ``[k + 1, V]`` float32 target logits.
+    """
+    draft_ids = torch.tensor(proposal.token_ids, dtype=torch.long, device=target_logits.device)
+    if params.greedy:
+        return verify_greedy(draft_ids, target_logits)
+    target_probs = logits_to_probs(target_logits, params)
+    return rejection_sample(draft_ids, proposal.draft_probs, target_probs, generator)
+
+
+def finish_step(
+    tokens: list[int],
+    num_prompt: int,
+    num_new: int,
+    max_total: int,
+    stop_checker: StopChecker,
+    stats: SpecStats,
+) -> StepOutput:
+    """Apply stops and the length limit to the tokens this step appended (in place)."""
+    output = tokens[num_prompt:]
+    match = stop_checker.check(output, num_new)
+    if match is not None:
+        del tokens[num_prompt + match.num_tokens :]
+        new = output[len(output) - num_new : match.num_tokens]
+        return StepOutput(new, "stop", stats, match.text_end)
+    new = output[len(output) - num_new :]
+    return StepOutput(new, "length" if len(tokens) >= max_total else None, stats)

@@ -1,0 +1,439 @@
+"""The batched speculative engine: every live sequence drafts, one forward verifies them all.
+
+One :meth:`Engine.step`:
+
+1. **schedule** (continuous batching, vLLM-style): running sequences first, in arrival
+   order, each costing its largest verification (pending token + draft or tree) against a
+   per-step token budget that counts draft tokens; then prompt chunks of admitted
+   sequences; then new admissions while KV slots are free. KV is accounted per sequence
+   in 16-slot blocks as it grows; when the running sequences' next step does not fit, the
+   latest arrival is *preempted*: its cache and drafter state are dropped and it waits
+   again, to be recomputed from its tokens (prompt + output) when readmitted.
+2. **draft**: each scheduled sequence's own drafter state proposes a chain (up to k
+   tokens, capped by its remaining budget) or a token tree.
+3. **one forward**: prompt chunks and verification inputs of every sequence, a ragged
+   batch (``forward_batch`` on the native backend; one forward per sequence on a backend
+   without it).
+4. **verify and commit** per sequence: greedy match, lossless rejection sampling, or tree
+   verification; the cache is truncated or compacted (cursor rule); stops apply.
+
+What a sequence computes never depends on the rest of the batch: its number of draft
+tokens and its tree come from its own settings and state (a sequence that does not fit
+the token budget waits a step rather than drafting less), every random draw comes from
+its own generator, prompt chunk boundaries are fixed per sequence (``prefill_chunk``), and
+on the native backend's exact mode every row's logits are bit-identical whatever the
+batch. So each request's output equals single-sequence generation (greedy: token for
+token; sampled with a seed: the same tokens), which the tests check against
+:func:`specdec.engine.generate.generate_steps` — itself a loop over this engine with one
+sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import Drafter, DraftProposal, NoDrafter
+from specdec.engine.commit import StepOutput, finish_step, verify
+from specdec.engine.sequence import Sequence, SequenceStatus
+from specdec.engine.stops import StopChecker
+from specdec.models.base import Backend
+from specdec.trees.builders import TreeBuilder, TreeProposal
+from specdec.trees.tree import TokenTree
+from specdec.verify.tree import verify_tree
+
+#: KV accounting granularity (slots).
+KV_BLOCK = 16
+#: A new sequence's cache starts with room for this many tokens beyond its prompt (or
+#: its whole budget if smaller), then grows by doubling.
+INITIAL_HEADROOM = 512
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler limits.
+
+    Attributes:
+        max_num_seqs: most sequences admitted at once (prefilling or running).
+        max_num_batched_tokens: most tokens one forward runs: prompt-chunk tokens plus,
+            per verified sequence, its pending token and largest draft or tree.
+        max_kv_tokens: most KV cache slots accounted over all admitted sequences (in
+            16-slot blocks as sequences grow); a sequence's own limit, too: its prompt
+            plus output never exceeds this minus its largest verification.
+        prefill_chunk: prompt tokens per prefill forward (chunked prefill). Fixed per
+            sequence, so a prompt is split the same way whatever else runs.
+
+    Raises:
+        ValueError: a limit that is not a positive integer, or ``prefill_chunk`` above
+            ``max_num_batched_tokens``.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_kv_tokens: int = 1 << 16
+    prefill_chunk: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.prefill_chunk > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prefill_chunk ({self.prefill_chunk}) must not exceed max_num_batched_tokens "
+                f"({self.max_num_batched_tokens})"
+            )
+
+
+class Engine:
+    """Continuous-batching speculative decoding over one target model.
+
+    Args:
+        target: the target backend (batched forwards when it has ``forward_batch``).
+        config: scheduler limits (default :class:`EngineConfig`).
+
+    Not thread-safe: one thread drives ``add_request`` / ``step`` / ``abort``.
+    """
+
+    def __init__(self, target: Backend, config: EngineConfig | None = None) -> None:
+        self.target = target
+        self.config = config or EngineConfig()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted: prefilling or running
+        self._live: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 0,
+        tree_builder: TreeBuilder | None = None,
+        stop_checker: StopChecker | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Sequence:
+        """Queue a request.
+
+        Args:
+            request_id: unique among live requests.
+            prompt_ids: ``[L]`` token ids, ``1 <= L < target.max_context``.
+            params: sampling parameters.
+            drafter: proposes drafts (default: none, plain decoding).
+            num_speculative_tokens: most draft tokens per step (k >= 0); capped per step by
+                the remaining budget and by ``max_num_batched_tokens - 1``.
+            tree_builder: draft a token tree per step (the drafter must support trees).
+            stop_checker: stop tokens / strings (default: none).
+            generator: this request's random source (default: unseeded).
+
+        Returns:
+            the queued :class:`Sequence` (its ``status`` and ``tokens`` update as it runs).
+
+        Raises:
+            ValueError: duplicate id, empty prompt, a prompt that fills the context or the
+                KV limit, k < 0, or a tree with a drafter that cannot draft trees, or a
+                tree larger than ``max_num_batched_tokens``.
+        """
+        cfg = self.config
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        target = self.target
+        if len(prompt_ids) >= target.max_context:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; {target.name} holds at most "
+                f"{target.max_context} tokens in total, so nothing could be generated"
+            )
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        drafter = drafter or NoDrafter()
+        largest = 1 + min(num_speculative_tokens, cfg.max_num_batched_tokens - 1)
+        if tree_builder is not None:
+            if not getattr(drafter, "supports_trees", False):
+                raise ValueError(f"{type(drafter).__name__} cannot draft token trees")
+            largest = 1 + tree_builder.max_nodes
+            if largest > cfg.max_num_batched_tokens:
+                raise ValueError(
+                    f"a tree of {tree_builder.max_nodes} nodes does not fit "
+                    f"max_num_batched_tokens={cfg.max_num_batched_tokens}"
+                )
+        kv_room = cfg.max_kv_tokens - largest
+        if len(prompt_ids) >= kv_room:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; with its largest verification "
+                f"({largest}) it needs more than max_kv_tokens={cfg.max_kv_tokens}"
+            )
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            drafter=drafter,
+            num_speculative_tokens=min(num_speculative_tokens, cfg.max_num_batched_tokens - 1),
+            tree_builder=tree_builder,
+            stop_checker=stop_checker or StopChecker(()),
+            generator=generator or torch.Generator(device=target.device),
+            max_total=min(len(prompt_ids) + params.max_new_tokens, target.max_context, kv_room),
+            arrival=next(self._arrivals),
+        )
+        self.waiting.append(seq)
+        self._live[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV cache and drafter state.
+
+        Returns:
+            whether a live request had that id.
+        """
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort", SequenceStatus.ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or admitted."""
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_kv_tokens_used(self) -> int:
+        """KV slots accounted to admitted sequences (see :class:`EngineConfig`)."""
+        return sum(s.num_kv_reserved for s in self.running)
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[tuple[Sequence, StepOutput]]:
+        """Schedule, draft, run one forward, verify and commit (see the module docstring).
+
+        Returns:
+            ``(sequence, StepOutput)`` for every sequence that ran a verification step
+            this time (a step that only prefilled returns ``[]``).
+        """
+        t_step = time.perf_counter()
+        budget = self.config.max_num_batched_tokens
+        verified = self._schedule_running(budget)
+        budget -= sum(s.max_step_tokens for s in verified)
+        chunks = self._schedule_prefill(budget)
+        if not verified and not chunks:
+            return []
+        drafts = [self._draft(s) for s in verified]
+        items = [(s, s.tokens[start:end], None, None, 1) for s, start, end in chunks]
+        for seq, draft in zip(verified, drafts, strict=True):
+            items.append(_verification_input(seq, draft))
+        t_forward = time.perf_counter()
+        logits = self._forward(items)
+        forward_s = time.perf_counter() - t_forward
+        for (seq, _, end), _ in zip(chunks, logits, strict=False):
+            seq.num_prefilled = end
+            seq.stats.prefill_s += forward_s
+            if seq.num_to_prefill == 0:
+                seq.status = SequenceStatus.RUNNING
+        outputs = []
+        for seq, draft, seq_logits in zip(verified, drafts, logits[len(chunks) :], strict=True):
+            outputs.append((seq, self._commit(seq, draft, seq_logits, forward_s)))
+        elapsed = time.perf_counter() - t_step
+        for seq in {id(s): s for s in [*verified, *(c[0] for c in chunks)]}.values():
+            seq.stats.elapsed_s += elapsed
+        return outputs
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _schedule_running(self, budget: int) -> list[Sequence]:
+        """Running sequences to verify this step (earliest arrivals first), after making
+        room in the KV accounting for their next step (preempting latest arrivals)."""
+        limit = self.config.max_kv_tokens
+        while True:
+            needs = {
+                id(s): min(_round_up(s.cache.num_tokens + s.max_step_tokens), limit)
+                for s in self.running
+                if s.status is SequenceStatus.RUNNING
+            }
+            total = sum(max(s.num_kv_reserved, needs.get(id(s), 0)) for s in self.running)
+            if total <= self.config.max_kv_tokens or len(self.running) <= 1:
+                break
+            self._preempt(max(self.running, key=lambda s: s.arrival))
+        chosen = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_kv_reserved = max(seq.num_kv_reserved, needs[id(seq)])
+            if seq.max_step_tokens <= budget:
+                chosen.append(seq)
+                budget -= seq.max_step_tokens
+        return chosen
+
+    def _schedule_prefill(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """Prompt chunks ``(sequence, start, end)`` of admitted sequences, then of new
+        admissions while sequences, KV slots and the token budget allow."""
+        chunks = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is SequenceStatus.PREFILL:
+                start, end = self._next_chunk(seq)
+                if end - start <= budget:
+                    chunks.append((seq, start, end))
+                    budget -= end - start
+        cfg = self.config
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            need = min(_round_up(len(seq.tokens) + seq.max_step_tokens), cfg.max_kv_tokens)
+            if self.num_kv_tokens_used + need > cfg.max_kv_tokens and self.running:
+                break  # first come, first served: no overtaking
+            self.waiting.popleft()
+            self._admit(seq, need)
+            if seq.status is SequenceStatus.PREFILL:
+                start, end = self._next_chunk(seq)
+                if end - start <= budget:
+                    chunks.append((seq, start, end))
+                    budget -= end - start
+        return chunks
+
+    def _next_chunk(self, seq: Sequence) -> tuple[int, int]:
+        """The next prefill chunk: the prompt (minus its pending last token) in
+        ``prefill_chunk`` pieces, then, for a recomputed sequence, its earlier output.
+        Boundaries depend only on the sequence."""
+        size = self.config.prefill_chunk
+        start = seq.num_prefilled
+        prompt_end = len(seq.prompt_ids) - 1
+        if start < prompt_end:
+            return start, min(start + size, prompt_end)
+        return start, min(start + size, len(seq.tokens) - 1)
+
+    def _admit(self, seq: Sequence, need: int) -> None:
+        t0 = time.perf_counter()
+        # a chain never verifies past max_total; a tree may hold more nodes than remain
+        largest_tree = seq.tree_builder.max_nodes if seq.tree_builder is not None else 0
+        capacity = min(seq.max_total + largest_tree, len(seq.tokens) + INITIAL_HEADROOM)
+        seq.cache = self.target.new_cache(capacity)
+        seq.num_prefilled = 0
+        seq.num_kv_reserved = need
+        seq.drafter_state = seq.drafter.start(seq.tokens, seq.params)
+        seq.status = SequenceStatus.PREFILL if seq.num_to_prefill else SequenceStatus.RUNNING
+        self.running.append(seq)
+        seq.stats.draft_s += time.perf_counter() - t0
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop ``seq``'s cache and drafter state; it waits (in arrival order) to be
+        recomputed from its tokens."""
+        self._release(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        position = next((i for i, s in enumerate(self.waiting) if s.arrival > seq.arrival), None)
+        if position is None:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(position, seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.drafter_state is not None:
+            seq.drafter_state.close()
+            seq.drafter_state = None
+        seq.cache = None
+        seq.num_kv_reserved = 0
+        seq.num_prefilled = 0
+
+    def _finish(self, seq: Sequence, reason: str, status: SequenceStatus) -> None:
+        self._release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._live.pop(seq.request_id, None)
+        seq.status, seq.finish_reason = status, reason
+
+    # ------------------------------------------------------------------ draft, forward, commit
+
+    def _draft(self, seq: Sequence) -> DraftProposal | TreeProposal:
+        t0 = time.perf_counter()
+        budget = seq.max_total - len(seq.tokens)
+        if seq.tree_builder is None:
+            k = min(seq.num_speculative_tokens, budget - 1)
+            draft = seq.drafter_state.propose(seq.tokens, k, seq.generator)
+        else:
+            draft = _draft_tree(seq, budget - 1)
+        seq.stats.draft_s += time.perf_counter() - t0
+        return draft
+
+    def _forward(self, items) -> list[torch.Tensor]:
+        target = self.target
+        if hasattr(target, "forward_batch"):
+            from specdec.runtime.model import BatchItem
+
+            batch = [BatchItem(ids, seq.cache, pos, mask, n) for seq, ids, pos, mask, n in items]
+            return target.forward_batch(batch)
+        outputs = []
+        for seq, ids, pos, mask, n in items:
+            if mask is None:  # causal: the protocol's plain call
+                outputs.append(target.forward(ids, seq.cache, num_logits=n))
+            else:
+                outputs.append(
+                    target.forward(ids, seq.cache, num_logits=n, positions=pos, tree_mask=mask)
+                )
+        return outputs
+
+    def _commit(self, seq: Sequence, draft, logits: torch.Tensor, forward_s: float) -> StepOutput:
+        t0 = time.perf_counter()
+        cache, params = seq.cache, seq.params
+        past = cache.num_tokens - logits.shape[0]  # before this step's rows
+        if isinstance(draft, TreeProposal):
+            tree = draft.tree
+            result = verify_tree(tree, logits, params, seq.generator)
+            cache.compact([past + 1 + n for n in result.accepted_nodes], start=past + 1)
+            seq.tree_builder.observe(draft, result.accepted_nodes, result.output_token_ids)
+            num_drafted, max_depth = len(tree), tree.max_depth
+        else:
+            result = verify(draft, logits, params, seq.generator)
+            cache.truncate(past + 1 + result.num_accepted)  # the last emitted is pending
+            num_drafted = max_depth = len(draft)
+        seq.tokens.extend(result.output_token_ids)
+        stats = seq.stats
+        stats.verify_s += forward_s + time.perf_counter() - t0
+        step = finish_step(
+            seq.tokens, len(seq.prompt_ids), len(result.output_token_ids), seq.max_total,
+            seq.stop_checker, stats,
+        )  # fmt: skip
+        # Draft tokens dropped by a stop are not counted as accepted.
+        num_accepted = min(result.num_accepted, len(step.new_token_ids))
+        stats.record_step(num_drafted, num_accepted, len(step.new_token_ids), max_depth)
+        if step.finish_reason is not None:
+            seq.text_end = step.text_end
+            self._finish(seq, step.finish_reason, SequenceStatus.FINISHED)
+        return step
+
+
+def _verification_input(seq: Sequence, draft):
+    """``(sequence, token ids, positions, tree mask, num_logits)`` of one verification."""
+    pending = seq.tokens[-1]
+    if isinstance(draft, TreeProposal):
+        tree = draft.tree
+        positions = seq.cache.num_tokens + tree.position_offsets()
+        return (seq, [pending, *tree.token_ids], positions, tree.attention_mask(), 0)
+    return (seq, [pending, *draft.token_ids], None, None, 0)
+
+
+def _draft_tree(seq: Sequence, max_depth: int) -> TreeProposal:
+    """One step's tree (empty when no token may be drafted)."""
+    if max_depth < 1:
+        return TreeProposal(TokenTree((), ()))
+    session = seq.drafter_state.tree_session(seq.tokens, seq.params)
+    try:
+        return seq.tree_builder.build(session, max_depth, not seq.params.greedy, seq.generator)
+    finally:
+        session.close()
+
+
+def _round_up(slots: int) -> int:
+    return -(-slots // KV_BLOCK) * KV_BLOCK
