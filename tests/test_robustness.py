@@ -10,8 +10,8 @@ import torch
 
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.config import MAX_STOP_STRINGS
-from specdec.llm import complete_text
 from specdec.sampling import logits_to_probs
+from specdec.text import complete_text
 
 PROMPT = [1, 5, 6, 7, 8, 5, 6, 7]
 

@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate PROMPT [options]``."""
+"""Command line: ``specdec generate PROMPT [options]``, ``specdec bench``, ``specdec serve``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import logging
 import sys
 
 from specdec import __version__
-from specdec.cli_common import add_sampling_args, sampling_params
-from specdec.config import DRAFTER_METHODS, SamplingParams, SpeculativeConfig
+from specdec.cli_common import (
+    add_drafter_args,
+    add_sampling_args,
+    llm_from_args,
+    sampling_params,
+    speculative_config,
+)
+from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.llm import LLM, GenerationOutput
 from specdec.models.loading import DEFAULT_MODEL
 
@@ -74,33 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"target: embedded name, .gguf file, HF directory or hub id "
         f"(default: {DEFAULT_MODEL})",
     )
-    gen.add_argument(
-        "--drafter",
-        default=None,
-        choices=DRAFTER_METHODS,
-        help="how draft tokens are proposed (default: ngram, or draft-model when "
-        "--draft-model is given)",
-    )
-    gen.add_argument("--draft-model", help="draft model (implies --drafter draft-model)")
-    gen.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=5,
-        metavar="K",
-        help="draft tokens per verification step (default: 5)",
-    )
-    gen.add_argument(
-        "--tree",
-        metavar="SPEC",
-        help="verify a token tree per step instead of a chain: "
-        "static:<tree-8|tree-16|tree-32|chain-K|paths.json>[,draw=top|iid|wor], "
-        "dynamic:top_k=4,depth=5,budget=16 (EAGLE-2), best-first:budget=16,depth=6 "
-        "(DDTree), sequoia:budget=16,depth=6 (Sequoia); budget = draft nodes per step",
-    )
-    gen.add_argument(
-        "--ngram-min", type=int, default=2, help="smallest n-gram to match (default 2)"
-    )
-    gen.add_argument("--ngram-max", type=int, default=4, help="largest n-gram to match (default 4)")
+    add_drafter_args(gen)
     add_sampling_args(gen, max_new_tokens=256, seed=None)
     gen.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
@@ -121,6 +101,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from specdec.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from specdec.server.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -133,27 +116,10 @@ def _quiet_transformers() -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
-    drafter = args.drafter or ("draft-model" if args.draft_model else "ngram")
-    if args.draft_model and drafter != "draft-model":
-        raise ValueError(f"--draft-model is only used with --drafter draft-model, not {drafter}")
-    speculative = SpeculativeConfig(
-        method=drafter,
-        num_speculative_tokens=args.num_speculative_tokens,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        draft_model=args.draft_model,
-        tree=args.tree,
-    )
+    speculative = speculative_config(args)
+    drafter = speculative.method
     params = sampling_params(args, stop=tuple(args.stop))
-    llm = LLM(
-        args.model,
-        speculative=speculative,
-        dtype=args.dtype,
-        device=args.device,
-        draft_dtype=args.draft_dtype,
-        backend=args.backend,
-        exact=args.exact,
-    )
+    llm = llm_from_args(args, speculative)
     width = speculative.tree.num_nodes if speculative.tree else speculative.num_speculative_tokens
     # Warm up the shapes a step can use: never more draft tokens than could be generated.
     width = min(width, params.max_new_tokens - 1, llm.target.max_context - 1)

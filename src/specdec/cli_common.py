@@ -4,8 +4,60 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.config import SamplingParams
+from specdec.config import DRAFTER_METHODS, SamplingParams, SpeculativeConfig
 from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, check_backend, check_dtype
+
+
+def add_drafter_args(parser: argparse.ArgumentParser) -> None:
+    """``--drafter --draft-model --num-speculative-tokens --tree --ngram-min --ngram-max``."""
+    parser.add_argument(
+        "--drafter",
+        default=None,
+        choices=DRAFTER_METHODS,
+        help="how draft tokens are proposed (default: ngram, or draft-model when "
+        "--draft-model is given)",
+    )
+    parser.add_argument("--draft-model", help="draft model (implies --drafter draft-model)")
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=5,
+        metavar="K",
+        help="draft tokens per verification step (default: 5)",
+    )
+    parser.add_argument(
+        "--tree",
+        metavar="SPEC",
+        help="verify a token tree per step instead of a chain: "
+        "static:<tree-8|tree-16|tree-32|chain-K|paths.json>[,draw=top|iid|wor], "
+        "dynamic:top_k=4,depth=5,budget=16 (EAGLE-2), best-first:budget=16,depth=6 "
+        "(DDTree), sequoia:budget=16,depth=6 (Sequoia); budget = draft nodes per step",
+    )
+    parser.add_argument(
+        "--ngram-min", type=int, default=2, help="smallest n-gram to match (default 2)"
+    )
+    parser.add_argument(
+        "--ngram-max", type=int, default=4, help="largest n-gram to match (default 4)"
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """:class:`SpeculativeConfig` from the options of :func:`add_drafter_args`.
+
+    Raises:
+        ValueError: ``--draft-model`` with another drafter, or an invalid setting.
+    """
+    drafter = args.drafter or ("draft-model" if args.draft_model else "ngram")
+    if args.draft_model and drafter != "draft-model":
+        raise ValueError(f"--draft-model is only used with --drafter draft-model, not {drafter}")
+    return SpeculativeConfig(
+        method=drafter,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        draft_model=args.draft_model,
+        tree=args.tree,
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:
@@ -68,4 +120,21 @@ def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> Sam
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         stop=stop,
+    )
+
+
+def llm_from_args(args: argparse.Namespace, speculative: SpeculativeConfig, **kwargs):
+    """An :class:`~specdec.LLM` for ``--model`` with the model options (``--dtype``,
+    ``--device``, ``--draft-dtype``, ``--backend``, ``--exact``); ``kwargs`` go to ``LLM``."""
+    from specdec.llm import LLM
+
+    return LLM(
+        args.model,
+        speculative=speculative,
+        dtype=args.dtype,
+        device=args.device,
+        draft_dtype=args.draft_dtype,
+        backend=args.backend,
+        exact=args.exact,
+        **kwargs,
     )

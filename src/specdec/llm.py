@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from specdec.config import SamplingParams, SpeculativeConfig
@@ -17,6 +17,7 @@ from specdec.metrics import SpecStats
 from specdec.models.base import Backend
 from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_MODEL, INT8_DYNAMIC, load
 from specdec.sampling import make_generator
+from specdec.text import TextStream, final_text
 from specdec.tokenizer import Tokenizer
 from specdec.trees.builders import TreeBuilder, make_tree_builder
 
@@ -132,6 +133,9 @@ class LLM:
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
         """The drafter for ``config`` (built once per config; a draft model loads once)."""
+        drafter = self._drafters.get(config)  # no lock on the common path (a server's
+        if drafter is not None:  # handlers must not wait for a running step)
+            return drafter
         with self._lock:
             if config not in self._drafters:
                 self._drafters[config] = self._build_drafter(config)
@@ -152,6 +156,9 @@ class LLM:
             return None
         if seed is not None:
             return make_tree_builder(config.tree)
+        builder = self._tree_builders.get(config)
+        if builder is not None:
+            return builder
         with self._lock:
             if config not in self._tree_builders:
                 self._tree_builders[config] = make_tree_builder(config.tree)
@@ -250,7 +257,7 @@ class LLM:
         ids: list[int] = []
         for step in steps:  # no per-step detokenization: the text is built once at the end
             ids.extend(step.new_token_ids)
-        text = _final_text(self.tokenizer, ids, step)
+        text = final_text(self.tokenizer, ids, step.finish_reason, step.text_end)
         return GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats)
 
     def _generate_batch(self, prompts, sampling_params, speculative, chat):
@@ -368,57 +375,18 @@ def _is_batch(prompt) -> bool:
 def _output(tokenizer: Tokenizer, seq) -> GenerationOutput:
     """A finished engine :class:`~specdec.engine.Sequence` as a :class:`GenerationOutput`."""
     ids = seq.output_ids
-    step = _Final(seq.finish_reason, seq.text_end)
-    return GenerationOutput(
-        _final_text(tokenizer, ids, step), ids, seq.prompt_ids, seq.finish_reason, seq.stats
-    )
-
-
-@dataclass
-class _Final:
-    finish_reason: str | None
-    text_end: int | None
+    text = final_text(tokenizer, ids, seq.finish_reason, seq.text_end)
+    return GenerationOutput(text, ids, seq.prompt_ids, seq.finish_reason, seq.stats)
 
 
 def _stream_text(tokenizer: Tokenizer, prompt_ids: list[int], steps, params: SamplingParams):
     """Turn engine steps into text chunks (incremental detokenization)."""
-    holdback = max((len(s) for s in params.stop), default=1) - 1
-    ids: list[int] = []
-    sent = 0
+    stream = TextStream(tokenizer, params.stop)
     for step in steps:
-        ids.extend(step.new_token_ids)
-        if step.finish_reason is None:
-            text = complete_text(tokenizer.decode(ids))
-            end = max(sent, len(text) - holdback)
-            yield GenerationChunk(text[sent:end], list(step.new_token_ids))
-            sent = end
-            continue
-        text = _final_text(tokenizer, ids, step)
-        output = GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats)
-        yield GenerationChunk(text[sent:], list(step.new_token_ids), output)
-
-
-def _final_text(tokenizer: Tokenizer, ids: Sequence[int], step) -> str:
-    """The output text: up to a stop string, without a stop token, and without the
-    incomplete character a generation may end inside (see :func:`complete_text`)."""
-    if step.text_end is not None:
-        return complete_text(tokenizer.decode(ids)[: step.text_end])
-    if step.finish_reason == "stop":  # ended by a stop token: it is not part of the text
-        return complete_text(tokenizer.decode(ids[:-1]))
-    return complete_text(tokenizer.decode(ids))
-
-
-def complete_text(text: str) -> str:
-    """Drop a trailing incomplete character.
-
-    A byte-level tokenizer can stop inside a multi-byte UTF-8 character (a token may carry
-    only its first bytes); decoding then ends in U+FFFD, the replacement character. As in
-    the incremental detokenizers of vLLM and text-generation-inference, trailing U+FFFD is
-    taken as such an incomplete tail: it is held back while streaming and dropped from the
-    final text (the token ids keep every token).
-
-    Example:
-        >>> complete_text("apples and bananas \ufffd")
-        'apples and bananas '
-    """
-    return text.rstrip("\ufffd")
+        delta = stream.push(step.new_token_ids, step.finish_reason, step.text_end)
+        output = None
+        if step.finish_reason is not None:
+            output = GenerationOutput(
+                stream.text, stream.ids, prompt_ids, step.finish_reason, step.stats
+            )
+        yield GenerationChunk(delta, list(step.new_token_ids), output)

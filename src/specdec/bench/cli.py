@@ -14,7 +14,7 @@ from specdec.bench.datasets import load_humaneval, load_jsonl, load_spec_bench, 
 from specdec.bench.harness import check_unique, run_benchmark
 from specdec.bench.methods import parse_methods
 from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
-from specdec.cli_common import add_sampling_args, sampling_params
+from specdec.cli_common import add_sampling_args, llm_from_args, sampling_params
 from specdec.config import SpeculativeConfig
 from specdec.llm import LLM
 from specdec.models.loading import DEFAULT_MODEL, load
@@ -85,6 +85,14 @@ def add_parser(sub) -> None:
         "and native backends in float32 and bfloat16 (native: exact on and off) against "
         "this machine's measured roofline; writes forward_cost.{json,md,png} with --out",
     )
+    p.add_argument(
+        "--serving",
+        action="store_true",
+        help="instead of single generations: `specdec serve` in this process under 1, 2, 4, "
+        "8, 16, 32 concurrent streaming clients (32 Spec-Bench first turns, greedy), "
+        "speculation off vs on (the first specdec --method, default ngram:k=5), and the "
+        "in-process API at concurrency 1; writes serving.{json,md,png} with --out",
+    )
     p.set_defaults(func=cmd_bench)
 
 
@@ -99,6 +107,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_dir = _check_out_dir(args.out) if args.out else None
     if args.forward_cost:
         return _forward_cost(args, out_dir)
+    if args.serving:
+        return _serving(args, methods, out_dir)
     needs_draft = [m.name for m in methods if m.kind in ("draft-model", "hf-assisted")]
     if needs_draft and not args.draft_model:
         raise ValueError(f"method {needs_draft[0]!r} needs --draft-model")
@@ -183,6 +193,35 @@ def _forward_cost(args: argparse.Namespace, out_dir: Path | None) -> int:
         env = environment(None)
         env["model"] = args.model
         paths = write_forward_cost(out_dir, result, env)
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+def _serving(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
+    from tqdm import tqdm
+
+    from specdec.bench.serving import CONCURRENCY, report_markdown, run_serving, write_serving
+
+    chosen = next((m for m in methods if m.kind in ("ngram", "draft-model")), None)
+    if chosen is None:
+        speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
+    else:
+        speculative = SpeculativeConfig(
+            method=chosen.kind,
+            num_speculative_tokens=chosen.option("k"),
+            draft_model=args.draft_model,
+            tree=chosen.tree,
+        )
+    prompts = [p.turns[0] for p in select(_load_prompts(args), 6)][:32]
+    llm = llm_from_args(args, speculative)
+    total = 2 * len(CONCURRENCY) + 1
+    with tqdm(total=total, desc="serving", unit="level", file=sys.stderr) as bar:
+        result = run_serving(llm, prompts, args.max_new_tokens, progress=bar.update)
+    print(report_markdown(result))
+    if out_dir is not None:
+        env = environment(llm)
+        env["speculative"] = str(speculative)
+        paths = write_serving(out_dir, result, env)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 

@@ -66,8 +66,9 @@ class EngineConfig:
         max_kv_tokens: most KV cache slots accounted over all admitted sequences (in
             16-slot blocks as sequences grow); a sequence's own limit, too: its prompt
             plus output never exceeds this minus its largest verification.
-        prefill_chunk: prompt tokens per prefill forward (chunked prefill). Fixed per
-            sequence, so a prompt is split the same way whatever else runs.
+        prefill_chunk: prompt tokens per prefill forward (chunked prefill; default:
+            2048, or ``max_num_batched_tokens`` if smaller). Fixed per sequence, so a prompt
+            is split the same way whatever else runs.
 
     Raises:
         ValueError: a limit that is not a positive integer, or ``prefill_chunk`` above
@@ -77,9 +78,15 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_kv_tokens: int = 1 << 16
-    prefill_chunk: int = 2048
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
+        if self.prefill_chunk is None:
+            limit = self.max_num_batched_tokens
+            chunk = (
+                min(2048, limit) if isinstance(limit, int) and not isinstance(limit, bool) else 2048
+            )
+            object.__setattr__(self, "prefill_chunk", chunk)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_kv_tokens", "prefill_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

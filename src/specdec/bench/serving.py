@@ -1,0 +1,265 @@
+"""Serving benchmark: ``specdec serve`` under load, speculation off vs on.
+
+The server runs in this process (uvicorn on loopback, a thread); clients are asyncio
+``httpx`` streams of ``/v1/chat/completions`` (greedy, ``stream_options.include_usage``).
+For each concurrency c, the same prompts are sent by c concurrent clients, each taking the
+next prompt when its previous one finishes. Measured per request: time to first token
+(TTFT: first non-empty content chunk), time per output token after the first (TPOT =
+(end - first token) / (tokens - 1), vLLM's definition), end-to-end latency; per level:
+output tokens per second over the wall time of the level. Speculation is switched per
+request with the ``speculative`` extension (``{"enabled": false}`` for the off run), so
+one server serves both. Every greedy output with speculation on must equal the output
+with it off. A last measurement runs the same prompts one at a time in-process
+(``LLM.generate``) to show the server's own overhead at concurrency 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specdec.config import SamplingParams
+from specdec.llm import LLM
+
+#: Concurrency levels of the report.
+CONCURRENCY = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class Level:
+    """One (speculation, concurrency) measurement.
+
+    Attributes:
+        speculative: speculation on.
+        concurrency: concurrent clients.
+        num_requests, output_tokens, wall_s: what ran.
+        throughput: output tokens per second over the level's wall time.
+        ttft_ms, tpot_ms, e2e_ms: medians over requests (and p90 of TTFT).
+        outputs: each prompt's text, in prompt order.
+    """
+
+    speculative: bool
+    concurrency: int
+    num_requests: int
+    output_tokens: int
+    wall_s: float
+    throughput: float
+    ttft_ms: float
+    ttft_p90_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    outputs: list[str] = field(repr=False)
+
+
+@dataclass
+class ServingResult:
+    levels: list[Level]
+    in_process_tokens_per_s: float
+    in_process_outputs: list[str] = field(repr=False)
+    max_new_tokens: int = 0
+    num_prompts: int = 0
+
+
+def run_serving(
+    llm: LLM,
+    prompts: list[str],
+    max_new_tokens: int,
+    concurrency: tuple[int, ...] = CONCURRENCY,
+    progress=None,
+) -> ServingResult:
+    """Measure the server on ``prompts`` (see the module docstring)."""
+    import uvicorn
+
+    from specdec.server import create_app
+
+    app = create_app(llm, "bench")
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    levels = []
+    try:
+        asyncio.run(_warmup(url, prompts[0]))
+        for speculative in (False, True):
+            for c in concurrency:
+                levels.append(asyncio.run(_level(url, prompts, max_new_tokens, c, speculative)))
+                if progress:
+                    progress()
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    start, outputs, tokens = time.perf_counter(), [], 0
+    for p in prompts:
+        out = llm.generate(p, params)
+        outputs.append(out.text)
+        tokens += len(out.token_ids)
+    in_process = tokens / (time.perf_counter() - start)
+    if progress:
+        progress()
+    return ServingResult(levels, in_process, outputs, max_new_tokens, len(prompts))
+
+
+async def _warmup(url: str, prompt: str) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        await http.post(url, json=_body(prompt, 8, True, stream=False))
+
+
+def _body(prompt: str, max_tokens: int, speculative: bool, stream: bool = True) -> dict:
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if not speculative:
+        body["speculative"] = {"enabled": False}
+    return body
+
+
+async def _level(url, prompts, max_tokens, concurrency, speculative) -> Level:
+    import httpx
+
+    pending = list(enumerate(prompts))
+    results: dict[int, tuple] = {}
+
+    async def client(http):
+        while pending:
+            index, prompt = pending.pop(0)
+            results[index] = await _one(http, url, _body(prompt, max_tokens, speculative))
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    ordered = [results[i] for i in range(len(prompts))]
+    tokens = sum(r[1] for r in ordered)
+    ttft = [r[2] * 1e3 for r in ordered if r[2] is not None]
+    tpot = [r[3] * 1e3 for r in ordered if r[3] is not None]
+    return Level(
+        speculative=speculative,
+        concurrency=concurrency,
+        num_requests=len(prompts),
+        output_tokens=tokens,
+        wall_s=wall,
+        throughput=tokens / wall,
+        ttft_ms=statistics.median(ttft),
+        ttft_p90_ms=_quantile(ttft, 0.9),
+        tpot_ms=statistics.median(tpot) if tpot else 0.0,
+        e2e_ms=statistics.median(r[4] * 1e3 for r in ordered),
+        outputs=[r[0] for r in ordered],
+    )
+
+
+async def _one(http, url: str, body: dict):
+    """``(text, completion tokens, ttft s, tpot s, e2e s)`` of one streamed request."""
+    start = time.perf_counter()
+    first = None
+    text, tokens = [], 0
+    async with http.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    if first is None:
+                        first = time.perf_counter()
+                    text.append(content)
+    end = time.perf_counter()
+    ttft = None if first is None else first - start
+    tpot = None if first is None or tokens < 2 else (end - first) / (tokens - 1)
+    return "".join(text), tokens, ttft, tpot, end - start
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+# ---------------------------------------------------------------- report
+
+
+def report_markdown(result: ServingResult) -> str:
+    off = {lv.concurrency: lv for lv in result.levels if not lv.speculative}
+    on = {lv.concurrency: lv for lv in result.levels if lv.speculative}
+    lines = [
+        "| concurrency | tokens/s off | tokens/s on | on / off | TTFT ms off / on (median) "
+        "| TPOT ms off / on (median) | e2e ms off / on (median) | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in sorted(off):
+        a, b = off[c], on[c]
+        same = sum(x == y for x, y in zip(a.outputs, b.outputs, strict=True))
+        lines.append(
+            f"| {c} | {a.throughput:.1f} | {b.throughput:.1f} | {b.throughput / a.throughput:.2f}x "
+            f"| {a.ttft_ms:.0f} / {b.ttft_ms:.0f} | {a.tpot_ms:.1f} / {b.tpot_ms:.1f} "
+            f"| {a.e2e_ms:.0f} / {b.e2e_ms:.0f} | {same}/{len(a.outputs)} |"
+        )
+    server_1 = on[min(on)].throughput if on else 0.0
+    same_in_process = sum(
+        x == y for x, y in zip(on[min(on)].outputs, result.in_process_outputs, strict=True)
+    )
+    lines += [
+        "",
+        f"Server overhead at concurrency 1 (speculation on): `specdec serve` "
+        f"{server_1:.1f} tokens/s vs `LLM.generate` in-process "
+        f"{result.in_process_tokens_per_s:.1f} tokens/s "
+        f"({server_1 / result.in_process_tokens_per_s:.2f}x); identical outputs "
+        f"{same_in_process}/{len(result.in_process_outputs)}.",
+    ]
+    return "\n".join(lines)
+
+
+def write_serving(out_dir: Path, result: ServingResult, env: dict) -> list[Path]:
+    from specdec.bench.report import pyplot
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"environment": env, **asdict(result)}
+    paths = [out_dir / "serving.json", out_dir / "serving.md", out_dir / "serving.png"]
+    paths[0].write_text(json.dumps(data, indent=1))
+    paths[1].write_text(
+        "# specdec serving benchmark\n\n## Environment\n\n"
+        + "".join(f"- {k}: {v}\n" for k, v in env.items())
+        + f"\n## Result\n\n{result.num_prompts} prompts, {result.max_new_tokens} new tokens, "
+        "greedy.\n\n" + report_markdown(result) + "\n"
+    )
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for speculative, style in ((False, "o--"), (True, "s-")):
+        levels = [lv for lv in result.levels if lv.speculative == speculative]
+        xs = [lv.concurrency for lv in levels]
+        label = "speculation on" if speculative else "speculation off"
+        axes[0].plot(xs, [lv.throughput for lv in levels], style, label=label)
+        axes[1].plot(xs, [lv.ttft_ms for lv in levels], style, label=label)
+        axes[2].plot(xs, [lv.tpot_ms for lv in levels], style, label=label)
+    titles = ("output tokens/s", "time to first token (ms, median)", "time per output token (ms)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=110)
+    plt.close(fig)
+    return paths

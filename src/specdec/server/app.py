@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP API: ``create_app(llm)`` (no globals; one app per LLM).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming SSE or not, with
+``usage``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Every
+request runs in the batched engine (:class:`~specdec.server.async_engine.AsyncEngine`)
+with its own sampling and speculative settings. Errors are OpenAI-style JSON: 400 for a
+malformed or invalid request, 429 when too many requests wait, 503 while shutting down. A
+client that disconnects has its requests aborted and their KV cache freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.llm import LLM
+from specdec.server.async_engine import AsyncEngine, Overloaded, Unavailable, Update
+from specdec.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SpeculativeOptions,
+    error_body,
+)
+from specdec.text import TextStream
+
+
+class BadRequest(Exception):
+    """An invalid request (HTTP 400); the message says why."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def create_app(
+    llm: LLM,
+    model_name: str | None = None,
+    max_waiting: int = 256,
+    shutdown_timeout: float = 30.0,
+) -> FastAPI:
+    """The FastAPI app serving ``llm``.
+
+    Args:
+        llm: the loaded model with its default speculative settings and engine limits.
+        model_name: the id clients pass as ``model`` (default: the model's name).
+        max_waiting: requests queued beyond this get HTTP 429.
+        shutdown_timeout: on shutdown (SIGTERM), seconds in-flight requests may take to
+            finish before they are aborted.
+    """
+    name = model_name or llm.target.name
+    engine = AsyncEngine(llm, max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown(shutdown_timeout)
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError):
+        return JSONResponse(error_body(_validation_message(error)), status_code=400)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, error: BadRequest):
+        return JSONResponse(error_body(str(error), param=error.param), status_code=400)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, error: Overloaded):
+        return JSONResponse(error_body(str(error), "rate_limit_exceeded"), status_code=429)
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(request: Request, error: Unavailable):
+        return JSONResponse(error_body(str(error), "service_unavailable"), status_code=503)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+
+    @app.get("/health")
+    async def health():
+        if engine._draining:
+            raise Unavailable("the server is shutting down")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "specdec",
+                    "max_model_len": llm.target.max_context,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, name)
+        prompts = _completion_prompts(llm, body.prompt)
+        return await _serve(llm, engine, name, body, prompts, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model, name)
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            prompts = [llm.encode(messages)]
+        except ValueError as error:
+            raise BadRequest(str(error), "messages") from None
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        return await _serve(llm, engine, name, body, prompts, request, chat=True)
+
+    return app
+
+
+# ---------------------------------------------------------------- request handling
+
+
+async def _serve(llm, engine, name, body, prompts, request, chat: bool):
+    """Submit ``n`` choices per prompt and answer (JSON or SSE)."""
+    speculative = _speculative(llm.speculative, body.speculative)
+    jobs = []  # (choice index, prompt ids, params)
+    for p, ids in enumerate(prompts):
+        for i in range(body.n):
+            seed = None if body.seed is None else body.seed + i
+            jobs.append((p * body.n + i, ids, _sampling(llm, body, ids, seed)))
+    kind = "chatcmpl" if chat else "cmpl"
+    response_id = f"{kind}-{uuid.uuid4().hex}"
+    ids, queues = [], []
+    try:
+        for _, prompt_ids, params in jobs:
+            request_id = engine.new_request_id(response_id)
+            queues.append(engine.submit(request_id, prompt_ids, params, speculative))
+            ids.append(request_id)
+    except ValueError as error:
+        for request_id in ids:
+            engine.abort(request_id)
+        raise BadRequest(str(error)) from None
+    except (Overloaded, Unavailable):
+        for request_id in ids:
+            engine.abort(request_id)
+        raise
+    streams = [TextStream(llm.tokenizer, params.stop) for _, _, params in jobs]
+    num_prompt = sum(len(ids) for ids in prompts)
+    meta = dict(id=response_id, created=int(time.time()), model=name)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _events(engine, ids, queues, streams, meta, chat, num_prompt, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    return await _complete(engine, ids, queues, streams, meta, chat, num_prompt, request)
+
+
+async def _complete(engine, ids, queues, streams, meta, chat, num_prompt, request):
+    """Wait for every choice (aborting all if the client goes away)."""
+    results = asyncio.gather(*(_collect(q, s) for q, s in zip(queues, streams, strict=True)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({results}, timeout=0.25)
+            if done:
+                break
+            if await request.is_disconnected():  # nobody to answer: free the engine
+                results.cancel()
+                for request_id in ids:
+                    engine.abort(request_id)
+                return JSONResponse(error_body("client disconnected"), status_code=499)
+        finals = results.result()
+    except BaseException:
+        results.cancel()
+        for request_id in ids:
+            engine.abort(request_id)
+        raise
+    errors = [u for u in finals if u.error]
+    if errors:
+        status = max(u.status for u in errors)
+        kind = "invalid_request_error" if status == 400 else "internal_error"
+        return JSONResponse(error_body(errors[0].error, kind), status_code=status)
+    choices = []
+    for index, (update, stream) in enumerate(zip(finals, streams, strict=True)):
+        choice = {"index": index, "logprobs": None, "finish_reason": update.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": stream.text}
+        else:
+            choice["text"] = stream.text
+        choices.append(choice)
+    num_generated = sum(len(s.ids) for s in streams)
+    return {
+        **meta,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": choices,
+        "usage": _usage(num_prompt, num_generated),
+    }
+
+
+async def _collect(queue: asyncio.Queue, stream: TextStream) -> Update:
+    """Consume one choice's updates; returns the final one (``stream.text`` is set)."""
+    while True:
+        update = await queue.get()
+        stream.push(update.new_token_ids, update.finish_reason, update.text_end)
+        if update.finish_reason is not None or update.error:
+            return update
+
+
+async def _events(engine, ids, queues, streams, meta, chat, num_prompt, include_usage):
+    """Server-sent events: one chunk per step and choice, then usage, then ``[DONE]``."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(index: int, queue: asyncio.Queue) -> None:
+        while True:
+            update = await queue.get()
+            await merged.put((index, update))
+            if update.finish_reason is not None or update.error:
+                return
+
+    tasks = [asyncio.create_task(forward(i, q)) for i, q in enumerate(queues)]
+    live = set(range(len(queues)))
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    try:
+        if chat:
+            for index in range(len(queues)):
+                delta = {"role": "assistant", "content": ""}
+                yield _sse({**meta, "object": obj, "choices": [_chunk(index, delta, None, chat)]})
+        while live:
+            index, update = await merged.get()
+            if update.error:
+                yield _sse(error_body(update.error, "internal_error"))
+                live.discard(index)
+                continue
+            text = streams[index].push(update.new_token_ids, update.finish_reason, update.text_end)
+            if update.finish_reason is not None:
+                live.discard(index)
+            if text or update.finish_reason is not None:
+                delta = {"content": text} if chat else text
+                choice = _chunk(index, delta, update.finish_reason, chat)
+                yield _sse({**meta, "object": obj, "choices": [choice]})
+        if include_usage:
+            usage = _usage(num_prompt, sum(len(s.ids) for s in streams))
+            yield _sse({**meta, "object": obj, "choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+    finally:  # finished, or the client went away (the generator is closed or cancelled)
+        for task in tasks:
+            task.cancel()
+        for i in live:
+            engine.abort(ids[i])
+
+
+def _chunk(index: int, delta, finish_reason, chat: bool) -> dict:
+    choice = {"index": index, "logprobs": None, "finish_reason": finish_reason}
+    choice["delta" if chat else "text"] = delta
+    return choice
+
+
+def _sse(data: dict) -> str:
+    import json
+
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _usage(num_prompt: int, num_generated: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_generated,
+        "total_tokens": num_prompt + num_generated,
+    }
+
+
+# ---------------------------------------------------------------- request validation
+
+
+def _check_model(requested: str, served: str) -> None:
+    if requested != served:
+        message = f"the model {requested!r} does not exist; this server has {served!r}"
+        raise BadRequest(message, "model")
+
+
+def _completion_prompts(llm: LLM, prompt) -> list[list[int]]:
+    """The prompt(s) of a completions request as token ids (raw text: no chat template)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not prompt:
+        raise BadRequest("prompt is empty", "prompt")
+    out = []
+    for p in prompt:
+        try:
+            out.append(llm.encode(p, chat=False))
+        except ValueError as error:
+            raise BadRequest(str(error), "prompt") from None
+    return out
+
+
+def _sampling(llm: LLM, body, prompt_ids: list[int], seed: int | None) -> SamplingParams:
+    context = llm.target.max_context
+    if len(prompt_ids) >= context:
+        raise BadRequest(
+            f"the prompt has {len(prompt_ids)} tokens; this model's context is {context} "
+            "tokens in total, so nothing could be generated",
+            "prompt",
+        )
+    max_tokens = body.max_tokens if body.max_tokens is not None else context - len(prompt_ids)
+    if len(prompt_ids) + max_tokens > context:
+        raise BadRequest(
+            f"this model's maximum context length is {context} tokens; the prompt has "
+            f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}",
+            "max_tokens",
+        )
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        return SamplingParams(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            max_new_tokens=max_tokens,
+            seed=seed,
+            stop=tuple(stop),
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
+
+
+def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) -> SpeculativeConfig:
+    """The server's default settings with the request's ``speculative`` object applied."""
+    if options is None:
+        return base
+    if not options.enabled:
+        return dataclasses.replace(base, method="none", tree=None)
+    changes = {}
+    if options.method is not None:
+        changes["method"] = options.method
+    if options.num_speculative_tokens is not None:
+        changes["num_speculative_tokens"] = options.num_speculative_tokens
+    if "tree" in options.model_fields_set:
+        changes["tree"] = options.tree
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as error:
+        raise BadRequest(f"speculative: {error}", "speculative") from None
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    parts = []
+    for e in error.errors():
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request"

@@ -1,0 +1,244 @@
+"""The engine behind the server: one background thread drives :class:`specdec.engine.Engine`;
+request handlers (asyncio) submit requests and receive each step's tokens on a queue.
+
+Torch releases the GIL inside its kernels, so the event loop stays responsive while the
+thread runs a forward. Only the engine thread touches the engine; handlers talk to it
+through an inbox (add / abort), and it answers on each request's asyncio queue with
+``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.engine import Engine, Sequence, StepOutput
+from specdec.llm import LLM
+from specdec.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """Too many requests queued (HTTP 429)."""
+
+
+class Unavailable(Exception):
+    """The server is shutting down (HTTP 503)."""
+
+
+@dataclass
+class Update:
+    """One step's news for a request: new tokens, and the finish reason when done.
+
+    Attributes:
+        new_token_ids: tokens this step added.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None``.
+        text_end: for a stop string, where the text ends.
+        error: set when the request failed inside the engine (the message).
+        status: the HTTP status that error maps to (400: the engine refused the request;
+            500: an internal failure).
+    """
+
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    text_end: int | None = None
+    error: str | None = None
+    status: int = 200
+
+
+@dataclass
+class _Handle:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+
+
+class AsyncEngine:
+    """Runs an :class:`LLM`'s target in the batched engine on a background thread.
+
+    Args:
+        llm: the loaded model, drafter defaults and engine limits.
+        max_waiting: most requests queued but not yet admitted before new ones get
+            :class:`Overloaded` (HTTP 429).
+        metrics: where counters go (default: a new :class:`ServerMetrics`).
+    """
+
+    def __init__(self, llm: LLM, max_waiting: int = 256, metrics: ServerMetrics | None = None):
+        self.llm = llm
+        self.engine = Engine(llm.target, llm.engine_config)
+        self.max_waiting = max_waiting
+        self.metrics = metrics or ServerMetrics()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: dict[str, _Handle] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._draining = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._last_stats: dict[str, tuple] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_live(self) -> int:
+        """Requests submitted and not finished."""
+        return len(self._handles)
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting; let live requests finish for up to ``timeout`` seconds, abort the
+        rest, and stop the thread."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self._handles and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._handles):
+            self.abort(request_id)
+        await asyncio.sleep(0.05)
+        self._stop.set()
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+
+    # ------------------------------------------------------------------ requests
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculative: SpeculativeConfig,
+    ) -> asyncio.Queue:
+        """Queue a request; its :class:`Update` items arrive on the returned queue.
+
+        Raises:
+            Unavailable: the server is shutting down.
+            Overloaded: too many requests are waiting.
+            ValueError: invalid settings for this model (e.g. a stop id outside the
+                vocabulary, a draft-model method without a draft model).
+        """
+        if self._draining:
+            raise Unavailable("the server is shutting down")
+        waiting = len(self.engine.waiting) + self._inbox.qsize()
+        if waiting >= self.max_waiting:
+            raise Overloaded(f"{waiting} requests are waiting; retry later")
+        kwargs = self.llm._request(speculative, params)
+        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue())
+        self._handles[request_id] = handle
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self._inbox.put(("add", request_id, prompt_ids, params, kwargs))
+        self._wake.set()
+        return handle.queue
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (client gone); frees its KV cache. No-op if it finished."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._update_gauges()
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                with self.llm._lock:
+                    outputs = self.engine.step()
+            except Exception as error:  # a bug must not take the server down
+                logger.exception("engine step failed")
+                self._fail_all(f"internal error: {error}")
+                continue
+            for seq, step in outputs:
+                self._deliver(seq, step)
+            self._update_gauges()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "add":
+                _, request_id, prompt_ids, params, kwargs = message
+                if request_id not in self._handles:
+                    continue  # aborted before it reached the engine
+                try:
+                    self.engine.add_request(request_id, prompt_ids, params, **kwargs)
+                except ValueError as error:
+                    update = Update([], "abort", error=str(error), status=400)
+                    self._post(request_id, update, final=True)
+            else:
+                request_id = message[1]
+                if self.engine.abort(request_id):
+                    self.metrics.request_success.labels(finished_reason="abort").inc()
+                self._post(request_id, Update([], "abort"), final=True)
+
+    def _deliver(self, seq: Sequence, step: StepOutput) -> None:
+        handle = self._handles.get(seq.request_id)
+        if handle is None:
+            return
+        now = time.perf_counter()
+        if handle.first_token is None and step.new_token_ids:
+            handle.first_token = now
+            self.metrics.time_to_first_token.observe(now - handle.arrived)
+        self.metrics.generation_tokens.inc(len(step.new_token_ids))
+        self._record_speculation(seq)
+        final = step.finish_reason is not None
+        if final:
+            self.metrics.request_success.labels(finished_reason=step.finish_reason).inc()
+            self.metrics.e2e_latency.observe(now - handle.arrived)
+            self._last_stats.pop(seq.request_id, None)
+        update = Update(list(step.new_token_ids), step.finish_reason, step.text_end)
+        self._post(seq.request_id, update, final)
+
+    def _record_speculation(self, seq: Sequence) -> None:
+        """Add this step's drafted / accepted counts (deltas of the sequence's stats)."""
+        s = seq.stats
+        now = (
+            s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position)
+        )  # fmt: skip
+        before = self._last_stats.get(seq.request_id, (0, 0, 0, []))
+        m = self.metrics
+        m.num_drafts.inc(now[0] - before[0])
+        m.num_draft_tokens.inc(now[1] - before[1])
+        m.num_accepted_tokens.inc(now[2] - before[2])
+        for position, count in enumerate(now[3]):
+            previous = before[3][position] if position < len(before[3]) else 0
+            if count > previous:
+                m.accepted_per_position.labels(position=str(position)).inc(count - previous)
+        self._last_stats[seq.request_id] = now
+
+    def _post(self, request_id: str, update: Update, final: bool) -> None:
+        handle = self._handles.get(request_id)
+        if handle is None:
+            return
+        if final:
+            del self._handles[request_id]
+        handle.loop.call_soon_threadsafe(handle.queue.put_nowait, update)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self._handles):
+            self.engine.abort(request_id)
+            self._post(request_id, Update([], "abort", error=message, status=500), final=True)
+
+    def _update_gauges(self) -> None:
+        engine, m = self.engine, self.metrics
+        m.num_requests_running.set(len(engine.running))
+        m.num_requests_waiting.set(len(engine.waiting))
+        m.kv_cache_usage.set(engine.num_kv_tokens_used / engine.config.max_kv_tokens)

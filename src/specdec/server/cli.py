@@ -1,0 +1,102 @@
+"""``specdec serve``: the OpenAI-compatible server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+
+from specdec.cli_common import add_drafter_args, llm_from_args, speculative_config
+from specdec.models.loading import BACKENDS, DEFAULT_MODEL, check_backend, check_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics) with batched speculative decoding.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"target (default: {DEFAULT_MODEL})")
+    p.add_argument("--served-model-name", help="the id clients send as 'model' (default: --model)")
+    add_drafter_args(p)
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument("--draft-dtype", default=None, help="dtype of --draft-model (default: --dtype)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=BACKENDS,
+        help="auto (default: the native runtime, which batches, when it supports the model), "
+        "native or hf",
+    )
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                   help="native backend: batch-invariant forwards (default: on)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoding at once")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=4096,
+        help="tokens per forward, draft tokens included (default: 4096)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-kv-tokens", type=int, default=1 << 16,
+        help="KV cache slots over all sequences (default: 65536)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-waiting", type=int, default=256,
+        help="queued requests beyond which new ones get HTTP 429 (default: 256)",
+    )  # fmt: skip
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specdec.engine import EngineConfig
+    from specdec.server.app import create_app
+
+    check_dtype(args.dtype)
+    check_backend(args.backend, args.dtype)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    speculative = speculative_config(args)
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_kv_tokens=args.max_kv_tokens,
+    )
+    llm = llm_from_args(args, speculative, engine_config=config)
+    app = create_app(llm, args.served_model_name or args.model, args.max_waiting)
+    print(
+        f"specdec: serving {args.model} ({llm.target.backend} backend) on "
+        f"http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=30)  # fmt: skip
+    _graceful_server(config).run()
+    print("specdec: server stopped", flush=True)
+    return 0
+
+
+def _graceful_server(config):
+    """A uvicorn server for ``config`` that exits 0 after a graceful shutdown."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, exiting with status 0 after a graceful shutdown on SIGTERM or
+        SIGINT (uvicorn re-raises the signal after shutting down, which makes the process
+        look killed to its supervisor)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return Server(config)

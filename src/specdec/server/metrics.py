@@ -1,0 +1,67 @@
+"""Prometheus metrics of the server (``/metrics``), in their own registry (no globals).
+
+The speculative-decoding counters use the names vLLM and llama.cpp share, with a
+``specdec:`` prefix, so existing dashboards work: ``specdec:spec_decode_num_drafts``,
+``specdec:spec_decode_num_draft_tokens``, ``specdec:spec_decode_num_accepted_tokens`` and
+``specdec:spec_decode_num_accepted_tokens_per_pos{position}`` (counters, exposed with the
+``_total`` suffix). Acceptance rate = accepted / draft tokens; mean acceptance length =
+1 + accepted / drafts (vLLM's definitions).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms of one server."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.request_success = Counter(
+            "specdec:request_success", "Finished requests.", ["finished_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens.", registry=r)
+        self.generation_tokens = Counter(
+            "specdec:generation_tokens", "Generated tokens.", registry=r
+        )
+        self.num_requests_running = Gauge(
+            "specdec:num_requests_running", "Requests admitted (prefilling or decoding).",
+            registry=r,
+        )  # fmt: skip
+        self.num_requests_waiting = Gauge(
+            "specdec:num_requests_waiting", "Requests queued for admission.", registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "specdec:kv_cache_usage_perc", "Fraction of the KV slot budget in use.", registry=r
+        )
+        self.num_drafts = Counter(
+            "specdec:spec_decode_num_drafts", "Steps that drafted at least one token.",
+            registry=r,
+        )  # fmt: skip
+        self.num_draft_tokens = Counter(
+            "specdec:spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r
+        )
+        self.num_accepted_tokens = Counter(
+            "specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r
+        )
+        self.accepted_per_position = Counter(
+            "specdec:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, per draft position (tree depth for trees).",
+            ["position"],
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "specdec:time_to_first_token_seconds", "Time to first token.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e_latency = Histogram(
+            "specdec:e2e_request_latency_seconds", "Request latency.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible server, live on loopback, driven by the ``openai`` client: outputs
+equal the in-process API, streaming and not, stops, seeds, ``n``, concurrency 32,
+cancellation frees the KV cache, OpenAI-style 400 errors, overload, Prometheus metrics,
+graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import make_model, make_tokenizer
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.engine import EngineConfig
+from specdec.models.native import NativeModel
+from specdec.server import create_app
+
+TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w28{% endif %}"
+)
+NAME = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(llm: LLM, **kwargs):
+    """The app on a uvicorn server in a thread; yields (base url, app)."""
+    app = create_app(llm, NAME, **kwargs)
+    port = _free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app, server
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    target = NativeModel(make_model(tokenizer, seed=0, name="tiny-target"), exact=True)
+    return LLM(
+        target,
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        engine_config=EngineConfig(max_num_seqs=16, max_num_batched_tokens=256),
+    )
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with serving(llm) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(server):
+    url, _, _ = server
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+PROMPT = "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"
+
+
+def _plain(llm, prompt, **kwargs):
+    params = SamplingParams(**kwargs)
+    return llm.generate(prompt, params, chat=False)
+
+
+def test_models_health_and_completion_equal_the_api(server, client, llm):
+    url, _, _ = server
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = _plain(llm, PROMPT, max_new_tokens=12)
+    choice = out.choices[0]
+    assert choice.text == expected.text and choice.finish_reason == expected.finish_reason
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    # token-id prompts, several prompts, plain decoding via the speculative extension
+    ids = llm.encode(PROMPT, chat=False)
+    plain = client.completions.create(
+        model=NAME, prompt=[ids, ids], max_tokens=12, temperature=0,
+        extra_body={"speculative": {"enabled": False}},
+    )  # fmt: skip
+    assert [c.text for c in plain.choices] == [expected.text] * 2
+
+
+def test_streaming_completion_and_chat(client, llm):
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    expected = _plain(llm, PROMPT, max_new_tokens=16)
+    assert text == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    messages = [{"role": "user", "content": "w5 w6 w7 w5 w6 w7"}]
+    full = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10,
+                                          temperature=0)  # fmt: skip
+    expected = llm.generate(messages, SamplingParams(max_new_tokens=10))
+    assert full.choices[0].message.content == expected.text
+    assert full.choices[0].message.role == "assistant"
+    streamed = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    pieces = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(pieces) == expected.text
+
+
+def test_stops_seeds_and_n(client, llm):
+    expected = _plain(llm, PROMPT, max_new_tokens=20)
+    words = expected.text.split()
+    assert len(words) > 3
+    stop = words[2]
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0,
+                                     stop=[stop])  # fmt: skip
+    assert stop not in out.choices[0].text and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == _plain(llm, PROMPT, max_new_tokens=20, stop=(stop,)).text
+    sampled = dict(model=NAME, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=7)
+    a = client.completions.create(**sampled, n=2)
+    b = client.completions.create(**sampled, n=2)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text == _plain(llm, PROMPT, max_new_tokens=20, temperature=1.0, seed=7).text
+    assert a.choices[1].text == _plain(llm, PROMPT, max_new_tokens=20, temperature=1.0, seed=8).text
+
+
+def test_concurrency_32_loses_nothing(server, llm):
+    url, app, _ = server
+    prompts = [" ".join(f"w{(i * 3 + j) % 29}" for j in range(4 + i % 7)) for i in range(32)]
+    expected = [_plain(llm, p, max_new_tokens=12).text for p in prompts]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        calls = [
+            client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0)
+            for p in prompts
+        ]
+        return await asyncio.gather(*calls)
+
+    outs = asyncio.run(run())
+    assert [o.choices[0].text for o in outs] == expected
+    engine = app.state.engine
+    assert engine.engine.num_kv_tokens_used == 0 and engine.num_live == 0
+
+
+def test_cancelled_stream_frees_the_kv_cache(server, llm):
+    url, app, _ = server
+    engine = app.state.engine
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 100, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        first = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: ") for line in first)
+        assert engine.num_live == 1
+    deadline = time.time() + 10
+    while engine.num_live or engine.engine.has_unfinished():
+        assert time.time() < deadline, "the aborted request still holds the engine"
+        time.sleep(0.02)
+    assert engine.engine.num_kv_tokens_used == 0
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"model": "other", "prompt": "w1"}, "does not exist"),
+        ({"model": NAME, "prompt": "w1", "max_tokens": -1}, "max_tokens"),
+        ({"model": NAME, "prompt": "w1", "max_tokens": 10**9}, "maximum context length"),
+        ({"model": NAME, "prompt": ""}, "empty"),
+        ({"model": NAME, "prompt": [10**6]}, "outside the vocabulary"),
+        ({"model": NAME, "prompt": "w1", "temperature": -1}, "temperature"),
+        ({"model": NAME, "prompt": "w1", "top_p": 0}, "top_p"),
+        ({"model": NAME, "prompt": "w1", "n": True}, "boolean"),
+        ({"model": NAME, "prompt": "w1", "speculative": {"method": "magic"}}, "speculative"),
+        (
+            {"model": NAME, "prompt": "w1", "speculative": {"num_speculative_tokens": 0}},
+            "speculative",
+        ),
+        ({"model": NAME, "prompt": "w1", "speculative": {"bogus": 1}}, "bogus"),
+        ({"model": NAME, "prompt": "w1", "speculative": {"method": "draft-model"}}, "draft"),
+        ({"model": NAME, "prompt": "w1", "speculative": {"tree": "static:nope"}}, "speculative"),
+        ({"model": NAME}, "prompt"),
+        ({"model": NAME, "messages": []}, "messages"),
+    ],
+)
+def test_bad_requests_are_openai_style_400s(server, body, match):
+    url, app, _ = server
+    route = "chat/completions" if "messages" in body else "completions"
+    response = httpx.post(f"{url}/v1/{route}", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert match in error["message"] and error["type"] == "invalid_request_error"
+    assert app.state.engine.num_live == 0
+
+
+def test_malformed_json_and_the_openai_client_error(server, client):
+    url, _, _ = server
+    response = httpx.post(
+        f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and "error" in response.json()
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        client.completions.create(model="nope", prompt="w1")
+    assert httpx.get(f"{url}/v1/nothing").status_code == 404
+
+
+def test_metrics_parse_as_prometheus_text(server, client):
+    url, _, _ = server
+    client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    text = httpx.get(f"{url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "specdec:spec_decode_num_drafts",
+        "specdec:spec_decode_num_draft_tokens",
+        "specdec:spec_decode_num_accepted_tokens",
+        "specdec:spec_decode_num_accepted_tokens_per_pos",
+        "specdec:num_requests_running",
+        "specdec:num_requests_waiting",
+        "specdec:kv_cache_usage_perc",
+        "specdec:generation_tokens",
+        "specdec:request_success",
+    ):
+        assert name in families, name
+    drafts = families["specdec:spec_decode_num_draft_tokens"].samples[0].value
+    accepted = families["specdec:spec_decode_num_accepted_tokens"].samples[0].value
+    assert drafts > 0 and 0 <= accepted <= drafts
+    per_pos = families["specdec:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert sum(s.value for s in per_pos if s.name.endswith("_total")) == accepted
+
+
+def test_overload_is_429_and_shutdown_drains(llm):
+    with serving(llm, max_waiting=1) as (url, app, server):
+        engine = app.state.engine
+        engine._draining = False
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 60, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as http:
+                calls = [http.post(f"{url}/v1/completions", json=body) for _ in range(24)]
+                return await asyncio.gather(*calls)
+
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert 200 in codes and set(codes) <= {200, 429} and 429 in codes
+        # shutdown: an in-flight stream finishes; new requests get 503 meanwhile
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as response:  # fmt: skip
+            lines = response.iter_lines()
+            next(lines)
+            engine._draining = True  # what the lifespan does first on SIGTERM
+            refused = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert refused.status_code == 503
+            assert httpx.get(f"{url}/health").status_code == 503
+            rest = list(lines)
+        assert rest[-2 if rest[-1] == "" else -1] == "data: [DONE]"
+
+
+def test_specdec_serve_exits_cleanly_on_sigterm(tmp_path):
+    """The real command: serves, and on SIGTERM lets an in-flight stream finish, then exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    hf = make_model(make_tokenizer(), seed=0)
+    hf.model.save_pretrained(tmp_path)
+    hf.tokenizer.hf.save_pretrained(tmp_path)
+    port = _free_port()
+    env = {**os.environ, "SPECDEC_CACHE": str(tmp_path / "cache")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specdec.cli", "serve", "--model", str(tmp_path), "--port",
+         str(port), "--backend", "native", "--served-model-name", NAME],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read().decode()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 40, "temperature": 0,
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
