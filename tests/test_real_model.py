@@ -113,3 +113,30 @@ def test_text_never_ends_inside_a_character(llm):
     assert not out.text.endswith("\ufffd") and full.text.startswith(out.text)
     streamed = "".join(c.text for c in llm.stream(prompt, SamplingParams(max_new_tokens=n)))
     assert streamed == out.text
+
+
+BATCH_PROMPTS = [
+    PROMPT,
+    "Name three rivers in Europe and one fact about each.",
+    "Translate to German: The weather is nice today and we will walk in the park.",
+    "Summarize in one sentence: " + " ".join(["The council met on Monday to discuss the new "
+    "library, the bridge repairs and the summer market, and agreed to fund all three."] * 6),
+    "What is 17 times 23? Explain step by step.",
+    "Write a haiku about snow.",
+]  # fmt: skip
+
+
+def test_bfloat16_batch_equals_plain_decoding_of_each_prompt():
+    """Exact mode on the real model in bfloat16: a batch of mixed prompts with speculation
+    gives each prompt exactly its plain, one-at-a-time greedy output (the kernels'
+    row-invariance is what makes this hold; bf16 rounding would expose any lapse)."""
+    llm = LLM(
+        backend="native",
+        dtype="bfloat16",
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=5),
+    )
+    params = SamplingParams(max_new_tokens=32)
+    batch = llm.generate(BATCH_PROMPTS, params)
+    for prompt, out in zip(BATCH_PROMPTS, batch, strict=True):
+        plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
+        assert out.token_ids == plain.token_ids, prompt

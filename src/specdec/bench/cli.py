@@ -213,13 +213,30 @@ def _serving(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
             tree=chosen.tree,
         )
     prompts = [p.turns[0] for p in select(_load_prompts(args), 6)][:32]
-    llm = llm_from_args(args, speculative)
+    serve_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+                  "--backend", args.backend, "--exact" if args.exact else "--no-exact",
+                  "--drafter", speculative.method,
+                  "--num-speculative-tokens", str(speculative.num_speculative_tokens)]  # fmt: skip
+    if speculative.tree:
+        serve_args += ["--tree", str(speculative.tree)]
+    if args.draft_model:
+        serve_args += ["--draft-model", args.draft_model]
+    if args.draft_dtype:
+        serve_args += ["--draft-dtype", args.draft_dtype]
     total = 2 * len(CONCURRENCY) + 1
     with tqdm(total=total, desc="serving", unit="level", file=sys.stderr) as bar:
-        result = run_serving(llm, prompts, args.max_new_tokens, progress=bar.update)
+        holder = {}
+
+        def make_llm():
+            holder["llm"] = llm_from_args(args, speculative)
+            return holder["llm"]
+
+        result = run_serving(
+            serve_args, make_llm, prompts, args.max_new_tokens, progress=bar.update
+        )
     print(report_markdown(result))
     if out_dir is not None:
-        env = environment(llm)
+        env = environment(holder["llm"])
         env["speculative"] = str(speculative)
         paths = write_serving(out_dir, result, env)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)

@@ -1,7 +1,9 @@
 """Serving benchmark: ``specdec serve`` under load, speculation off vs on.
 
-The server runs in this process (uvicorn on loopback, a thread); clients are asyncio
-``httpx`` streams of ``/v1/chat/completions`` (greedy, ``stream_options.include_usage``).
+The server is the real command (``specdec serve`` in a subprocess on loopback: clients in
+the server's process would compete with its engine for the CPU and the GIL); clients are
+asyncio ``httpx`` streams of ``/v1/chat/completions`` (greedy,
+``stream_options.include_usage``).
 For each concurrency c, the same prompts are sent by c concurrent clients, each taking the
 next prompt when its previous one finishes. Measured per request: time to first token
 (TTFT: first non-empty content chunk), time per output token after the first (TPOT =
@@ -17,14 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import socket
 import statistics
-import threading
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdec.config import SamplingParams
-from specdec.llm import LLM
 
 #: Concurrency levels of the report.
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -66,28 +70,43 @@ class ServingResult:
 
 
 def run_serving(
-    llm: LLM,
+    serve_args: list[str],
+    make_llm,
     prompts: list[str],
     max_new_tokens: int,
     concurrency: tuple[int, ...] = CONCURRENCY,
     progress=None,
 ) -> ServingResult:
-    """Measure the server on ``prompts`` (see the module docstring)."""
-    import uvicorn
+    """Measure the server on ``prompts`` (see the module docstring).
 
-    from specdec.server import create_app
+    Args:
+        serve_args: ``specdec serve`` options (model, dtype, backend, drafter); the port
+            and served model name are added here.
+        make_llm: builds the same model in this process, for the in-process measurement
+            (called after the server has exited).
+    """
+    import httpx
 
-    app = create_app(llm, "bench")
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    port = _free_port()
+    command = [sys.executable, "-m", "specdec.cli", "serve", *serve_args, "--port", str(port),
+               "--served-model-name", "bench"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
     levels = []
     try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"specdec serve exited: {server.stderr.read().decode()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("specdec serve did not start within 10 minutes")
+            time.sleep(0.25)
+        url = f"{base}/v1/chat/completions"
         asyncio.run(_warmup(url, prompts[0]))
         for speculative in (False, True):
             for c in concurrency:
@@ -95,9 +114,14 @@ def run_serving(
                 if progress:
                     progress()
     finally:
-        server.should_exit = True
-        thread.join(30)
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    llm = make_llm()
     params = SamplingParams(max_new_tokens=max_new_tokens)
+    llm.generate(prompts[0], SamplingParams(max_new_tokens=8))  # the same warm-up
     start, outputs, tokens = time.perf_counter(), [], 0
     for p in prompts:
         out = llm.generate(p, params)
@@ -107,6 +131,12 @@ def run_serving(
     if progress:
         progress()
     return ServingResult(levels, in_process, outputs, max_new_tokens, len(prompts))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 async def _warmup(url: str, prompt: str) -> None:
