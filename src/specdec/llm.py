@@ -141,6 +141,10 @@ class LLM:
                 self._drafters[config] = self._build_drafter(config)
             return self._drafters[config]
 
+    def has_draft_model(self, config: SpeculativeConfig) -> bool:
+        """Whether ``config`` names a draft model or this LLM was given one."""
+        return config.draft_model is not None or self._draft_source is not None
+
     def tree_builder(
         self, config: SpeculativeConfig, seed: int | None = None
     ) -> TreeBuilder | None:

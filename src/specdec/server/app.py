@@ -142,6 +142,12 @@ def create_app(
 async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     """Submit ``n`` choices per prompt and answer (JSON or SSE)."""
     speculative = _speculative(llm.speculative, body.speculative)
+    if speculative.method == "draft-model" and not llm.has_draft_model(speculative):
+        raise BadRequest(
+            "speculative: method 'draft-model' needs a draft model, and this server has none "
+            "(start it with --draft-model)",
+            "speculative",
+        )
     jobs = []  # (choice index, prompt ids, params)
     for p, ids in enumerate(prompts):
         for i in range(body.n):
@@ -362,6 +368,12 @@ def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) ->
 def _validation_message(error: RequestValidationError) -> str:
     parts = []
     for e in error.errors():
+        if e.get("type") == "json_invalid":
+            loc = e.get("loc", ())
+            where = f" at character {loc[1]}" if len(loc) > 1 else ""
+            detail = (e.get("ctx") or {}).get("error", "")
+            parts.append(f"the request body is not valid JSON (error{where}: {detail})")
+            continue
         where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
     return "; ".join(parts) or "invalid request"

@@ -22,7 +22,10 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"target (default: {DEFAULT_MODEL})")
     p.add_argument("--served-model-name", help="the id clients send as 'model' (default: --model)")
     add_drafter_args(p)
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument(
+        "--dtype", default="float32",
+        help="float32 (default), bfloat16, float16, or int8-dynamic (runs on transformers)",
+    )  # fmt: skip
     p.add_argument("--draft-dtype", default=None, help="dtype of --draft-model (default: --dtype)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument(
@@ -36,7 +39,9 @@ def add_parser(sub) -> None:
                    help="native backend: batch-invariant forwards (default: on)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoding at once")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="sequences decoding at once (default: 64)"
+    )
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=4096,
         help="tokens per forward, draft tokens included (default: 4096)",
