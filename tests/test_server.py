@@ -325,3 +325,26 @@ def test_specdec_serve_exits_cleanly_on_sigterm(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+@pytest.mark.real_model
+def test_unicode_through_the_server_on_the_real_model():
+    """SmolLM2's byte-level tokens split CJK characters: streamed and whole answers are the
+    same text, equal the in-process API's, and never end inside a character."""
+    real = LLM(backend="native", dtype="bfloat16",
+               speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=5))  # fmt: skip
+    prompt = "把这句话重复两遍：我喜欢吃苹果和香蕉。我喜欢吃苹果和香蕉。"
+    messages = [{"role": "user", "content": prompt}]
+    expected = real.generate(messages, SamplingParams(max_new_tokens=40))
+    assert "\ufffd" not in expected.text and any(ord(c) > 0x3000 for c in expected.text)
+    with serving(real) as (url, _, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        whole = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=40, temperature=0
+        )
+        stream = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=40, temperature=0, stream=True
+        )
+        pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert whole.choices[0].message.content == expected.text == "".join(pieces)
+    assert all("\ufffd" not in p for p in pieces)
