@@ -208,6 +208,16 @@ def test_cancelled_stream_frees_the_kv_cache(server, llm):
         ),
         ({"model": NAME, "prompt": "w1", "speculative": {"tree": "static:nope"}}, "speculative"),
         ({"model": NAME}, "prompt"),
+        ({"model": NAME, "prompt": "w1", "logprobs": 2}, "not supported by this server: logprobs"),
+        ({"model": NAME, "prompt": "w1", "echo": True, "best_of": 3}, "best_of, echo"),
+        (
+            {
+                "model": NAME,
+                "messages": [{"role": "user", "content": "w1"}],
+                "tools": [{"type": "function"}],
+            },
+            "tools",
+        ),
         ({"model": NAME, "messages": []}, "messages"),
     ],
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SpeculativeOptions(BaseModel):
@@ -28,6 +28,23 @@ class SpeculativeOptions(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=1, le=64, strict=True)
     tree: str | None = None
     enabled: bool = True
+
+
+#: OpenAI request fields that are not implemented, with the values that ask for nothing.
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class StreamOptions(BaseModel):
@@ -55,6 +72,17 @@ class _Common(BaseModel):
         if isinstance(value, bool):
             raise ValueError("must be a number, not a boolean")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        """OpenAI fields this server does not implement are refused when they ask for
+        something (silently ignoring ``logprobs: 5`` would hand a client ``null``)."""
+        if isinstance(data, dict):
+            asked = [k for k, idle in UNSUPPORTED.items() if k in data and data[k] not in idle]
+            if asked:
+                raise ValueError(f"not supported by this server: {', '.join(sorted(asked))}")
+        return data
 
 
 class CompletionRequest(_Common):
