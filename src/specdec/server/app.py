@@ -47,6 +47,7 @@ def create_app(
     model_name: str | None = None,
     max_waiting: int = 256,
     shutdown_timeout: float = 30.0,
+    engine_thread: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving ``llm``.
 
@@ -56,13 +57,17 @@ def create_app(
         max_waiting: requests queued beyond this get HTTP 429.
         shutdown_timeout: on shutdown (SIGTERM), seconds in-flight requests may take to
             finish before they are aborted.
+        engine_thread: run the engine on its own thread when the app starts; ``False``:
+            the caller runs ``app.state.engine.run()`` on a thread of its choosing (the
+            main thread, for speed: see :meth:`AsyncEngine.run`).
     """
     name = model_name or llm.target.name
     engine = AsyncEngine(llm, max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        if engine_thread:
+            engine.start()
         yield
         await engine.shutdown(shutdown_timeout)
 

@@ -88,7 +88,15 @@ class AsyncEngine:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        """Run the engine loop on a background thread."""
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the engine loop on the calling thread until :meth:`shutdown` (what
+        ``specdec serve`` does on the main thread: PyTorch's OpenMP workers belong to the
+        thread that computes, and a second thread's team ran the model ~1.6x slower while
+        the main thread's team existed, measured on 2 cores)."""
+        self._run()
 
     @property
     def num_live(self) -> int:
@@ -107,7 +115,8 @@ class AsyncEngine:
         await asyncio.sleep(0.05)
         self._stop.set()
         self._wake.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+        if self._thread.is_alive():
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
 
     # ------------------------------------------------------------------ requests
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
+import signal
+import threading
+import time
 
 from specdec.cli_common import add_drafter_args, llm_from_args, speculative_config
 from specdec.models.loading import BACKENDS, DEFAULT_MODEL, check_backend, check_dtype
@@ -76,7 +78,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_kv_tokens=args.max_kv_tokens,
     )
     llm = llm_from_args(args, speculative, engine_config=config)
-    app = create_app(llm, args.served_model_name or args.model, args.max_waiting)
+    app = create_app(
+        llm, args.served_model_name or args.model, args.max_waiting, engine_thread=False
+    )
     print(
         f"specdec: serving {args.model} ({llm.target.backend} backend) on "
         f"http://{args.host}:{args.port}/v1",
@@ -84,24 +88,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30)  # fmt: skip
-    _graceful_server(config).run()
+    server = uvicorn.Server(config)
+    # HTTP on a thread, the model on the main thread (see AsyncEngine.run); SIGTERM and
+    # SIGINT start uvicorn's graceful shutdown, whose end stops the engine loop.
+    http = threading.Thread(target=server.run, name="specdec-http", daemon=True)
+
+    def stop(signum, frame):
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise OSError(f"could not serve on {args.host}:{args.port} (address in use?)")
+        time.sleep(0.05)
+    app.state.engine.run()
+    http.join(60)
     print("specdec: server stopped", flush=True)
     return 0
-
-
-def _graceful_server(config):
-    """A uvicorn server for ``config`` that exits 0 after a graceful shutdown."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, exiting with status 0 after a graceful shutdown on SIGTERM or
-        SIGINT (uvicorn re-raises the signal after shutting down, which makes the process
-        look killed to its supervisor)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            with super().capture_signals():
-                yield
-                self._captured_signals.clear()
-
-    return Server(config)
