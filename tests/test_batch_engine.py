@@ -263,6 +263,20 @@ def test_llm_generate_batch_equals_one_by_one(target, near_draft):
         llm.generate(prompts[:3], params[:2])
     with pytest.raises(ValueError, match="needs a list of prompts"):
         llm.generate(prompts[0], params)
+    # per-prompt speculative settings: each prompt as it runs alone with its own settings
+    configs = [
+        SpeculativeConfig("none"),
+        SpeculativeConfig("ngram", num_speculative_tokens=3),
+        SpeculativeConfig("draft-model", num_speculative_tokens=2, tree="static:tree-8"),
+        None,  # the LLM's default
+    ]
+    mixed = llm.generate(prompts, params, speculative=configs)
+    for prompt, p, config, out in zip(prompts, params, configs, mixed, strict=True):
+        alone = llm.generate(prompt, p, speculative=config)
+        assert out.token_ids == alone.token_ids
+    assert mixed[0].metrics.num_draft_tokens == 0 and mixed[2].metrics.num_draft_tokens > 0
+    with pytest.raises(ValueError, match="1 speculative settings for 4 prompts"):
+        llm.generate(prompts, params, speculative=configs[:1])
 
 
 def test_llm_is_safe_from_several_threads(target, near_draft):

@@ -227,7 +227,7 @@ class LLM:
         prompt: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
-        speculative: SpeculativeConfig | None = None,
+        speculative: SpeculativeConfig | list[SpeculativeConfig] | None = None,
         chat: bool | None = None,
     ) -> GenerationOutput | list[GenerationOutput]:
         """Generate a completion, or one per prompt of a batch.
@@ -240,7 +240,8 @@ class LLM:
             sampling_params: defaults to greedy with 256 new tokens; for a batch, one for
                 all or a list with one per prompt.
             speculative: override the LLM's drafter settings for this call
-                (e.g. ``SpeculativeConfig(method="none")`` for the plain baseline).
+                (e.g. ``SpeculativeConfig(method="none")`` for the plain baseline); for a
+                batch, one for all or a list with one per prompt.
             chat: force the chat template on/off for string prompts.
 
         Returns:
@@ -250,12 +251,15 @@ class LLM:
 
         Raises:
             ValueError: empty prompt or batch, a prompt that fills the model's context, bad
-                ids, or as many sampling parameters as prompts expected.
+                ids, or a list of sampling parameters or speculative settings whose length
+                is not the number of prompts.
         """
         if _is_batch(prompt):
             return self._generate_batch(prompt, sampling_params, speculative, chat)
-        if isinstance(sampling_params, list):
-            raise ValueError("a list of sampling parameters needs a list of prompts")
+        if isinstance(sampling_params, list) or isinstance(speculative, list):
+            raise ValueError(
+                "a list of sampling parameters or speculative settings needs a list of prompts"
+            )
         params = sampling_params or SamplingParams()
         prompt_ids, steps = self._steps(prompt, params, speculative, chat)
         ids: list[int] = []
@@ -267,21 +271,18 @@ class LLM:
     def _generate_batch(self, prompts, sampling_params, speculative, chat):
         if not prompts:
             raise ValueError("the batch of prompts is empty")
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(
-                    f"{len(sampling_params)} sampling parameters for {len(prompts)} prompts"
-                )
-            all_params = [p or SamplingParams() for p in sampling_params]
-        else:
-            all_params = [sampling_params or SamplingParams()] * len(prompts)
-        config = speculative or self.speculative
+        all_params = _per_prompt(sampling_params, len(prompts), "sampling parameters")
+        all_params = [p or SamplingParams() for p in all_params]
+        configs = _per_prompt(speculative, len(prompts), "speculative settings")
+        configs = [c or self.speculative for c in configs]
         encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked first
         with self._lock:
             engine = Engine(self.target, self.engine_config)
             sequences = [
                 engine.add_request(str(i), ids, params, **self._request(config, params))
-                for i, (ids, params) in enumerate(zip(encoded, all_params, strict=True))
+                for i, (ids, params, config) in enumerate(
+                    zip(encoded, all_params, configs, strict=True)
+                )
             ]
         try:
             while True:
@@ -365,6 +366,15 @@ class LLM:
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
         return StopChecker(stop_ids, params.stop, self.tokenizer.decode)
+
+
+def _per_prompt(value, num_prompts: int, what: str) -> list:
+    """``value`` for every prompt: a list of ``num_prompts`` values, or one value repeated."""
+    if not isinstance(value, list):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"{len(value)} {what} for {num_prompts} prompts")
+    return list(value)
 
 
 def _is_batch(prompt) -> bool:
