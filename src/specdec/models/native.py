@@ -82,8 +82,7 @@ class NativeModel(BackendBase):
     ) -> torch.Tensor:
         """Same contract as :meth:`HFModel.forward` (tokens appended after the cursor,
         causal or tree attention, logits of the last ``num_logits`` rows)."""
-        item = BatchItem(token_ids, cache, positions, tree_mask, num_logits)
-        return self.decoder.forward([item])[0]
+        return self.forward_full(token_ids, cache, num_logits, positions, tree_mask).logits
 
     def forward_full(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -284,8 +285,6 @@ def _chunk(index: int, delta, finish_reason, chat: bool) -> dict:
 
 
 def _sse(data: dict) -> str:
-    import json
-
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
