@@ -41,9 +41,9 @@ bench: $(STAMP)
 # copy of the target: the only cheaper draft with SmolLM2's tokenizer available offline.
 bench-trees: $(STAMP)
 	$(VENV)/bin/specdec bench --limit-per-category 2 --max-new-tokens 96 \
-		--method ngram:k=10 --method ngram:k=10,min=1 \
-		--method "ngram:min=1@dynamic:top_k=2,depth=10,budget=10" \
-		--method "ngram:min=1@sequoia:budget=10,depth=10" --out benchmarks/trees_cpu_ngram
+		--method ngram:k=10 --method ngram:k=10,min_n=1 \
+		--method "ngram:min_n=1@dynamic:top_k=2,depth=10,budget=10" \
+		--method "ngram:min_n=1@sequoia:budget=10,depth=10" --out benchmarks/trees_cpu_ngram
 	$(VENV)/bin/specdec bench --limit-per-category 1 --max-new-tokens 96 \
 		--draft-model smollm2-135m-instruct --draft-dtype int8-dynamic \
 		--method draft-model:k=8 --method "draft-model@static:tree-8" \

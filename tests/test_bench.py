@@ -116,19 +116,23 @@ def test_humaneval_prompts():
 
 
 def test_parse_method():
-    assert parse_method("ngram:k=8,min=3").options == (("k", 8), ("min", 3))
+    assert parse_method("ngram:k=8,min_n=3").options == (("k", "8"), ("min_n", "3"))
+    suffix = parse_method("suffix:k=12,global_cache=false")
+    assert suffix.speculative_config().options.global_cache is False
+    assert suffix.speculative_config().num_speculative_tokens == 12
     assert parse_method("ar").name == "autoregressive"
     assert parse_method("hf-prompt-lookup:k=10").name == "hf-prompt-lookup:k=10"
     tree = parse_method("ngram@dynamic:top_k=4,depth=5,budget=16")
     assert tree.tree == "dynamic:top_k=4,depth=5,budget=16"
     assert tree.name == "ngram@dynamic:top_k=4,depth=5,budget=16"
-    assert parse_method("draft-model:k=3@static:tree-8").options == (("k", 3),)
+    assert parse_method("draft-model:k=3@static:tree-8").options == (("k", "3"),)
     for bad, message in [
         ("foo", "unknown method"),
         ("ngram:z=1", "no option"),
         ("ngram:k=x", "integer"),
         ("ngram@bushy:budget=2", "unknown tree kind"),
-        ("hf-prompt-lookup@static:tree-8", "only ngram and draft-model"),
+        ("hf-prompt-lookup@static:tree-8", "only specdec drafters"),
+        ("suffix:min_n=2", "has no option 'min_n'"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad)
@@ -317,6 +321,39 @@ def test_bench_cli(tmp_path, capsys):
     assert all(r["matches_baseline"] for r in results["records"] if r["method"] != "autoregressive")
 
 
+def test_bench_repeat_runs_rounds_with_every_new_drafter(tmp_path, capsys):
+    """--repeat asks the prompts round after round; suffix with its global cache accepts
+    more in round 2 than without it, and every drafter runs by name with options."""
+    hf = make_model(make_tokenizer(), seed=0)
+    model_dir = tmp_path / "m"
+    hf.model.save_pretrained(model_dir)
+    hf.tokenizer.hf.save_pretrained(model_dir)
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        '{"prompt": "w5 w6 w7 w8", "category": "a"}\n{"prompt": "w9", "category": "b"}\n'
+    )
+    argv = ["bench", "--model", str(model_dir), "--dataset", str(data), "--repeat", "2",
+            "--max-new-tokens", "24", "--no-warmup",
+            "--method", "suffix:k=8", "--method", "suffix:k=8,global_cache=false",
+            "--method", "recycling:k=4", "--method", "lookahead@dynamic:top_k=2,depth=3,budget=6",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "round 1" in out and "round 2" in out
+    records = json.loads((tmp_path / "out" / "results.json").read_text())["records"]
+    assert len(records) == 5 * 4  # 5 methods x 2 prompts x 2 rounds
+    assert all(r["matches_baseline"] for r in records if r["method"] != "autoregressive")
+
+    def accepted(method, group):
+        return sum(
+            r["metrics"]["num_accepted_tokens"]
+            for r in records
+            if r["method"] == method and r["group"] == group
+        )
+
+    assert accepted("suffix:k=8", "round 2") > accepted("suffix:k=8,global_cache=false", "round 2")
+
+
 def test_bench_cli_bad_input(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
@@ -371,18 +408,18 @@ def test_summary_refuses_two_baseline_records_for_one_turn():
 
 def test_parse_methods_runs_each_method_once():
     assert [m.name for m in parse_methods(["ar", "ngram"])] == ["autoregressive", "ngram"]
-    for texts in (["ngram", "ngram"], ["ngram", "ngram:k=10"], ["ngram:min=2,k=10", "ngram"]):
+    for texts in (["ngram", "ngram"], ["ngram", "ngram:k=10"], ["ngram:min_n=2,k=10", "ngram"]):
         with pytest.raises(ValueError, match="same method"):
             parse_methods(texts)
     assert len(parse_methods(["ngram", "ngram:k=8", "ngram@static:tree-8"])) == 4
 
 
 def test_per_position_acceptance_is_in_the_tables(tiny_llm):
-    methods = [parse_method("ar"), parse_method("ngram:k=3,min=1")]
+    methods = [parse_method("ar"), parse_method("ngram:k=3,min_n=1")]
     records = run_benchmark(tiny_llm, methods, PROMPTS, SamplingParams(max_new_tokens=12))
     text = markdown_tables(summarize(records, "autoregressive"), "autoregressive")
     assert "Per-position acceptance rate" in text
-    assert "| ngram:k=3,min=1 | " in text.split("Per-position acceptance rate")[1]
+    assert "| ngram:k=3,min_n=1 | " in text.split("Per-position acceptance rate")[1]
 
 
 def _bench_argv(tmp_path, *extra):
@@ -399,10 +436,12 @@ def _bench_argv(tmp_path, *extra):
         (["--out", "FILE/sub"], "cannot write there"),
         (["--method", "ngram", "--method", "ngram:k=10"], "same method"),
         (["--limit-per-category", "0"], "must be >= 1"),
+        (["--repeat", "0"], "--repeat must be >= 1"),
+        (["--method", "suffix:max_depth=1"], "max_depth must be an integer >= 2"),
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
         (["--method", "ngram:k=0"], "num_speculative_tokens must be an integer >= 1"),
-        (["--method", "ngram:min=5,max=2"], "ngram_min <= ngram_max"),
+        (["--method", "ngram:min_n=5,max_n=2"], "min_n <= max_n"),
         (["--method", "hf-prompt-lookup:k=0"], "k=0 must be >= 1"),
         (["--draft-dtype", "int4"], "int4"),
     ],
@@ -428,7 +467,7 @@ def test_bench_refuses_a_dataset_given_twice(tmp_path, capsys):
 
 
 def test_rewriting_an_out_folder_leaves_no_stale_plot(tmp_path, tiny_llm):
-    methods = [parse_method("ar"), parse_method("ngram:k=3,min=1")]
+    methods = [parse_method("ar"), parse_method("ngram:k=3,min_n=1")]
     records = run_benchmark(tiny_llm, methods, PROMPTS, SamplingParams(max_new_tokens=6))
     summary = summarize(records, "autoregressive")
     write_outputs(tmp_path, records, summary, "autoregressive", {}, {})

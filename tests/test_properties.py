@@ -81,6 +81,8 @@ def any_settings(draw) -> dict:
     settings_ = draw(valid_settings())
     for key in draw(st.lists(st.sampled_from(sorted(BAD)), min_size=1, max_size=3)):
         settings_[key] = draw(st.sampled_from(BAD[key]))
+        if key == "ngram":  # n-gram sizes are the ngram drafter's options
+            settings_["method"] = "ngram"
     return settings_
 
 
@@ -93,12 +95,18 @@ def model_dir(tmp_path_factory):
     return path
 
 
+def _method(c: dict) -> str:
+    """The drafter spec: ngram carries its n-gram sizes."""
+    if c["method"] != "ngram":
+        return c["method"]
+    return f"ngram:min_n={c['ngram'][0]},max_n={c['ngram'][1]}"
+
+
 def _run_cli(model_dir, c: dict) -> tuple[int, str, str]:
     argv = ["generate", "w5 w6 w7 w5 w6", "--model", str(model_dir), "--json", "--compare"]
     argv += [f"--temperature={c['temperature']!r}", f"--top-p={c['top_p']!r}"]
     argv += [f"--top-k={c['top_k']}", f"--max-new-tokens={c['max_new']}"]
-    argv += [f"--num-speculative-tokens={c['k']}", f"--drafter={c['method']}"]
-    argv += [f"--ngram-min={c['ngram'][0]}", f"--ngram-max={c['ngram'][1]}"]
+    argv += [f"--num-speculative-tokens={c['k']}", f"--drafter={_method(c)}"]
     if c["method"] == "draft-model":
         argv += ["--draft-model", str(model_dir)]
     if c["seed"] is not None:
@@ -153,10 +161,7 @@ def _generate(api, c: dict, prompt):
         temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"],
         max_new_tokens=c["max_new"], stop=tuple(c["stops"]),
     )  # fmt: skip
-    spec = SpeculativeConfig(
-        method=c["method"], num_speculative_tokens=c["k"], ngram_min=c["ngram"][0],
-        ngram_max=c["ngram"][1], tree=c["tree"],
-    )  # fmt: skip
+    spec = SpeculativeConfig(method=_method(c), num_speculative_tokens=c["k"], tree=c["tree"])
     llm = LLM(api.target, draft=api.draft, speculative=spec, backend=c["backend"])
     return llm.generate(prompt, params), params
 

@@ -154,7 +154,7 @@ def test_abandoned_stream_releases_its_draft_state(target, near_draft):
 
 
 def test_seeded_sampling_with_sequoia_is_reproducible(target):
-    spec = SpeculativeConfig(method="ngram", tree="sequoia:budget=8,depth=6", ngram_min=1)
+    spec = SpeculativeConfig(method="ngram:min_n=1", tree="sequoia:budget=8,depth=6")
     llm = LLM(target, speculative=spec)
     params = SamplingParams(temperature=0.8, seed=3, max_new_tokens=32, ignore_eos=True)
     outputs = {tuple(llm.generate(PROMPT, params).token_ids) for _ in range(4)}
@@ -168,7 +168,7 @@ def test_seeded_sampling_with_sequoia_is_reproducible(target):
 
 
 def test_every_interleaving_of_seeded_runs_gives_the_same_outputs(target):
-    spec = SpeculativeConfig(method="ngram", tree="sequoia:budget=8,depth=4", ngram_min=1)
+    spec = SpeculativeConfig(method="ngram:min_n=1", tree="sequoia:budget=8,depth=4")
     llm = LLM(target, speculative=spec)
     params = [
         SamplingParams(temperature=1.0, seed=s, max_new_tokens=10, ignore_eos=True)

@@ -260,7 +260,8 @@ def test_greedy_speculation_is_identical_to_plain_decoding(dtype, method, tree):
     draft = NativeModel(tiny_hf("llama", seed=1, dtype=dtype), exact=True)
     llm = LLM(target, draft=draft, speculative=SpeculativeConfig(method="none"))
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=4, ngram_min=1, tree=tree)
+    method = "ngram:min_n=1" if method == "ngram" else method
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=4, tree=tree)
     for prompt in (PROMPT, [1, 20, 21, 22, 20, 21]):
         plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
         out = llm.generate(prompt, params, speculative=spec)

@@ -104,7 +104,31 @@ def _build_parser() -> argparse.ArgumentParser:
     from specdec.server.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from specdec.datastore_cli import add_parser as add_datastore_parser
+
+    add_datastore_parser(sub)
+    drafters = sub.add_parser(
+        "drafters",
+        help="list the drafters and their options",
+        description="List every registered drafter with its options and their defaults.",
+    )
+    drafters.set_defaults(func=_cmd_drafters)
     return parser
+
+
+def _cmd_drafters(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from specdec import registry
+
+    for name in registry.drafter_names():
+        entry = registry.drafter_entry(name)
+        print(f"{name:<12} {entry.summary}")
+        for f in dataclasses.fields(entry.options):
+            default = f.default
+            text = str(default).lower() if isinstance(default, bool) else default
+            print(f"{'':<12}   {f.name}={text}")
+    return 0
 
 
 def _quiet_transformers() -> None:
@@ -117,7 +141,7 @@ def _quiet_transformers() -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     speculative = speculative_config(args)
-    drafter = speculative.method
+    drafter = speculative.spec
     params = sampling_params(args, stop=tuple(args.stop))
     llm = llm_from_args(args, speculative)
     width = speculative.tree.num_nodes if speculative.tree else speculative.num_speculative_tokens

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.config import DRAFTER_METHODS, SamplingParams, SpeculativeConfig
+from specdec import registry
+from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, check_backend, check_dtype
 
 
 def add_drafter_args(parser: argparse.ArgumentParser) -> None:
-    """``--drafter --draft-model --num-speculative-tokens --tree --ngram-min --ngram-max``."""
+    """``--drafter --draft-model --num-speculative-tokens --tree``."""
+    names = registry.drafter_names()
     parser.add_argument(
         "--drafter",
         default=None,
-        choices=DRAFTER_METHODS,
-        help="how draft tokens are proposed (default: ngram, or draft-model when "
-        "--draft-model is given)",
+        metavar="NAME[:OPTS]",
+        type=_drafter_spec,
+        help=f"how draft tokens are proposed: {', '.join(names)}, optionally with options, "
+        "e.g. ngram:min_n=1,max_n=3 or suffix:max_depth=32 (default: ngram, or draft-model "
+        "when --draft-model is given; `specdec drafters` lists every drafter and option)",
     )
     parser.add_argument("--draft-model", help="draft model (implies --drafter draft-model)")
     parser.add_argument(
@@ -33,12 +37,15 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
         "dynamic:top_k=4,depth=5,budget=16 (EAGLE-2), best-first:budget=16,depth=6 "
         "(DDTree), sequoia:budget=16,depth=6 (Sequoia); budget = draft nodes per step",
     )
-    parser.add_argument(
-        "--ngram-min", type=int, default=2, help="smallest n-gram to match (default 2)"
-    )
-    parser.add_argument(
-        "--ngram-max", type=int, default=4, help="largest n-gram to match (default 4)"
-    )
+
+
+def _drafter_spec(text: str) -> str:
+    """argparse type of ``--drafter``: checks the name and options now."""
+    try:
+        SpeculativeConfig(method=text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
@@ -48,13 +55,12 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
         ValueError: ``--draft-model`` with another drafter, or an invalid setting.
     """
     drafter = args.drafter or ("draft-model" if args.draft_model else "ngram")
-    if args.draft_model and drafter != "draft-model":
-        raise ValueError(f"--draft-model is only used with --drafter draft-model, not {drafter}")
+    name = registry.parse_spec(drafter)[0]
+    if args.draft_model and not registry.drafter_entry(name).needs_draft_model:
+        raise ValueError(f"--draft-model is only used with --drafter draft-model, not {name}")
     return SpeculativeConfig(
         method=drafter,
         num_speculative_tokens=args.num_speculative_tokens,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
         draft_model=args.draft_model,
         tree=args.tree,
     )

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from specdec.trees.spec import TreeSpec
 
-#: Drafter names accepted by :class:`SpeculativeConfig`.
-DRAFTER_METHODS = ("none", "ngram", "draft-model")
+#: ``SpeculativeConfig.method`` for the drafter object given to ``LLM(drafter=...)``.
+CUSTOM = "custom"
 #: Most stop strings per request, and most characters in one.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -118,16 +118,21 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Which drafter proposes tokens and how many per step.
+    """Which drafter proposes tokens, with which options, and how many per step.
 
     Args:
-        method: ``"none"`` (plain autoregressive decoding through the same loop),
-            ``"ngram"`` (prompt lookup) or ``"draft-model"`` (a smaller causal LM).
-        num_speculative_tokens: draft tokens proposed per verification step (γ, int >= 1).
+        method: a registered drafter (see :mod:`specdec.registry`), optionally with its
+            options: ``"none"`` (plain autoregressive decoding through the same loop),
+            ``"ngram"`` (prompt lookup), ``"draft-model"`` (a smaller causal LM),
+            ``"suffix"`` (SuffixDecoding), ``"recycling"`` (Token Recycling), ... or
+            ``"suffix:max_depth=32,global_cache=false"``. ``"custom"`` means the drafter
+            object given to :class:`specdec.LLM` as ``drafter=``.
+        num_speculative_tokens: most draft tokens per verification step (γ, int >= 1).
             Ignored for ``"none"``. Each step drafts at most the remaining token budget
             minus one, so a large value allocates nothing it cannot use.
-        ngram_min / ngram_max: n-gram sizes tried by the ``ngram`` drafter, longest first
-            (ints, 1 <= ngram_min <= ngram_max).
+        options: the drafter's options: its options dataclass (e.g.
+            :class:`~specdec.drafters.options.NgramOptions`), a mapping, or ``None`` for
+            the defaults (or those written in ``method``). Stored as the dataclass.
         draft_model: name or path of the draft model for ``"draft-model"`` (see
             :func:`specdec.models.load`); may instead be given to :class:`specdec.LLM` as
             an already loaded model.
@@ -138,38 +143,56 @@ class SpeculativeConfig:
             own depth then replaces ``num_speculative_tokens``.
 
     Raises:
-        ValueError: unknown method, num_speculative_tokens < 1, bad n-gram sizes, a bad
-            tree spec, a tree with method ``"none"``, or sampled children (``draw=iid`` /
-            ``wor``) with a drafter that has no distribution (``ngram``).
+        ValueError: unknown drafter or option, a bad option value, options both in
+            ``method`` and ``options``, num_speculative_tokens < 1, a bad tree spec, a
+            tree with method ``"none"``, or sampled children (``draw=iid`` / ``wor``) with
+            a drafter that has no distribution.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
-    ngram_min: int = 2
-    ngram_max: int = 4
+    options: object = None
     draft_model: str | None = None
     tree: TreeSpec | str | None = None
 
     def __post_init__(self) -> None:
+        from specdec import registry  # the registry's drafters import this module
+
+        if not isinstance(self.method, str):
+            raise ValueError(f"method must be a string, got {self.method!r}")
+        name, written = registry.parse_spec(self.method)
+        if written and self.options is not None:
+            raise ValueError("give drafter options in method or in options, not both")
+        object.__setattr__(self, "method", name)
+        if name == CUSTOM:
+            if written or self.options is not None:
+                raise ValueError("a custom drafter takes no options here (configure the object)")
+            samples = True  # unknown: the drafter object decides
+        else:
+            entry = registry.drafter_entry(name)
+            object.__setattr__(
+                self, "options", registry.make_options(name, written or self.options)
+            )
+            samples = entry.samples
         if self.tree is not None:
             object.__setattr__(self, "tree", TreeSpec.parse(self.tree))
-            if self.method == "none":
-                raise ValueError("a token tree needs a drafter (method 'ngram' or 'draft-model')")
-            if self.tree.draw != "top" and self.method != "draft-model":
+            if name == "none":
+                raise ValueError("a token tree needs a drafter (method 'none' has none)")
+            if self.tree.draw != "top" and not samples:
                 raise ValueError(
                     f"draw={self.tree.draw} samples children from a draft distribution; "
-                    "only method 'draft-model' has one (use draw=top)"
+                    f"drafter {name!r} has none (use draw=top)"
                 )
-        if self.method not in DRAFTER_METHODS:
-            raise ValueError(
-                f"unknown drafter {self.method!r}; choose one of {', '.join(DRAFTER_METHODS)}"
-            )
         k = self.num_speculative_tokens
         if not _is_int(k) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-        if not (_is_int(self.ngram_min) and _is_int(self.ngram_max)) or not (
-            1 <= self.ngram_min <= self.ngram_max
-        ):
-            raise ValueError(
-                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
-            )
+
+    @property
+    def spec(self) -> str:
+        """The drafter as a spec string: ``method`` plus non-default options."""
+        if self.options is None:
+            return self.method
+        from specdec.registry import options_string
+
+        extra = options_string(self.options)
+        return f"{self.method}:{extra}" if extra else self.method

@@ -6,10 +6,10 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.drafters.base import Drafter, NoDrafter
-from specdec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
-from specdec.drafters.ngram import NgramDrafter
+from specdec import registry
+from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
+from specdec.drafters.base import Drafter, check_drafter
+from specdec.drafters.draft_model import check_vocab_compatible
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
@@ -71,7 +71,11 @@ class LLM:
             Default: the embedded SmolLM2-135M-Instruct.
         draft: draft model (name/path or loaded) for ``method="draft-model"``.
         speculative: drafter settings; default ``ngram`` (or ``draft-model`` when
-            ``draft`` is given).
+            ``draft`` is given, ``custom`` when ``drafter`` is).
+        drafter: your own :class:`~specdec.drafters.Drafter` object (see
+            :class:`~specdec.drafters.DrafterBase`); configs with ``method="custom"`` use
+            it. Its output is verified like any drafter's, so it cannot change what is
+            generated, only how fast.
         dtype, device: for models loaded by name.
         backend: ``"hf"`` (transformers), ``"native"`` (specdec's runtime) or ``"auto"``
             for models loaded by name (see :func:`specdec.models.load`); it applies to the
@@ -102,6 +106,7 @@ class LLM:
         draft: str | Backend | None = None,
         speculative: SpeculativeConfig | None = None,
         *,
+        drafter: Drafter | None = None,
         dtype: str = "float32",
         device: str = "cpu",
         draft_dtype: str | None = None,
@@ -111,8 +116,12 @@ class LLM:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if drafter is not None:
+            check_drafter(drafter)
         if speculative is None:
-            speculative = SpeculativeConfig(method="draft-model" if draft is not None else "ngram")
+            method = CUSTOM if drafter is not None else "ngram"
+            speculative = SpeculativeConfig(method="draft-model" if draft is not None else method)
+        self._custom = drafter
         self.speculative = speculative
         self._dtype, self._device = dtype, device
         self._draft_dtype = draft_dtype or dtype
@@ -169,12 +178,15 @@ class LLM:
             return self._tree_builders[config]
 
     def _build_drafter(self, config: SpeculativeConfig) -> Drafter:
-        if config.method == "none":
-            return NoDrafter()
-        if config.method == "ngram":
-            return NgramDrafter(config.ngram_min, config.ngram_max)
-        draft = self._load_draft(config)
-        return DraftModelDrafter(draft, self.target.vocab_size, len(self.tokenizer))
+        if config.method == CUSTOM:
+            if self._custom is None:
+                raise ValueError("method 'custom' needs a drafter object: LLM(..., drafter=...)")
+            return self._custom
+        entry = registry.drafter_entry(config.method)
+        context = registry.DrafterContext(
+            self.target, self.tokenizer, lambda: self._load_draft(config)
+        )
+        return entry.factory(context, config.options)
 
     def _load_draft(self, config: SpeculativeConfig) -> Backend:
         source = config.draft_model or self._draft_source

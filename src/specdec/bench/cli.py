@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.datasets import load_humaneval, load_jsonl, load_spec_bench, select
+from specdec.bench.datasets import (
+    load_humaneval,
+    load_jsonl,
+    load_spec_bench,
+    repeat_rounds,
+    select,
+)
 from specdec.bench.harness import check_unique, run_benchmark
 from specdec.bench.methods import parse_methods
 from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
@@ -40,9 +46,10 @@ def add_parser(sub) -> None:
         action="append",
         dest="methods",
         metavar="SPEC",
-        help="method to run (repeatable): ar, ngram[:k=10,min=2,max=4], "
-        "draft-model[:k=4], hf-prompt-lookup[:k=10,max_ngram=2], "
-        "hf-assisted[:k=4]; ngram and draft-model take a token tree after '@', e.g. "
+        help="method to run (repeatable): ar; any drafter as NAME[:k=K,option=value,...] "
+        "(see `specdec drafters`), e.g. ngram:k=10,min_n=1, suffix:k=24, recycling:k=6, "
+        "draft-model:k=4; hf-prompt-lookup[:k=10,max_ngram=2], hf-assisted[:k=4]. "
+        "Drafters that draft trees take one after '@', e.g. "
         "ngram@dynamic:top_k=4,depth=5,budget=16 (see specdec generate --help, --tree). "
         "The autoregressive baseline always runs first. "
         f"Default: {' '.join(DEFAULT_METHODS)}",
@@ -68,6 +75,14 @@ def add_parser(sub) -> None:
         metavar="N",
         help="at most N prompts per category group (deterministic: file order, "
         "round-robin over sub-categories)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ask the selected prompts N times, round after round (report groups "
+        "'round 1'..'round N'): a workload where cross-request caches (suffix) pay",
     )
     p.add_argument(
         "--categories",
@@ -104,12 +119,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise ValueError(f"--limit-per-category must be >= 1, got {args.limit_per_category}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     out_dir = _check_out_dir(args.out) if args.out else None
     if args.forward_cost:
         return _forward_cost(args, out_dir)
     if args.serving:
         return _serving(args, methods, out_dir)
-    needs_draft = [m.name for m in methods if m.kind in ("draft-model", "hf-assisted")]
+    needs_draft = [m.name for m in methods if m.needs_draft_model]
     if needs_draft and not args.draft_model:
         raise ValueError(f"method {needs_draft[0]!r} needs --draft-model")
     available = _load_prompts(args)
@@ -126,6 +143,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_unique(
         "prompt ids (two datasets with the same file name?)", [p.prompt_id for p in prompts]
     )
+    if args.repeat > 1:
+        prompts = repeat_rounds(prompts, args.repeat)
     llm = LLM(
         args.model,
         speculative=SpeculativeConfig(method="none"),
@@ -202,20 +221,21 @@ def _serving(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
 
     from specdec.bench.serving import CONCURRENCY, report_markdown, run_serving, write_serving
 
-    chosen = next((m for m in methods if m.kind in ("ngram", "draft-model")), None)
+    chosen = next((m for m in methods if m.is_specdec and m.kind != "ar"), None)
     if chosen is None:
         speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
     else:
+        config = chosen.speculative_config()
         speculative = SpeculativeConfig(
-            method=chosen.kind,
-            num_speculative_tokens=chosen.option("k"),
+            method=config.spec,
+            num_speculative_tokens=config.num_speculative_tokens,
             draft_model=args.draft_model,
-            tree=chosen.tree,
+            tree=config.tree,
         )
     prompts = [p.turns[0] for p in select(_load_prompts(args), 6)][:32]
     serve_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
                   "--backend", args.backend, "--exact" if args.exact else "--no-exact",
-                  "--drafter", speculative.method,
+                  "--drafter", speculative.spec,
                   "--num-speculative-tokens", str(speculative.num_speculative_tokens)]  # fmt: skip
     if speculative.tree:
         serve_args += ["--tree", str(speculative.tree)]

@@ -9,11 +9,12 @@ generation.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,3 +218,25 @@ def select(
                     chosen.append(queue.pop(0))
                     taken += 1
     return chosen
+
+
+def repeat_rounds(prompts: Sequence[BenchPrompt], rounds: int) -> list[BenchPrompt]:
+    """The prompts asked ``rounds`` times over: every prompt once per round, round after
+    round (a workload where earlier requests predict later ones, e.g. for cross-request
+    caches). Round ``r`` (1-based) has ids ``ID#r`` and report group ``round r``.
+
+    Raises:
+        ValueError: ``rounds < 1``.
+
+    Example:
+        >>> p = [BenchPrompt("a", "c", "g", ("q",)), BenchPrompt("b", "c", "g", ("q",))]
+        >>> [(x.prompt_id, x.group) for x in repeat_rounds(p, 2)]
+        [('a#1', 'round 1'), ('b#1', 'round 1'), ('a#2', 'round 2'), ('b#2', 'round 2')]
+    """
+    if rounds < 1:
+        raise ValueError(f"--repeat must be >= 1, got {rounds}")
+    return [
+        dataclasses.replace(p, prompt_id=f"{p.prompt_id}#{r}", group=f"round {r}")
+        for r in range(1, rounds + 1)
+        for p in prompts
+    ]

@@ -3,8 +3,11 @@
 Method strings (``--method``):
 
 * ``ar``: specdec plain autoregressive decoding (the baseline every ratio uses);
-* ``ngram[:k=10,min=2,max=4]``: specdec prompt lookup;
-* ``draft-model[:k=4]``: specdec with the ``--draft-model``;
+* ``NAME[:k=K,option=value,...][@TREE]``: any registered drafter (``specdec drafters``
+  lists them), ``k`` = draft tokens per step, the other options go to the drafter, e.g.
+  ``ngram:k=10,min_n=1``, ``suffix:k=24,global_cache=false``,
+  ``recycling@dynamic:top_k=4,depth=6,budget=24``, ``draft-model:k=4`` (with
+  ``--draft-model``);
 * ``hf-prompt-lookup[:k=10,max_ngram=2]``: transformers ``generate(prompt_lookup_num_tokens=k)``;
 * ``hf-assisted[:k=4]``: transformers ``generate(assistant_model=draft)``.
 
@@ -19,21 +22,34 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import registry
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.llm import LLM
 from specdec.metrics import SpecStats
 from specdec.trees.spec import TreeSpec
 
-SPECDEC_KINDS = {"ar": "none", "ngram": "ngram", "draft-model": "draft-model"}
+#: External baselines and their integer options, with defaults.
+EXTERNAL = {"hf-prompt-lookup": {"k": 10, "max_ngram": 2}, "hf-assisted": {"k": 4}}
+#: Draft tokens per step (``k``) when a method does not say; other drafters: 8.
+DEFAULT_K = {
+    "ngram": 10,
+    "draft-model": 4,
+    "suffix": 24,
+    "recycling": 4,
+    "lookahead": 8,
+    "retrieval": 10,
+    "layer-skip": 5,
+}
 
 
 @dataclass(frozen=True)
 class Method:
-    """A parsed ``--method``: ``kind``, integer options (``k``, ``min``, ``max``, ...) and,
-    for specdec drafters, an optional token tree (``tree``, a :class:`TreeSpec` string)."""
+    """A parsed ``--method``: ``kind``, its options as written (``k`` and, for specdec
+    drafters, the drafter's options) and an optional token tree (a :class:`TreeSpec`
+    string)."""
 
     kind: str
-    options: tuple[tuple[str, int], ...] = ()
+    options: tuple[tuple[str, str], ...] = ()
     tree: str | None = None
 
     @property
@@ -46,93 +62,108 @@ class Method:
         label = f"{self.kind}:{opts}" if opts else self.kind
         return f"{label}@{self.tree}" if self.tree else label
 
-    def option(self, key: str, default: int | None = None) -> int:
-        """The value of option ``key`` (its documented default when not given)."""
-        fallback = _DEFAULTS.get(self.kind, {}).get(key, default)
-        return dict(self.options).get(key, fallback)
+    def option(self, key: str) -> int:
+        """The integer option ``key`` (``k`` or an external baseline's), or its default."""
+        given = dict(self.options)
+        if key in given:
+            return int(given[key])
+        if self.kind in EXTERNAL:
+            return EXTERNAL[self.kind][key]
+        if key == "k":
+            return DEFAULT_K.get(self.kind, 8)
+        raise KeyError(key)
 
     @property
     def settings(self) -> tuple:
         """What the method runs, defaults filled in: equal settings = the same method."""
-        full = {**_DEFAULTS.get(self.kind, {}), **dict(self.options)}
+        config = self.speculative_config()
+        if config is not None:
+            k = 0 if config.method == "none" else config.num_speculative_tokens
+            return config.method, k, config.options, config.tree
+        full = {**EXTERNAL[self.kind], **{k: int(v) for k, v in self.options}}
         return self.kind, tuple(sorted(full.items())), self.tree
 
     @property
     def is_specdec(self) -> bool:
-        return self.kind in SPECDEC_KINDS
+        return self.kind not in EXTERNAL
+
+    @property
+    def needs_draft_model(self) -> bool:
+        """It needs ``--draft-model`` (``hf-assisted``, or a drafter that drafts with one)."""
+        if self.kind == "hf-assisted":
+            return True
+        return (
+            self.is_specdec
+            and self.kind != "ar"
+            and (registry.drafter_entry(self.kind).needs_draft_model)
+        )
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """The :class:`SpeculativeConfig` a specdec method runs (``None`` for external
         baselines).
 
         Raises:
-            ValueError: an option value the config refuses (e.g. ``k=0``).
+            ValueError: an option the drafter refuses (e.g. ``k=0``, ``min_n=0``).
         """
+        if self.kind in EXTERNAL:
+            return None
         if self.kind == "ar":
             return SpeculativeConfig(method="none")
-        if self.kind == "ngram":
-            return SpeculativeConfig(
-                method="ngram",
-                num_speculative_tokens=self.option("k"),
-                ngram_min=self.option("min"),
-                ngram_max=self.option("max"),
-                tree=self.tree,
-            )
-        if self.kind == "draft-model":
-            return SpeculativeConfig(
-                method="draft-model", num_speculative_tokens=self.option("k"), tree=self.tree
-            )
-        return None
-
-
-#: Options each kind takes, with their defaults.
-_DEFAULTS = {
-    "ar": {},
-    "ngram": {"k": 10, "min": 2, "max": 4},
-    "draft-model": {"k": 4},
-    "hf-prompt-lookup": {"k": 10, "max_ngram": 2},
-    "hf-assisted": {"k": 4},
-}
-_ALLOWED = {kind: tuple(defaults) for kind, defaults in _DEFAULTS.items()}
+        drafter_options = ",".join(f"{k}={v}" for k, v in self.options if k != "k")
+        return SpeculativeConfig(
+            method=f"{self.kind}:{drafter_options}" if drafter_options else self.kind,
+            num_speculative_tokens=self.option("k"),
+            tree=self.tree,
+        )
 
 
 def parse_method(text: str) -> Method:
-    """``"ngram:k=8,min=2"`` -> ``Method("ngram", (("k", 8), ("min", 2)))``.
+    """``"ngram:k=8,min_n=2"`` -> ``Method("ngram", (("k", "8"), ("min_n", "2")))``.
 
-    A token tree follows ``@``: ``"ngram@dynamic:top_k=4,depth=5,budget=16"`` (specdec's
-    ``ngram`` and ``draft-model`` only; ``k`` is then unused).
+    A token tree follows ``@``: ``"ngram@dynamic:top_k=4,depth=5,budget=16"`` (specdec
+    drafters that draft trees; ``k`` is then unused).
 
     Raises:
-        ValueError: unknown kind, unknown option, a non-integer value, or a bad tree.
+        ValueError: unknown kind, unknown option, a bad value, or a bad tree.
     """
     text, at, tree = text.strip().partition("@")
     if at:
         tree = str(TreeSpec.parse(tree))
-    kind, _, rest = text.partition(":")
-    if at and kind not in ("ngram", "draft-model"):
-        raise ValueError(f"only ngram and draft-model take a token tree (@...), not {kind!r}")
-    if kind not in _ALLOWED:
-        raise ValueError(f"unknown method {kind!r}; choose from {', '.join(_ALLOWED)}")
-    options = []
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        if key not in _ALLOWED[kind]:
-            raise ValueError(f"method {kind!r} has no option {key!r} (options: {_ALLOWED[kind]})")
-        try:
-            options.append((key, int(value)))
-        except ValueError:
-            raise ValueError(
-                f"option {key!r} of {kind!r} needs an integer, got {value!r}"
-            ) from None
-    method = Method(kind, tuple(options), tree or None)
+    kind, items = registry.parse_spec(text)
+    if kind == "none":
+        kind = "ar"
+    known = ("ar", *EXTERNAL, *(n for n in registry.drafter_names() if n != "none"))
+    if kind not in known:
+        raise ValueError(f"unknown method {kind!r}; choose from {', '.join(known)}")
+    if at and (kind in EXTERNAL or kind == "ar"):
+        raise ValueError(f"only specdec drafters take a token tree (@...), not {kind!r}")
+    if kind in EXTERNAL:
+        _check_external(kind, items)
+    elif "k" in items:
+        _integer(kind, "k", items["k"])
+    method = Method(kind, tuple(items.items()), tree or None)
     try:
         method.speculative_config()  # specdec's own checks, now rather than mid-run
     except ValueError as error:
         raise ValueError(f"method {text!r}: {error}") from None
-    small = [f"{key}={value}" for key, value in options if value < 1]
-    if small:
-        raise ValueError(f"method {text!r}: {', '.join(small)} must be >= 1")
     return method
+
+
+def _integer(kind: str, key: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"option {key!r} of {kind!r} needs an integer, got {value!r}") from None
+
+
+def _check_external(kind: str, items: dict[str, str]) -> None:
+    for key, value in items.items():
+        if key not in EXTERNAL[kind]:
+            raise ValueError(
+                f"method {kind!r} has no option {key!r} (options: {tuple(EXTERNAL[kind])})"
+            )
+        if _integer(kind, key, value) < 1:
+            raise ValueError(f"method {kind!r}: {key}={value} must be >= 1")
 
 
 def parse_methods(texts: Sequence[str]) -> list[Method]:
@@ -181,10 +212,10 @@ class MethodRunner:
         self.llm = llm
         self.target = llm.target
         self.draft = draft_llm_model
-        if method.kind in ("draft-model", "hf-assisted") and draft_llm_model is None:
+        if method.needs_draft_model and draft_llm_model is None:
             raise ValueError(f"method {method.kind!r} needs --draft-model")
         self.speculative = method.speculative_config()
-        if method.kind == "draft-model":  # a view sharing the loaded target, with the draft
+        if method.needs_draft_model and method.is_specdec:  # shares the loaded target
             self.llm = LLM(llm.target, draft=draft_llm_model, speculative=self.speculative)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RunResult:

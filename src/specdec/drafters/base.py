@@ -29,6 +29,62 @@ class DraftProposal:
         return len(self.token_ids)
 
 
+@dataclass
+class AuxRows:
+    """Rows a drafter adds to the verification forward that are not drafts (Lookahead
+    decoding's lookahead branch): they see the cached prefix, the pending token and the
+    auxiliary rows their mask allows -- never the draft -- and no draft row sees them, so
+    they cannot change what is verified. They are never kept in the KV cache; their
+    logits come back in :attr:`VerificationFeedback.aux_logits`.
+
+    Attributes:
+        token_ids: ``[m]`` their tokens.
+        position_offsets: ``[m]`` positions relative to the pending token's (>= 1).
+        mask: ``[m, m]`` bool: row i sees auxiliary row j (``mask[i, i]`` must be True).
+    """
+
+    token_ids: list[int]
+    position_offsets: list[int]
+    mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class VerificationFeedback:
+    """What the target said about one step's draft, for drafters that learn from it.
+
+    Attributes:
+        input_ids: ``[n]`` the tokens the target ran in this verification: the pending
+            token, then the draft chain or the tree's nodes (in tree order).
+        parents: for a token tree, ``[n - 1]`` each node's parent (``-1`` = the pending
+            token); ``None`` for a chain (row i's parent is row i - 1).
+        target_logits: ``[n, V]`` float32: row i is the target's next-token logits after
+            ``input_ids[i]`` (on its root path). Read-only.
+        accepted_rows: rows on the accepted path, starting with ``0`` (the pending token).
+        output_token_ids: the tokens this step emitted (accepted + recovered or bonus),
+            before any stop truncation.
+        aux_logits: ``[m, V]`` float32 logits of the step's :class:`AuxRows` (``None``
+            without them).
+    """
+
+    input_ids: list[int]
+    parents: list[int] | None
+    target_logits: torch.Tensor
+    accepted_rows: list[int]
+    output_token_ids: list[int]
+    aux_logits: torch.Tensor | None = None
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self.input_ids) - 1
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_rows) - 1
+
+
 @runtime_checkable
 class SequenceDrafter(Protocol):
     """One sequence's drafter: all per-sequence state (e.g. a draft model's KV cache)
@@ -51,20 +107,86 @@ class SequenceDrafter(Protocol):
 class Drafter(Protocol):
     """Makes a :class:`SequenceDrafter` per sequence; never decides how many tokens to
     draft (the engine passes ``num_tokens``). Holds only what sequences share (a loaded
-    draft model, settings); a stateless drafter may return itself from ``start``.
+    draft model, a cross-request cache, settings); a stateless drafter may return itself
+    from ``start``.
 
-    A drafter whose sequences offer ``tree_session`` declares it with a class attribute
-    ``supports_trees = True`` (the engine refuses token trees otherwise).
+    Capabilities are declared as class attributes (see :class:`DrafterBase`), read once
+    when a request is added:
+
+    * ``supports_trees``: its sequences offer ``tree_session(token_ids, params)`` (a
+      :class:`~specdec.trees.builders.TreeSession`); the engine refuses token trees
+      otherwise.
+    * ``observes``: after every verification the engine calls its sequence's
+      ``observe(feedback)`` with a :class:`VerificationFeedback` (the target's logits
+      on every verified row); Token Recycling learns from it.
+    * ``uses_target_cache``: self-speculative drafters (layer skip) draft with the target
+      itself over the sequence's own KV cache. Right after ``start`` (and after every
+      readmission following a preemption) the engine calls the sequence's
+      ``attach_cache(cache)``. At each ``propose`` / ``tree_session`` the cache holds
+      every token but the pending one (the cursor rule); the drafter may write draft
+      tokens past that point but must leave ``cache.num_tokens`` as it found it (the
+      verification forward overwrites those slots).
+    * ``max_aux_rows`` (int, default 0): after drafting, the engine asks the sequence's
+      ``aux_rows(token_ids)`` for up to this many :class:`AuxRows` to run in the same
+      forward (Lookahead decoding); the scheduler counts them in the token budget.
     """
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceDrafter:
         """Begin drafting for a new sequence (optionally prefilling its own state)."""
 
 
-class NoDrafter:
-    """Proposes nothing: every step is one plain autoregressive step of the target."""
+class DrafterBase:
+    """Optional base class for drafters and their sequence states: declares no
+    capabilities and gives the optional methods a default."""
 
-    supports_trees = False
+    #: its sequences offer ``tree_session`` (token trees)
+    supports_trees: bool = False
+    #: its sequences want ``observe(feedback)`` after every verification
+    observes: bool = False
+    #: its sequences draft over the target's KV cache (``attach_cache(cache)``)
+    uses_target_cache: bool = False
+    #: most :class:`AuxRows` its sequences add to a verification (``aux_rows(token_ids)``)
+    max_aux_rows: int = 0
+
+    def observe(self, feedback: VerificationFeedback) -> None:
+        """Learn from a verification (default: nothing)."""
+
+    def close(self) -> None:
+        """Release per-sequence state (default: nothing)."""
+
+
+def needs_isolation(params: SamplingParams) -> bool:
+    """Whether a generation must not see state learned from other requests: seeded
+    sampling, whose output must depend only on its prompt, parameters and seed (drafts
+    decide how many random draws verification takes). Greedy output never depends on the
+    drafts, so greedy generations share learned state freely.
+    """
+    return params.seed is not None and not params.greedy
+
+
+def check_drafter(drafter: object) -> None:
+    """Refuse an object that cannot be a :class:`Drafter` (at configuration time).
+
+    Raises:
+        ValueError: no callable ``start``, or a declared capability (``supports_trees``,
+            ``observes``, ``uses_target_cache``) that is not a bool, or ``max_aux_rows``
+            that is not an integer >= 0.
+    """
+    if not callable(getattr(drafter, "start", None)):
+        raise ValueError(
+            f"{type(drafter).__name__} is not a drafter: it needs start(prompt_ids, params) "
+            "returning a sequence drafter with propose() and close()"
+        )
+    for flag in ("supports_trees", "observes", "uses_target_cache"):
+        if not isinstance(getattr(drafter, flag, False), bool):
+            raise ValueError(f"{type(drafter).__name__}.{flag} must be a bool")
+    aux = getattr(drafter, "max_aux_rows", 0)
+    if isinstance(aux, bool) or not isinstance(aux, int) or aux < 0:
+        raise ValueError(f"{type(drafter).__name__}.max_aux_rows must be an integer >= 0")
+
+
+class NoDrafter(DrafterBase):
+    """Proposes nothing: every step is one plain autoregressive step of the target."""
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> NoDrafter:
         return self
@@ -73,6 +195,3 @@ class NoDrafter:
         self, token_ids: Sequence[int], num_tokens: int, generator: torch.Generator
     ) -> DraftProposal:
         return DraftProposal([])
-
-    def close(self) -> None:
-        pass

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import DraftProposal
+from specdec.drafters.base import DrafterBase, DraftProposal
 from specdec.models.base import Backend
 from specdec.sampling import logits_to_probs, sample
 from specdec.trees.builders import Expansion
@@ -76,7 +76,56 @@ def align_draft_logits(
     return logits
 
 
-class DraftModelDrafter:
+def expansions_from_logits(
+    rows: torch.Tensor, params: SamplingParams, width: int
+) -> list[Expansion]:
+    """Each node's ``width`` most probable next tokens from its draft logits.
+
+    Scores are probabilities: softmax of the logits for greedy decoding, the processed
+    sampling distribution (temperature, top-k, top-p) otherwise, which is then also the
+    distribution sampled children are drawn from (``Expansion.dist``).
+
+    Args:
+        rows: ``[n, V]`` float32 draft logits, one row per expanded node.
+    """
+    if params.greedy:
+        probs, dists = torch.softmax(rows, dim=-1), None
+    else:
+        probs = dists = logits_to_probs(rows, params)
+    top = torch.topk(probs, min(width, probs.shape[-1]), dim=-1)
+    out = []
+    for i in range(rows.shape[0]):
+        keep = top.values[i] > 0
+        tokens, scores = top.indices[i][keep].tolist(), top.values[i][keep].tolist()
+        out.append(Expansion(tokens, scores, None if dists is None else dists[i]))
+    return out
+
+
+def new_nodes_mask(new: list[int], parents: list[int], slot: dict[int, int]) -> torch.Tensor:
+    """Tree attention of nodes forwarded together after earlier forwarded nodes.
+
+    Args:
+        new: the nodes to forward now (in this order).
+        parents: every node's parent (``ROOT`` or a node).
+        slot: node -> its index among the tree tokens already forwarded (their ancestors
+            must all be there).
+
+    Returns:
+        ``[len(new), len(slot) + len(new)]`` bool: each new row sees its forwarded
+        ancestors and itself.
+    """
+    num_cached = len(slot)
+    mask = torch.zeros((len(new), num_cached + len(new)), dtype=torch.bool)
+    for row, node in enumerate(new):
+        mask[row, num_cached + row] = True
+        ancestor = parents[node]
+        while ancestor != ROOT:
+            mask[row, slot[ancestor]] = True  # KeyError: ancestor not expanded
+            ancestor = parents[ancestor]
+    return mask
+
+
+class DraftModelDrafter(DrafterBase):
     """Drafts with a separate causal LM; each sequence keeps its own draft KV cache
     (:class:`DraftModelSequence`).
 
@@ -99,7 +148,7 @@ class DraftModelDrafter:
         return DraftModelSequence(self, prompt_ids, params)
 
 
-class DraftModelSequence:
+class DraftModelSequence(DrafterBase):
     """One sequence's draft state: its draft KV cache and the tokens in it.
 
     The draft cache is synchronised lazily: at each ``propose`` the longest prefix shared by
@@ -214,34 +263,12 @@ class DraftModelTreeSession:
         new = [n for n in dict.fromkeys(nodes) if n not in self.logits]
         if new:
             self._forward(new)
-        params = self.sequence._params
         rows = torch.stack([self.logits[n] for n in nodes])
-        if params.greedy:
-            probs, dists = torch.softmax(rows, dim=-1), None
-        else:
-            probs = dists = logits_to_probs(rows, params)
-        top = torch.topk(probs, min(width, probs.shape[-1]), dim=-1)
-        out = []
-        for i in range(len(nodes)):
-            keep = top.values[i] > 0
-            out.append(
-                Expansion(
-                    top.indices[i][keep].tolist(),
-                    top.values[i][keep].tolist(),
-                    None if dists is None else dists[i],
-                )
-            )
-        return out
+        return expansions_from_logits(rows, self.sequence._params, width)
 
     def _forward(self, new: list[int]) -> None:
         num_cached = len(self.slot)
-        mask = torch.zeros((len(new), num_cached + len(new)), dtype=torch.bool)
-        for row, node in enumerate(new):
-            mask[row, num_cached + row] = True
-            ancestor = self.parents[node]
-            while ancestor != ROOT:
-                mask[row, self.slot[ancestor]] = True  # KeyError: ancestor not expanded
-                ancestor = self.parents[ancestor]
+        mask = new_nodes_mask(new, self.parents, self.slot)
         positions = [self.base - 1 + self.depths[n] for n in new]
         logits = self.draft.forward(
             [self.tokens[n] for n in new], self.cache, positions=positions, tree_mask=mask

@@ -13,7 +13,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import DraftProposal
+from specdec.drafters.base import DrafterBase, DraftProposal
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
 
@@ -129,7 +129,7 @@ class NgramTreeSession:
         pass
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Prompt lookup over prompt + generated text; deterministic (``draft_probs=None``).
 
     Stateless (everything is read from the sequence passed to ``propose``), so ``start``

@@ -39,7 +39,14 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import Drafter, DraftProposal, NoDrafter
+from specdec.drafters.base import (
+    AuxRows,
+    Drafter,
+    DraftProposal,
+    NoDrafter,
+    VerificationFeedback,
+    check_drafter,
+)
 from specdec.engine.commit import StepOutput, finish_step, verify
 from specdec.engine.sequence import Sequence, SequenceStatus
 from specdec.engine.stops import StopChecker
@@ -166,15 +173,23 @@ class Engine:
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         drafter = drafter or NoDrafter()
-        largest = 1 + min(num_speculative_tokens, cfg.max_num_batched_tokens - 1)
+        check_drafter(drafter)
+        aux = getattr(drafter, "max_aux_rows", 0)
+        if 1 + aux > cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"{type(drafter).__name__} adds {aux} rows to a verification; that does not "
+                f"fit max_num_batched_tokens={cfg.max_num_batched_tokens}"
+            )
+        num_speculative_tokens = min(num_speculative_tokens, cfg.max_num_batched_tokens - 1 - aux)
+        largest = 1 + num_speculative_tokens + aux
         if tree_builder is not None:
             if not getattr(drafter, "supports_trees", False):
                 raise ValueError(f"{type(drafter).__name__} cannot draft token trees")
-            largest = 1 + tree_builder.max_nodes
+            largest = 1 + tree_builder.max_nodes + aux
             if largest > cfg.max_num_batched_tokens:
                 raise ValueError(
-                    f"a tree of {tree_builder.max_nodes} nodes does not fit "
-                    f"max_num_batched_tokens={cfg.max_num_batched_tokens}"
+                    f"a tree of {tree_builder.max_nodes} nodes (and {aux} auxiliary rows) "
+                    f"does not fit max_num_batched_tokens={cfg.max_num_batched_tokens}"
                 )
         kv_room = cfg.max_kv_tokens - largest
         if len(prompt_ids) >= kv_room:
@@ -187,12 +202,14 @@ class Engine:
             prompt_ids=list(prompt_ids),
             params=params,
             drafter=drafter,
-            num_speculative_tokens=min(num_speculative_tokens, cfg.max_num_batched_tokens - 1),
+            num_speculative_tokens=num_speculative_tokens,
             tree_builder=tree_builder,
             stop_checker=stop_checker or StopChecker(()),
             generator=generator or torch.Generator(device=target.device),
             max_total=min(len(prompt_ids) + params.max_new_tokens, target.max_context, kv_room),
             arrival=next(self._arrivals),
+            observes=bool(getattr(drafter, "observes", False)),
+            max_aux_rows=getattr(drafter, "max_aux_rows", 0),
         )
         self.waiting.append(seq)
         self._live[request_id] = seq
@@ -237,8 +254,8 @@ class Engine:
             return []
         drafts = [self._draft(s) for s in verified]
         items = [(s, s.tokens[start:end], None, None, 1) for s, start, end in chunks]
-        for seq, draft in zip(verified, drafts, strict=True):
-            items.append(_verification_input(seq, draft))
+        for seq, (draft, aux) in zip(verified, drafts, strict=True):
+            items.append(_verification_input(seq, draft, aux))
         t_forward = time.perf_counter()
         logits = self._forward(items)
         forward_s = time.perf_counter() - t_forward
@@ -248,8 +265,10 @@ class Engine:
             if seq.num_to_prefill == 0:
                 seq.status = SequenceStatus.RUNNING
         outputs = []
-        for seq, draft, seq_logits in zip(verified, drafts, logits[len(chunks) :], strict=True):
-            outputs.append((seq, self._commit(seq, draft, seq_logits, forward_s)))
+        for seq, (draft, aux), seq_logits in zip(
+            verified, drafts, logits[len(chunks) :], strict=True
+        ):
+            outputs.append((seq, self._commit(seq, draft, aux, seq_logits, forward_s)))
         elapsed = time.perf_counter() - t_step
         for seq in {id(s): s for s in [*verified, *(c[0] for c in chunks)]}.values():
             seq.stats.elapsed_s += elapsed
@@ -321,11 +340,14 @@ class Engine:
         t0 = time.perf_counter()
         # a chain never verifies past max_total; a tree may hold more nodes than remain
         largest_tree = seq.tree_builder.max_nodes if seq.tree_builder is not None else 0
-        capacity = min(seq.max_total + largest_tree, len(seq.tokens) + INITIAL_HEADROOM)
+        extra = largest_tree + seq.max_aux_rows
+        capacity = min(seq.max_total + extra, len(seq.tokens) + INITIAL_HEADROOM)
         seq.cache = self.target.new_cache(capacity)
         seq.num_prefilled = 0
         seq.num_kv_reserved = need
         seq.drafter_state = seq.drafter.start(seq.tokens, seq.params)
+        if getattr(seq.drafter, "uses_target_cache", False):
+            seq.drafter_state.attach_cache(seq.cache)
         seq.status = SequenceStatus.PREFILL if seq.num_to_prefill else SequenceStatus.RUNNING
         self.running.append(seq)
         seq.stats.draft_s += time.perf_counter() - t0
@@ -363,7 +385,8 @@ class Engine:
 
     # ------------------------------------------------------------------ draft, forward, commit
 
-    def _draft(self, seq: Sequence) -> DraftProposal | TreeProposal:
+    def _draft(self, seq: Sequence) -> tuple[DraftProposal | TreeProposal, AuxRows | None]:
+        """The step's draft (chain or tree) and the drafter's auxiliary rows, if any."""
         t0 = time.perf_counter()
         budget = seq.max_total - len(seq.tokens)
         if seq.tree_builder is None:
@@ -371,8 +394,14 @@ class Engine:
             draft = seq.drafter_state.propose(seq.tokens, k, seq.generator)
         else:
             draft = _draft_tree(seq, budget - 1)
+        aux = seq.drafter_state.aux_rows(seq.tokens) if seq.max_aux_rows else None
+        if aux is not None and len(aux) > seq.max_aux_rows:
+            raise ValueError(
+                f"{type(seq.drafter).__name__} returned {len(aux)} auxiliary rows, more than "
+                f"its max_aux_rows={seq.max_aux_rows}"
+            )
         seq.stats.draft_s += time.perf_counter() - t0
-        return draft
+        return draft, (aux or None)
 
     def _forward(self, items) -> list[torch.Tensor]:
         target = self.target
@@ -391,10 +420,15 @@ class Engine:
                 )
         return outputs
 
-    def _commit(self, seq: Sequence, draft, logits: torch.Tensor, forward_s: float) -> StepOutput:
+    def _commit(
+        self, seq: Sequence, draft, aux: AuxRows | None, logits: torch.Tensor, forward_s: float
+    ) -> StepOutput:
         t0 = time.perf_counter()
         cache, params = seq.cache, seq.params
         past = cache.num_tokens - logits.shape[0]  # before this step's rows
+        aux_logits = None
+        if aux is not None:  # the last rows; dropped from the cache with the rejected
+            logits, aux_logits = logits[: -len(aux)], logits[-len(aux) :]
         if isinstance(draft, TreeProposal):
             tree = draft.tree
             result = verify_tree(tree, logits, params, seq.generator)
@@ -405,9 +439,15 @@ class Engine:
             result = verify(draft, logits, params, seq.generator)
             cache.truncate(past + 1 + result.num_accepted)  # the last emitted is pending
             num_drafted = max_depth = len(draft)
-        seq.tokens.extend(result.output_token_ids)
         stats = seq.stats
         stats.verify_s += forward_s + time.perf_counter() - t0
+        if seq.observes:
+            t_observe = time.perf_counter()
+            feedback = _feedback(seq.tokens[-1], draft, logits, result)
+            feedback.aux_logits = aux_logits
+            seq.drafter_state.observe(feedback)
+            stats.draft_s += time.perf_counter() - t_observe
+        seq.tokens.extend(result.output_token_ids)
         step = finish_step(
             seq.tokens, len(seq.prompt_ids), len(result.output_token_ids), seq.max_total,
             seq.stop_checker, stats,
@@ -421,14 +461,47 @@ class Engine:
         return step
 
 
-def _verification_input(seq: Sequence, draft):
-    """``(sequence, token ids, positions, tree mask, num_logits)`` of one verification."""
+def _feedback(pending: int, draft, logits: torch.Tensor, result) -> VerificationFeedback:
+    """The drafter's view of one verification (chain or tree)."""
+    if isinstance(draft, TreeProposal):
+        tree = draft.tree
+        accepted = [0, *(1 + n for n in result.accepted_nodes)]
+        return VerificationFeedback(
+            [pending, *tree.token_ids], list(tree.parents), logits, accepted,
+            result.output_token_ids,
+        )  # fmt: skip
+    accepted = list(range(result.num_accepted + 1))
+    return VerificationFeedback(
+        [pending, *draft.token_ids], None, logits, accepted, result.output_token_ids
+    )
+
+
+def _verification_input(seq: Sequence, draft, aux: AuxRows | None = None):
+    """``(sequence, token ids, positions, tree mask, num_logits)`` of one verification:
+    the pending token, the draft (chain or tree), then any auxiliary rows."""
     pending = seq.tokens[-1]
     if isinstance(draft, TreeProposal):
         tree = draft.tree
-        positions = seq.cache.num_tokens + tree.position_offsets()
-        return (seq, [pending, *tree.token_ids], positions, tree.attention_mask(), 0)
-    return (seq, [pending, *draft.token_ids], None, None, 0)
+        ids, offsets, mask = (
+            [pending, *tree.token_ids],
+            tree.position_offsets(),
+            tree.attention_mask(),
+        )
+    else:
+        ids, offsets, mask = [pending, *draft.token_ids], None, None
+    if aux is None:
+        positions = None if offsets is None else seq.cache.num_tokens + offsets
+        return (seq, ids, positions, mask, 0)
+    n, m = len(ids), len(aux)
+    if offsets is None:  # a chain
+        offsets = torch.arange(n)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+    full = torch.zeros(n + m, n + m, dtype=torch.bool)
+    full[:n, :n] = mask
+    full[n:, 0] = True  # auxiliary rows see the pending token, never the draft
+    full[n:, n:] = torch.as_tensor(aux.mask, dtype=torch.bool)
+    offsets = torch.cat([offsets, torch.as_tensor(aux.position_offsets, dtype=offsets.dtype)])
+    return (seq, [*ids, *aux.token_ids], seq.cache.num_tokens + offsets, full, 0)
 
 
 def _draft_tree(seq: Sequence, max_depth: int) -> TreeProposal:

@@ -54,6 +54,9 @@ class Sequence:
             ``"stop"``, ``"length"`` or ``"abort"`` once done.
         text_end: for a stop string, where the output text ends (character offset).
         arrival: admission order key (earlier requests are admitted first, preempted last).
+        observes: the drafter declared ``observes`` (its state gets every verification's
+            :class:`~specdec.drafters.base.VerificationFeedback`).
+        max_aux_rows: most auxiliary rows its drafter adds to a verification.
         num_preemptions: times its cache was dropped to make room (then recomputed).
     """
 
@@ -67,6 +70,8 @@ class Sequence:
     generator: torch.Generator
     max_total: int
     arrival: int
+    observes: bool = False
+    max_aux_rows: int = 0
     tokens: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
     drafter_state: SequenceDrafter | None = None
@@ -98,9 +103,10 @@ class Sequence:
 
     @property
     def max_step_tokens(self) -> int:
-        """Most tokens one verification step of this sequence runs: the pending token plus
-        the largest draft (chain, capped by the remaining budget) or tree."""
+        """Most tokens one verification step of this sequence runs: the pending token, the
+        largest draft (chain, capped by the remaining budget) or tree, and the auxiliary
+        rows."""
         budget = self.max_total - len(self.tokens)
         if self.tree_builder is not None:
-            return 1 + self.tree_builder.max_nodes
-        return 1 + max(0, min(self.num_speculative_tokens, budget - 1))
+            return 1 + self.tree_builder.max_nodes + self.max_aux_rows
+        return 1 + max(0, min(self.num_speculative_tokens, budget - 1)) + self.max_aux_rows

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec import registry
+from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
 from specdec.llm import LLM
 from specdec.server.async_engine import AsyncEngine, Overloaded, Unavailable, Update
 from specdec.server.protocol import (
@@ -148,10 +149,13 @@ def create_app(
 async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     """Submit ``n`` choices per prompt and answer (JSON or SSE)."""
     speculative = _speculative(llm.speculative, body.speculative)
-    if speculative.method == "draft-model" and not llm.has_draft_model(speculative):
+    needs_draft = speculative.method != CUSTOM and (
+        registry.drafter_entry(speculative.method).needs_draft_model
+    )
+    if needs_draft and not llm.has_draft_model(speculative):
         raise BadRequest(
-            "speculative: method 'draft-model' needs a draft model, and this server has none "
-            "(start it with --draft-model)",
+            f"speculative: method {speculative.method!r} needs a draft model, and this server "
+            "has none (start it with --draft-model)",
             "speculative",
         )
     jobs = []  # (choice index, prompt ids, params)
@@ -355,10 +359,12 @@ def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) ->
     if options is None:
         return base
     if not options.enabled:
-        return dataclasses.replace(base, method="none", tree=None)
+        return dataclasses.replace(base, method="none", options=None, tree=None)
     changes = {}
-    if options.method is not None:
-        changes["method"] = options.method
+    if options.method is not None and options.method != base.method:
+        # another drafter runs with its default options (one drafter per name, so
+        # requests cannot make the server build unbounded drafter state)
+        changes.update(method=options.method, options=None)
     if options.num_speculative_tokens is not None:
         changes["num_speculative_tokens"] = options.num_speculative_tokens
     if "tree" in options.model_fields_set:

@@ -16,7 +16,10 @@ class SpeculativeOptions(BaseModel):
     """Per-request speculative settings (extension).
 
     Attributes:
-        method: ``none``, ``ngram`` or ``draft-model`` (the server's draft model).
+        method: a registered drafter's name (``none``, ``ngram``, ``draft-model`` -- the
+            server's draft model --, ``suffix``, ``recycling``, ...; see
+            ``specdec drafters``), run with the server's options when it is the server's
+            own drafter, else with the drafter's defaults.
         num_speculative_tokens: draft tokens per step (1 to 64).
         tree: a token-tree spec (e.g. ``"static:tree-16"``), or ``null`` for chains.
         enabled: ``false`` runs plain decoding for this request.
@@ -24,10 +27,22 @@ class SpeculativeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["none", "ngram", "draft-model"] | None = None
+    method: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64, strict=True)
     tree: str | None = None
     enabled: bool = True
+
+    @field_validator("method")
+    @classmethod
+    def _known_drafter(cls, value: str | None) -> str | None:
+        from specdec import registry
+
+        if value is not None and value not in registry.drafter_names():
+            raise ValueError(
+                f"unknown drafter {value!r}; choose one of {', '.join(registry.drafter_names())}"
+                " (options cannot be set per request)"
+            )
+        return value
 
 
 #: OpenAI request fields that are not implemented, with the values that ask for nothing.

@@ -1,0 +1,480 @@
+"""Layer skip: the target drafts for itself with some decoder layers skipped.
+
+Sources:
+
+* Draft & Verify (Zhang et al. 2024, arXiv:2309.08168): self-speculative decoding. The
+  draft is the target with some layers skipped; it shares the target's weights and its KV
+  cache of the verified prefix, so no second model sits in memory. The skipped set is found
+  offline by Bayesian optimization, and an adaptive draft-exit threshold stops a draft when
+  its top-1 probability is low.
+* SWIFT (Xia et al. 2025, arXiv:2410.06916): the skipped set is chosen on the fly during
+  inference, without training ("context-based layer set optimization"): an optimization
+  phase proposes candidate sets (random search or Bayesian optimization) scored by how well
+  their drafts match the target's already generated context, then an acceleration phase
+  drafts with the best set; drafting stops when the draft's confidence falls below a
+  threshold ("confidence-aware inference acceleration").
+
+What this module implements:
+
+* **Shared KV prefix.** At each step the sequence's own cache holds the full target's keys
+  and values for every verified token (the cursor rule). Drafting runs
+  ``target.forward_full([token], cache, layers=kept)`` on the pending token, then on each
+  drafted token: the kept layers write the new tokens' keys and values at the next slots
+  and attend over the full model's keys and values of the prefix. The cache cursor is then
+  rolled back (``cache.truncate``); the verification forward rewrites those slots with
+  every layer.
+* **Drafting.** Greedy decoding drafts the argmax; sampling draws from
+  ``logits_to_probs(draft_logits, params)`` and returns those distributions as
+  ``draft_probs``, so rejection sampling keeps the output lossless. Confidence stop: the
+  first draft token whose top-1 probability is below ``confidence`` is not proposed and
+  ends the draft (a fixed threshold; Draft & Verify's adaptive threshold is not
+  implemented). Token trees are drafted by specdec's tree builders over the same cache
+  with tree attention (:class:`LayerSkipTreeSession`), not by SWIFT's confidence-based
+  candidate expansion.
+* **The skipped set.** Whole decoder layers (the papers may skip attention and MLP
+  sub-layers separately; the native runtime skips layers). Either fixed (``skip=``), or
+  chosen on the fly by :class:`SkipSetSearch`: start from ``skip_ratio * num_layers``
+  layers spread evenly over the intermediate layers (SWIFT, Fig. 2a: uniform skipping is
+  already a usable draft; the first and last layers are never skipped), score a set by its
+  accepted tokens per draft forward over ``search_steps`` real verification steps, then
+  for ``search_rounds`` rounds try a neighbour of the best set so far (one skipped layer
+  swapped for one kept layer, drawn with a seeded ``random.Random`` among untried sets)
+  and keep it if it scores higher; then draft with the best set for good. The search lives
+  in the drafter, so every sequence shares it and it is learned once. It differs from SWIFT
+  in scoring sets by real verification outcomes (SWIFT scores them with extra parallel
+  drafting passes over the already generated context) and in using local random search
+  without Bayesian optimization. Windows are short, so scores are noisy: the search finds
+  a good set, not provably the best one.
+
+Defaults (:class:`~specdec.drafters.options.LayerSkipOptions`): skip 20% of the layers,
+confidence stop at 0.3, 8 steps per candidate, 12 candidates after the initial set
+(~100 verification steps, shared by all requests). Chosen on the embedded 135M model,
+where skipping more dropped acceptance sharply; the papers skip ~40-50% of 7B-70B models.
+
+Losslessness never depends on the skipped set: the drafter only proposes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import (
+    DrafterBase,
+    DraftProposal,
+    VerificationFeedback,
+    needs_isolation,
+)
+from specdec.drafters.draft_model import expansions_from_logits, new_nodes_mask
+from specdec.drafters.options import LayerSkipOptions, parse_layer_set
+from specdec.sampling import logits_to_probs, sample
+from specdec.trees.builders import Expansion
+from specdec.trees.tree import ROOT
+
+
+def skippable_layers(num_layers: int) -> tuple[int, ...]:
+    """Layers the on-the-fly search may skip: all but the first and the last.
+
+    Example:
+        >>> skippable_layers(5)
+        (1, 2, 3)
+    """
+    return tuple(range(1, num_layers - 1))
+
+
+def initial_skip_set(num_layers: int, skip_ratio: float) -> tuple[int, ...]:
+    """The heuristic start: ``round(skip_ratio * num_layers)`` layers (at most
+    ``num_layers - 2``), spread evenly over the intermediate layers.
+
+    Args:
+        num_layers: decoder layers of the target (>= 1).
+        skip_ratio: fraction of all layers to skip, in [0, 1).
+
+    Returns:
+        the skipped layer indices, increasing (empty when nothing can be skipped).
+
+    Example:
+        >>> initial_skip_set(10, 0.4)  # 4 of the layers 1..8
+        (2, 4, 6, 8)
+        >>> initial_skip_set(2, 0.5)  # the first and last layers stay
+        ()
+    """
+    pool = skippable_layers(num_layers)
+    count = min(int(skip_ratio * num_layers + 0.5), len(pool))
+    return tuple(pool[int((i + 0.5) * len(pool) / count)] for i in range(count))
+
+
+def check_skip_set(skip: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Validate a fixed skip set against the model's depth.
+
+    Returns:
+        the set, sorted.
+
+    Raises:
+        ValueError: an index outside ``[0, num_layers)``, an index given twice, or a set
+            that skips every layer.
+    """
+    layers = tuple(sorted(int(i) for i in skip))
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"skip set {list(skip)} names a layer twice")
+    outside = [i for i in layers if not 0 <= i < num_layers]
+    if outside:
+        raise ValueError(
+            f"skip set names layers {outside}, but the target has layers 0..{num_layers - 1}"
+        )
+    if len(layers) >= num_layers:
+        raise ValueError(f"skip set skips all {num_layers} layers; at least one must run")
+    return layers
+
+
+@dataclass
+class _Trial:
+    """Counts of one candidate set's evaluation window."""
+
+    steps: int = 0
+    forwards: int = 0
+    accepted: int = 0
+
+    @property
+    def score(self) -> float:
+        """Accepted tokens per draft forward (0 when nothing was drafted)."""
+        return self.accepted / self.forwards if self.forwards else 0.0
+
+
+class SkipSetSearch:
+    """On-the-fly choice of the skipped layers from measured acceptance (SWIFT-like).
+
+    ``current`` is the set to draft with now. Each candidate is evaluated over
+    ``search_steps`` calls of :meth:`record` made with that set (records for any other set
+    are ignored, e.g. from a sequence that drafted before the candidate changed); its score
+    is the number of accepted tokens per draft forward over the window: the acceptance
+    rate, except that a forward whose token the confidence stop discarded counts as a
+    rejected draft (every candidate skips as many layers, so a forward costs the same
+    whatever the set, and a set that drafts cautiously is not rewarded for drafting
+    little). The first candidate is ``initial``; then, for
+    ``search_rounds`` rounds, a neighbour of the best set so far (one skipped layer swapped
+    for one kept intermediate layer, drawn among untried sets with ``random.Random(seed)``)
+    replaces the best if it scores strictly higher. Afterwards (or when no untried
+    neighbour exists) ``current`` is the best set for good. The same records in the same
+    order give the same sets.
+
+    Args:
+        num_layers: decoder layers of the target.
+        initial: the first set (skipped layer indices; see :func:`initial_skip_set`).
+        search_steps: verification steps per candidate (>= 1).
+        search_rounds: candidates tried after ``initial`` (>= 0).
+        seed: seed of the neighbour draws.
+
+    Attributes:
+        initial: the starting set (seeded sampled generations always draft with it).
+        best, best_score: the best set so far and its score (``None`` before the first
+            window ends).
+        history: ``(set, score)`` of every finished window, in order.
+
+    Example:
+        >>> search = SkipSetSearch(5, (1,), search_steps=2, search_rounds=1, seed=0)
+        >>> for _ in range(2):
+        ...     search.record((1,), num_forwards=4, num_accepted=1)
+        >>> search.current in [(2,), (3,)], search.searching  # a neighbour is evaluated
+        (True, True)
+        >>> candidate = search.current
+        >>> for _ in range(2):
+        ...     search.record(candidate, num_forwards=4, num_accepted=3)
+        >>> search.best == search.current == candidate, search.best_score, search.searching
+        (True, 0.75, False)
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        initial: Sequence[int],
+        search_steps: int,
+        search_rounds: int,
+        seed: int = 0,
+    ) -> None:
+        self.pool = skippable_layers(num_layers)
+        self.search_steps = search_steps
+        self.rounds_left = search_rounds
+        self.initial: tuple[int, ...] = tuple(initial)
+        self.best: tuple[int, ...] = self.initial
+        self.best_score: float | None = None
+        self.current = self.best
+        self.history: list[tuple[tuple[int, ...], float]] = []
+        self._tried = {self.best}
+        self._trial = _Trial()
+        self._rng = random.Random(seed)
+        self.searching = search_rounds > 0 and 0 < len(self.best) < len(self.pool)
+
+    def record(self, skip: Sequence[int], num_forwards: int, num_accepted: int) -> None:
+        """Count one verification step of a draft made with ``skip``.
+
+        Args:
+            skip: the set the draft was made with.
+            num_forwards: draft forwards the step ran (the tokens drafted, plus one when
+                the confidence stop discarded a token; for a tree, its number of nodes).
+            num_accepted: draft tokens the target accepted.
+        """
+        if not self.searching or tuple(skip) != self.current:
+            return
+        trial = self._trial
+        trial.steps += 1
+        trial.forwards += num_forwards
+        trial.accepted += num_accepted
+        if trial.steps < self.search_steps:
+            return
+        self.history.append((self.current, trial.score))
+        if self.best_score is None or trial.score > self.best_score:
+            self.best, self.best_score = self.current, trial.score
+        self._advance()
+
+    def _advance(self) -> None:
+        candidate = self._neighbour() if self.rounds_left > 0 else None
+        if candidate is None:
+            self.searching = False
+            self.current = self.best
+            return
+        self.rounds_left -= 1
+        self._tried.add(candidate)
+        self.current = candidate
+        self._trial = _Trial()
+
+    def _neighbour(self) -> tuple[int, ...] | None:
+        """An untried set one swap away from the best (``None`` if there is none)."""
+        best = set(self.best)
+        kept = [layer for layer in self.pool if layer not in best]
+        moves = [tuple(sorted((best - {out}) | {into})) for out in sorted(best) for into in kept]
+        fresh = [m for m in moves if m not in self._tried]
+        return self._rng.choice(fresh) if fresh else None
+
+
+class LayerSkipDrafter(DrafterBase):
+    """Self-speculative drafting with the target minus some layers (see the module
+    docstring). Holds the target, the options and the shared :class:`SkipSetSearch`.
+
+    Args:
+        target: the target on the native backend (``target.backend == "native"``); its
+            ``forward_full(..., layers=...)`` runs a subset of the layers.
+        options: :class:`~specdec.drafters.options.LayerSkipOptions` (default: chosen on
+            the fly).
+
+    Attributes:
+        search: the on-the-fly search, or ``None`` for a fixed ``skip`` set.
+        observes: whether its sequences want feedback (only while a search exists).
+
+    Raises:
+        ValueError: the target is not on the native backend, or the fixed skip set names
+            layers outside the model or skips every layer.
+    """
+
+    supports_trees = True
+    observes = True
+    uses_target_cache = True
+
+    def __init__(self, target, options: LayerSkipOptions | None = None) -> None:
+        if getattr(target, "backend", None) != "native":
+            raise ValueError("layer-skip needs the native backend: --backend native")
+        self.target = target
+        self.options = options = options or LayerSkipOptions()
+        num_layers = target.num_layers
+        self.search: SkipSetSearch | None = None
+        self._fixed: tuple[int, ...] = ()
+        if options.skip:
+            self._fixed = check_skip_set(parse_layer_set(options.skip), num_layers)
+        else:
+            initial = initial_skip_set(num_layers, options.skip_ratio)
+            self.search = SkipSetSearch(
+                num_layers, initial, options.search_steps, options.search_rounds, options.seed
+            )
+        self.observes = self.search is not None
+        self._kept: dict[tuple[int, ...], list[int] | None] = {}
+
+    @property
+    def skip_set(self) -> tuple[int, ...]:
+        """The layers skipped by the next draft."""
+        return self.search.current if self.search is not None else self._fixed
+
+    def kept_layers(self, skip: tuple[int, ...]) -> list[int] | None:
+        """The layers a draft with ``skip`` runs (``None`` = all of them)."""
+        if skip not in self._kept:
+            run = [i for i in range(self.target.num_layers) if i not in skip]
+            self._kept[skip] = run if skip else None
+        return self._kept[skip]
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> LayerSkipSequence:
+        """A sequence's state; it drafts once the engine attaches its cache."""
+        return LayerSkipSequence(self, params)
+
+
+class LayerSkipSequence(DrafterBase):
+    """One sequence's drafting over its own KV cache (attached by the engine)."""
+
+    uses_target_cache = True
+
+    def __init__(self, drafter: LayerSkipDrafter, params: SamplingParams) -> None:
+        self.drafter = drafter
+        self.target = drafter.target
+        self.params = params
+        # a seeded sampled generation must not depend on earlier requests: it drafts with
+        # the search's starting set and does not feed the search
+        self.isolated = needs_isolation(params) and drafter.search is not None
+        self.observes = drafter.observes and not self.isolated
+        self.cache = None
+        self._used: tuple[int, ...] | None = None  # skip set of the last draft
+        self._forwards: int | None = None  # its draft forwards (None: a tree)
+
+    def attach_cache(self, cache) -> None:
+        """Draft over ``cache`` (the sequence's :class:`NativeKVCache`) from now on."""
+        self.cache = cache
+
+    def propose(
+        self, token_ids: Sequence[int], num_tokens: int, generator: torch.Generator
+    ) -> DraftProposal:
+        """Draft up to ``num_tokens`` tokens after ``token_ids`` with the kept layers.
+
+        Returns:
+            the chain; ``draft_probs`` ``[k', V]`` float32 when sampling, else ``None``.
+
+        Raises:
+            ValueError: no cache attached, or the cache does not hold exactly every token
+                but the pending one (the cursor rule).
+        """
+        self._used = None
+        if num_tokens <= 0:
+            return DraftProposal([])
+        origin = self._check_cursor(token_ids)
+        skip = self._skip_set()
+        self._used, self._forwards = skip, 0
+        layers = self.drafter.kept_layers(skip)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        token = int(token_ids[-1])
+        try:
+            for _ in range(num_tokens):
+                out = self.target.forward_full([token], self.cache, num_logits=1, layers=layers)
+                self._forwards += 1
+                picked = self._pick(out.logits, generator)
+                if picked is None:
+                    break
+                token, row = picked
+                tokens.append(token)
+                if row is not None:
+                    rows.append(row)
+        finally:
+            self.cache.truncate(origin)
+        return DraftProposal(tokens, torch.stack(rows) if rows else None)
+
+    def _pick(
+        self, logits: torch.Tensor, generator: torch.Generator
+    ) -> tuple[int, torch.Tensor | None] | None:
+        """The draft token from ``[1, V]`` logits and its distribution (``None`` when
+        greedy); ``None`` when its top-1 probability is below the confidence threshold."""
+        threshold = self.drafter.options.confidence
+        if self.params.greedy:
+            if threshold > 0 and float(torch.softmax(logits[0], -1).max()) < threshold:
+                return None
+            return int(torch.argmax(logits[0])), None
+        probs = logits_to_probs(logits, self.params)
+        if float(probs[0].max()) < threshold:
+            return None
+        return int(sample(probs, generator)), probs[0]
+
+    def _skip_set(self) -> tuple[int, ...]:
+        return self.drafter.search.initial if self.isolated else self.drafter.skip_set
+
+    def _check_cursor(self, token_ids: Sequence[int]) -> int:
+        if self.cache is None:
+            raise ValueError("layer-skip drafts over the target's cache: call attach_cache first")
+        if self.cache.num_tokens != len(token_ids) - 1:
+            raise ValueError(
+                f"the cache holds {self.cache.num_tokens} tokens; the cursor rule wants "
+                f"{len(token_ids) - 1} (every token but the pending one)"
+            )
+        return self.cache.num_tokens
+
+    def observe(self, feedback: VerificationFeedback) -> None:
+        """Report the step's acceptance to the drafter's search."""
+        search = self.drafter.search
+        if search is not None and self._used is not None and not self.isolated:
+            forwards = feedback.num_drafted if self._forwards is None else self._forwards
+            search.record(self._used, forwards, feedback.num_accepted)
+        self._used = None  # one record per draft
+
+    def tree_session(
+        self, token_ids: Sequence[int], params: SamplingParams
+    ) -> LayerSkipTreeSession:
+        """A :class:`~specdec.trees.builders.TreeSession` over the sequence's cache."""
+        origin = self._check_cursor(token_ids)
+        self.params = params
+        self._used, self._forwards = self._skip_set(), None
+        layers = self.drafter.kept_layers(self._used)
+        return LayerSkipTreeSession(self.target, self.cache, layers, token_ids, params, origin)
+
+    def close(self) -> None:
+        """Forget the cache (the engine owns it)."""
+        self.cache = None
+
+
+class LayerSkipTreeSession:
+    """Tree drafting with the kept layers: the pending token is forwarded first, then each
+    ``expand`` forwards the new nodes with tree attention after it (node at depth d sits at
+    position ``len(sequence) - 1 + d`` and sees the prefix, its ancestors and itself).
+    ``close`` rolls the cursor back to where the session found it.
+
+    Candidate scores are draft probabilities: softmax of the logits when greedy, else the
+    processed sampling distribution, which children are also drawn from.
+
+    Args:
+        target: the native target.
+        cache: the sequence's cache, holding every token but the pending one.
+        layers: the layers to run (``None`` = all).
+        token_ids: the sequence (its last token is the pending root).
+        params: sampling parameters.
+        origin: ``cache.num_tokens`` to restore on ``close``.
+    """
+
+    def __init__(self, target, cache, layers, token_ids, params, origin: int) -> None:
+        self.target, self.cache, self.layers, self.params = target, cache, layers, params
+        self.origin = origin
+        try:
+            out = target.forward_full([int(token_ids[-1])], cache, num_logits=1, layers=layers)
+        except Exception:
+            cache.truncate(origin)
+            raise
+        self.base = cache.num_tokens  # == len(token_ids)
+        self.parents: list[int] = []
+        self.tokens: list[int] = []
+        self.depths: list[int] = []
+        self.slot: dict[int, int] = {}  # node -> index among forwarded tree tokens
+        self.logits: dict[int, torch.Tensor] = {ROOT: out.logits[0]}
+
+    def add(self, parent: int, token: int) -> int:
+        self.parents.append(parent)
+        self.tokens.append(int(token))
+        self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def expand(self, nodes: Sequence[int], width: int) -> list[Expansion]:
+        new = [n for n in dict.fromkeys(nodes) if n not in self.logits]
+        if new:
+            self._forward(new)
+        rows = torch.stack([self.logits[n] for n in nodes])
+        return expansions_from_logits(rows, self.params, width)
+
+    def _forward(self, new: list[int]) -> None:
+        num_cached = len(self.slot)
+        mask = new_nodes_mask(new, self.parents, self.slot)
+        positions = [self.base - 1 + self.depths[n] for n in new]
+        out = self.target.forward_full(
+            [self.tokens[n] for n in new], self.cache, positions=positions, tree_mask=mask,
+            layers=self.layers,
+        )  # fmt: skip
+        for row, node in enumerate(new):
+            self.slot[node] = num_cached + row
+            self.logits[node] = out.logits[row]
+
+    def close(self) -> None:
+        self.cache.truncate(self.origin)

@@ -1,0 +1,250 @@
+"""Options dataclasses of the built-in drafters (frozen, validated on construction).
+
+Each is what ``NAME:key=value,...`` configures (see :mod:`specdec.registry`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if not _int(value) or value < low or (high is not None and value > high):
+        upper = f" and <= {high}" if high is not None else ""
+        raise ValueError(f"{name} must be an integer >= {low}{upper}, got {value!r}")
+
+
+def _check_fraction(name: str, value) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not (0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A drafter without options (``none``, ``draft-model``)."""
+
+
+@dataclass(frozen=True)
+class NgramOptions:
+    """Prompt lookup.
+
+    Attributes:
+        min_n, max_n: n-gram sizes matched, longest first (1 <= min_n <= max_n; sizes
+            beyond the text's length are skipped).
+    """
+
+    min_n: int = 2
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        _check_int("min_n", self.min_n, 1)
+        _check_int("max_n", self.max_n, 1)
+        if self.min_n > self.max_n:
+            raise ValueError(f"need min_n <= max_n, got {self.min_n} and {self.max_n}")
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    """SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975).
+
+    Attributes:
+        max_depth: longest suffix stored, hence the longest match and draft (2 to 256).
+        max_spec_factor: a step drafts at most ``max_spec_factor * match_length`` tokens
+            (the paper's α; > 0): longer matches earn longer drafts.
+        min_token_prob: stop a draft path where its estimated probability (product of
+            continuation frequencies) falls below this (in [0, 1]).
+        global_cache: also match against a tree of earlier requests' prompts and outputs
+            (shared by every sequence of the drafter).
+        max_cached_requests: requests the global tree holds; the least recently finished
+            is evicted first (>= 1).
+    """
+
+    max_depth: int = 24
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+    global_cache: bool = True
+    max_cached_requests: int = 256
+
+    def __post_init__(self) -> None:
+        _check_int("max_depth", self.max_depth, 2, 256)
+        factor = self.max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"max_spec_factor must be a number > 0, got {factor!r}")
+        _check_fraction("min_token_prob", self.min_token_prob)
+        if not isinstance(self.global_cache, bool):
+            raise ValueError(f"global_cache must be true or false, got {self.global_cache!r}")
+        _check_int("max_cached_requests", self.max_cached_requests, 1)
+
+
+@dataclass(frozen=True)
+class RecyclingOptions:
+    """Token Recycling (Luo et al. 2024, arXiv:2408.08696).
+
+    Attributes:
+        top_k: candidates kept per token in the adjacency table (1 to 64).
+        shared: one table for every sequence of the drafter, kept across requests (the
+            paper's "hot start"); ``false`` gives each sequence its own, starting empty.
+    """
+
+    top_k: int = 8
+    shared: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("top_k", self.top_k, 1, 64)
+        if not isinstance(self.shared, bool):
+            raise ValueError(f"shared must be true or false, got {self.shared!r}")
+
+
+def parse_layer_set(text: str) -> tuple[int, ...]:
+    """Parse a set of layer indices: ``"4-11+14"`` or ``"4-11,14"`` -> ``(4, 5, ..., 11, 14)``.
+
+    Items are separated by ``+`` (usable inside a drafter spec string, whose options are
+    separated by commas) or ``,``; an item is an index ``i`` or an inclusive range
+    ``a-b`` (``a <= b``). Spaces are ignored. Range checks against a model's depth happen
+    when the drafter is built.
+
+    Args:
+        text: the set; ``""`` gives the empty tuple.
+
+    Returns:
+        the indices, sorted and distinct.
+
+    Raises:
+        ValueError: an item that is not a non-negative integer or ``a-b`` range, a range
+            with ``a > b``, or an index given twice.
+
+    Example:
+        >>> parse_layer_set("4-6+9")
+        (4, 5, 6, 9)
+    """
+    out: list[int] = []
+    for item in text.replace(" ", "").replace("+", ",").split(","):
+        if not item:
+            continue
+        match = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", item)
+        if match is None:
+            raise ValueError(f"layer set item {item!r} is not an index or a range like 4-11")
+        first = int(match[1])
+        last = int(match[2]) if match[2] is not None else first
+        if first > last:
+            raise ValueError(f"layer range {item!r} is empty (its start exceeds its end)")
+        out.extend(range(first, last + 1))
+    if len(set(out)) != len(out):
+        raise ValueError(f"layer set {text!r} names a layer twice")
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class LayerSkipOptions:
+    """Self-speculative layer skipping (Draft & Verify, arXiv:2309.08168; SWIFT,
+    arXiv:2410.06916); see :mod:`specdec.drafters.layer_skip`.
+
+    Attributes:
+        skip: a fixed set of decoder layers to skip while drafting, e.g. ``"4-11+14"``
+            (see :func:`parse_layer_set`; ``+`` or ``,`` between items); ``""`` (default)
+            chooses the set on the fly from measured acceptance (then ``skip_ratio`` and
+            the search options apply; otherwise they are ignored).
+        skip_ratio: fraction of all layers to skip when choosing on the fly, in [0, 1)
+            (rounded to a whole number of layers; the first and last layers are never
+            skipped, so at most ``num_layers - 2``). ``0`` drafts with the whole target.
+            The default suits small models such as the embedded 135M one (measured on
+            one prompt: 0.2 kept more than half of the draft tokens, 0.3 and 0.4 far
+            fewer); the papers skip ~0.4-0.5 of 7B-70B models.
+        confidence: stop a draft at the first token whose draft top-1 probability is
+            below this (the token is not proposed); in [0, 1), ``0`` disables. Chains
+            only (tree builders pick their own nodes). The default is low because a
+            layer-skipped small model is rarely sure (at 0.5 most drafts stopped at once).
+        search_steps: verification steps that evaluate one candidate skip set (>= 1).
+        search_rounds: candidate sets tried after the initial one before the best is
+            kept for good (>= 0; ``0`` keeps the initial heuristic set).
+        seed: seed of the search's own random choices (>= 0); with the same feedback,
+            the same seed gives the same sequence of skip sets.
+    """
+
+    skip: str = ""
+    skip_ratio: float = 0.2
+    confidence: float = 0.3
+    search_steps: int = 8
+    search_rounds: int = 12
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.skip, str):
+            raise ValueError(f"skip must be a string like '4-11+14', got {self.skip!r}")
+        parse_layer_set(self.skip)
+        for name in ("skip_ratio", "confidence"):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+        _check_int("search_steps", self.search_steps, 1)
+        _check_int("search_rounds", self.search_rounds, 0)
+        _check_int("seed", self.seed, 0)
+
+
+@dataclass(frozen=True)
+class RetrievalOptions:
+    """REST, retrieval-based speculative decoding (He et al. 2024, arXiv:2311.08252).
+
+    Defaults are the REST reference code's: suffixes of 16 down to 2 tokens, up to 5000
+    occurrences retrieved, 10 tokens of each continuation.
+
+    Attributes:
+        datastore: path of a datastore built with ``specdec datastore build`` using the
+            target's tokenizer (required; the path cannot hold a comma).
+        max_match: longest context suffix searched, in tokens (1 to 256; at most what the
+            datastore was indexed for).
+        min_match: shortest suffix that counts as a match (1 <= min_match <= max_match).
+        max_occurrences: occurrences whose continuations form the trie (>= 1); more are
+            thinned evenly.
+        continuation_length: tokens kept after each occurrence: the trie's depth, hence the
+            longest draft (1 to 256).
+    """
+
+    datastore: str = ""
+    max_match: int = 16
+    min_match: int = 2
+    max_occurrences: int = 5000
+    continuation_length: int = 10
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.datastore, str):
+            raise ValueError(f"datastore must be a path (a string), got {self.datastore!r}")
+        _check_int("max_match", self.max_match, 1, 256)
+        _check_int("min_match", self.min_match, 1)
+        if self.min_match > self.max_match:
+            raise ValueError(
+                f"need min_match <= max_match, got {self.min_match} and {self.max_match}"
+            )
+        _check_int("max_occurrences", self.max_occurrences, 1)
+        _check_int("continuation_length", self.continuation_length, 1, 256)
+
+
+@dataclass(frozen=True)
+class LookaheadOptions:
+    """Lookahead decoding (Fu et al. 2024, arXiv:2402.02057).
+
+    Attributes:
+        window: W, columns of the lookahead window (1 to 64).
+        ngram: N, n-gram size; the window has N - 1 rows and drafts are N - 1 tokens
+            (2 to 16).
+        candidates: G, most n-grams drafted per step (a chain uses the most recent one;
+            a token tree merges up to G of them) (1 to 64).
+
+    Each verification also runs ``(N - 1) * W`` lookahead rows.
+    """
+
+    window: int = 5
+    ngram: int = 4
+    candidates: int = 5
+
+    def __post_init__(self) -> None:
+        _check_int("window", self.window, 1, 64)
+        _check_int("ngram", self.ngram, 2, 16)
+        _check_int("candidates", self.candidates, 1, 64)

@@ -1,0 +1,302 @@
+"""The drafter registry: one place maps a drafter's name to its options and its factory.
+
+Configuration (:class:`~specdec.config.SpeculativeConfig`), :class:`~specdec.LLM`, the
+CLI's ``--drafter`` choices, ``specdec bench --method`` and the server's per-request
+``speculative.method`` all read this table, so a new drafter is one
+:func:`register_drafter` call.
+
+A drafter is named with a *spec string*: ``NAME`` or ``NAME:key=value,...``, e.g.
+``ngram:min_n=1,max_n=3`` or ``suffix:max_depth=32,global_cache=false``; the options go to
+the drafter's options dataclass (frozen, validated in its ``__post_init__``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.drafters import options as opts
+
+
+@dataclass(frozen=True)
+class DrafterContext:
+    """What a drafter factory may use.
+
+    Attributes:
+        target: the target backend (vocabulary size, device; layer-skip drafts with it).
+        tokenizer: the target's :class:`~specdec.tokenizer.Tokenizer`.
+        load_draft: loads (once) and checks the draft model; raises ``ValueError`` when
+            none was given.
+    """
+
+    target: Any
+    tokenizer: Any
+    load_draft: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    """One registered drafter.
+
+    Attributes:
+        name: the name used in configs, ``--drafter``, ``--method`` and the server.
+        options: its options dataclass (frozen; every field has a default).
+        factory: ``factory(context, options) -> Drafter``.
+        summary: one line for ``--help`` and the README.
+        samples: its drafts carry a distribution (trees may sample children, ``draw=iid``
+            / ``wor``); deterministic drafters' tokens are verified as point masses.
+        needs_draft_model: it drafts with a second model (``draft=`` / ``--draft-model``).
+    """
+
+    name: str
+    options: type
+    factory: Callable[[DrafterContext, Any], Any]
+    summary: str
+    samples: bool = False
+    needs_draft_model: bool = False
+
+
+_DRAFTERS: dict[str, DrafterEntry] = {}
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def register_drafter(entry: DrafterEntry, *, replace: bool = False) -> None:
+    """Add a drafter to the registry.
+
+    Raises:
+        ValueError: the name is taken (unless ``replace``), or has ``:``, ``,``, ``@``,
+            ``=`` or a space in it, or ``options`` is not a dataclass whose fields all have
+            defaults and are int, float, bool or str (optionally ``| None``).
+    """
+    if not entry.name or any(c in entry.name for c in ":,@= "):
+        raise ValueError(f"a drafter name cannot be empty or hold ':,@= ', got {entry.name!r}")
+    if entry.name in _DRAFTERS and not replace:
+        raise ValueError(f"a drafter named {entry.name!r} is already registered")
+    if not dataclasses.is_dataclass(entry.options):
+        raise ValueError(f"options of {entry.name!r} must be a dataclass")
+    hints = typing.get_type_hints(entry.options)
+    for f in dataclasses.fields(entry.options):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(f"option {f.name!r} of {entry.name!r} needs a default")
+        kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+        if (kinds or [hints[f.name]])[0] not in _KIND_NAMES:
+            raise ValueError(
+                f"option {f.name!r} of {entry.name!r} must be an int, float, bool or str"
+            )
+    _DRAFTERS[entry.name] = entry
+
+
+def drafter_names() -> tuple[str, ...]:
+    """Registered drafter names, in registration order."""
+    return tuple(_DRAFTERS)
+
+
+def drafter_entry(name: str) -> DrafterEntry:
+    """The registry entry for ``name``.
+
+    Raises:
+        ValueError: no drafter has that name (the message lists the names).
+    """
+    entry = _DRAFTERS.get(name)
+    if entry is None:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(_DRAFTERS)}")
+    return entry
+
+
+def parse_spec(text: str) -> tuple[str, dict[str, str]]:
+    """``"suffix:max_depth=32"`` -> ``("suffix", {"max_depth": "32"})`` (values unparsed).
+
+    Raises:
+        ValueError: an item without ``=`` or an option given twice.
+    """
+    name, _, rest = text.strip().partition(":")
+    items: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"drafter option {item!r} of {name!r} is not key=value")
+        if key.strip() in items:
+            raise ValueError(f"drafter option {key.strip()!r} given twice")
+        items[key.strip()] = value.strip()
+    return name.strip(), items
+
+
+def make_options(name: str, values: Mapping[str, Any] | Any | None = None) -> Any:
+    """The options dataclass of drafter ``name`` from a mapping (strings are converted by
+    the field's type: int, float, bool ``true/false/1/0``, str), an instance, or ``None``
+    (defaults).
+
+    Raises:
+        ValueError: unknown drafter or option, a value of the wrong type, an instance of
+            another drafter's options, or whatever the options' own validation refuses.
+    """
+    entry = drafter_entry(name)
+    cls = entry.options
+    if values is None:
+        return cls()
+    if isinstance(values, cls):
+        return values
+    if not isinstance(values, Mapping):
+        raise ValueError(
+            f"options of drafter {name!r} must be a {cls.__name__} or a mapping, "
+            f"got {type(values).__name__}"
+        )
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            hint = f" (options: {', '.join(known)})" if known else " (it takes no options)"
+            raise ValueError(f"drafter {name!r} has no option {key!r}{hint}")
+        kwargs[key] = _convert(name, key, value, hints[key])
+    return cls(**kwargs)
+
+
+def _convert(name: str, key: str, value: Any, hint: Any) -> Any:
+    """A string option value as the field's type; other values are checked, not cast."""
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    kind = kinds[0]
+    if value is None and type(None) in typing.get_args(hint):
+        return None
+    if not isinstance(value, str):
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not ok:
+            raise ValueError(
+                f"option {key!r} of drafter {name!r} needs {_KIND_NAMES[kind]}, got {value!r}"
+            )
+        return value
+    try:
+        if kind is bool:
+            lowered = value.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return lowered in ("true", "1", "yes")
+        return kind(value)
+    except ValueError:
+        raise ValueError(
+            f"option {key!r} of drafter {name!r} needs {_KIND_NAMES[kind]}, got {value!r}"
+        ) from None
+
+
+def options_string(options: Any) -> str:
+    """The options that differ from their defaults, as ``key=value,...`` (``""`` if none)."""
+    defaults = type(options)()
+    items = []
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if value != getattr(defaults, f.name):
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            items.append(f"{f.name}={text}")
+    return ",".join(items)
+
+
+# ---------------------------------------------------------------------- built-in drafters
+# Factories import their drafter lazily: configuration must not load torch-heavy modules
+# it does not need, and drafter modules import the config.
+
+
+def _none(context: DrafterContext, options: opts.NoOptions):
+    from specdec.drafters.base import NoDrafter
+
+    return NoDrafter()
+
+
+def _ngram(context: DrafterContext, options: opts.NgramOptions):
+    from specdec.drafters.ngram import NgramDrafter
+
+    return NgramDrafter(options.min_n, options.max_n)
+
+
+def _draft_model(context: DrafterContext, options: opts.NoOptions):
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    draft = context.load_draft()
+    return DraftModelDrafter(draft, context.target.vocab_size, len(context.tokenizer))
+
+
+def _suffix(context: DrafterContext, options: opts.SuffixOptions):
+    from specdec.drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(options)
+
+
+def _recycling(context: DrafterContext, options: opts.RecyclingOptions):
+    from specdec.drafters.recycling import RecyclingDrafter
+
+    return RecyclingDrafter(context.target.vocab_size, options)
+
+
+def _layer_skip(context: DrafterContext, options: opts.LayerSkipOptions):
+    from specdec.drafters.layer_skip import LayerSkipDrafter
+
+    return LayerSkipDrafter(context.target, options)
+
+
+def _retrieval(context: DrafterContext, options: opts.RetrievalOptions):
+    from specdec.drafters.retrieval import Datastore, RetrievalDrafter
+
+    if not options.datastore:
+        raise ValueError(
+            "drafter 'retrieval' needs a datastore: retrieval:datastore=PATH, with PATH "
+            "built from your text by `specdec datastore build FILES... -o PATH --model TARGET`"
+        )
+    return RetrievalDrafter(Datastore.load(options.datastore, context.tokenizer), options)
+
+
+def _lookahead(context: DrafterContext, options: opts.LookaheadOptions):
+    from specdec.drafters.lookahead import LookaheadDrafter
+
+    return LookaheadDrafter(options)
+
+
+for _entry in (
+    DrafterEntry("none", opts.NoOptions, _none, "no drafter: plain autoregressive decoding"),
+    DrafterEntry(
+        "ngram", opts.NgramOptions, _ngram, "prompt lookup: copy what followed the suffix"
+    ),
+    DrafterEntry(
+        "draft-model",
+        opts.NoOptions,
+        _draft_model,
+        "a smaller model sharing the target's tokenizer",
+        samples=True,
+        needs_draft_model=True,
+    ),
+    DrafterEntry(
+        "suffix",
+        opts.SuffixOptions,
+        _suffix,
+        "SuffixDecoding: suffix trees over this request and earlier ones",
+    ),
+    DrafterEntry(
+        "recycling",
+        opts.RecyclingOptions,
+        _recycling,
+        "Token Recycling: the target's own earlier top-k candidates per token",
+    ),
+    DrafterEntry(
+        "lookahead",
+        opts.LookaheadOptions,
+        _lookahead,
+        "Lookahead decoding: n-grams from Jacobi iteration in the verification forward",
+    ),
+    DrafterEntry(
+        "retrieval",
+        opts.RetrievalOptions,
+        _retrieval,
+        "REST: what followed the context's longest suffix in a datastore of text",
+    ),
+    DrafterEntry(
+        "layer-skip",
+        opts.LayerSkipOptions,
+        _layer_skip,
+        "self-speculative: the target minus some layers drafts (Draft & Verify, SWIFT)",
+        samples=True,
+    ),
+):
+    register_drafter(_entry)

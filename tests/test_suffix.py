@@ -1,0 +1,162 @@
+"""SuffixDecoding: the suffix tree's contents on worked examples, matching and scoring,
+the global cache's LRU eviction, and the drafter conformance suite."""
+
+from __future__ import annotations
+
+import torch
+from drafter_conformance import DrafterConformance
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.drafters.options import SuffixOptions
+from specdec.drafters.suffix import (
+    GlobalSuffixCache,
+    SuffixDrafter,
+    SuffixTree,
+    greedy_path,
+    ranked_children,
+)
+from specdec.trees.builders import make_tree_builder
+from specdec.trees.spec import TreeSpec
+from specdec.trees.tree import ROOT
+
+GENERATOR = torch.Generator()
+
+
+def _all_paths(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+    out, stack = {}, [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in node[1].items():
+            out[(*path, token)] = child[0]
+            stack.append(((*path, token), child))
+    return out
+
+
+def test_suffix_tree_contents_after_a_given_text():
+    """ "a b a b c" (1 2 1 2 3) with depth 3: every substring of <= 3 tokens, counted."""
+    tree = SuffixTree(max_depth=3)
+    tree.extend("s", [1, 2, 1, 2, 3])
+    assert _all_paths(tree) == {
+        (1,): 2, (2,): 2, (3,): 1,
+        (1, 2): 2, (2, 1): 1, (2, 3): 1,
+        (1, 2, 1): 1, (2, 1, 2): 1, (1, 2, 3): 1,
+    }  # fmt: skip
+    assert tree.num_nodes == 1 + 9
+    # the nodes of the text's last suffixes: "3", "2 3", "1 2 3"
+    assert [node[0] for node in tree.suffix_nodes("s")] == [1, 1, 1]
+
+
+def test_extending_token_by_token_equals_one_insert():
+    one, many = SuffixTree(4), SuffixTree(4)
+    text = [5, 6, 5, 6, 5, 7, 5, 6]
+    one.extend("x", text)
+    for token in text:
+        many.extend("x", [token])
+    assert _all_paths(one) == _all_paths(many)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    texts=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=20), min_size=1, max_size=4),
+    depth=st.integers(1, 5),
+)
+def test_counts_are_substring_occurrences_and_removal_undoes_insertion(texts, depth):
+    tree = SuffixTree(depth)
+    for i, text in enumerate(texts):
+        tree.extend(i, text)
+    paths = _all_paths(tree)
+    for path, count in paths.items():
+        n = len(path)
+        expected = sum(
+            1 for t in texts for s in range(len(t) - n + 1) if tuple(t[s : s + n]) == path
+        )
+        assert count == expected
+    assert tree.num_nodes == 1 + len(paths)
+    for i in range(1, len(texts)):
+        tree.remove(i)
+    only_first = SuffixTree(depth)
+    only_first.extend(0, texts[0])
+    assert _all_paths(tree) == _all_paths(only_first)
+    assert tree.num_nodes == only_first.num_nodes
+
+
+def test_ranked_children_are_frequency_estimates():
+    tree = SuffixTree(3)
+    tree.extend("s", [1, 2, 9, 1, 2, 9, 1, 3, 9, 1])  # after 1: 2 twice, 3 once
+    tokens, probs = ranked_children(tree.find([1]), 4)
+    assert tokens == [2, 3] and probs == [2 / 3, 1 / 3]
+
+
+def test_greedy_path_stops_below_min_token_prob():
+    tree = SuffixTree(6)
+    tree.extend("s", [1, 2, 3, 4, 0, 1, 2, 5, 4, 0, 1, 2, 6, 4])
+    node = tree.find([1])  # after 1: 2 (3 times); after 1 2: 3, 5, 6 once each
+    assert greedy_path(node, 5, 0.5) == ([2], 1.0)  # 2 then 1/3 < 0.5
+    tokens, score = greedy_path(node, 5, 0.3)
+    assert tokens == [2, 3, 4, 0, 1] and abs(score - (1 + 4 / 3)) < 1e-12
+
+
+def test_draft_length_is_capped_by_the_match_length():
+    """α = max_spec_factor: a match of p tokens drafts at most α·p tokens."""
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2]  # the suffix "1 2" matches
+    for factor, expected in [(1.0, [3, 4]), (2.0, [3, 4, 5, 6]), (0.5, [3])]:
+        drafter = SuffixDrafter(SuffixOptions(max_spec_factor=factor, global_cache=False))
+        state = drafter.start(text, SamplingParams())
+        assert state.propose(text, 10, GENERATOR).token_ids == expected
+
+
+def test_global_cache_drafts_from_earlier_outputs_and_evicts_lru():
+    drafter = SuffixDrafter(SuffixOptions(max_cached_requests=2))
+    prompt = [1, 2]
+    # a finished request whose output was "7 8 9 10 11"
+    state = drafter.start(prompt, SamplingParams())
+    state.propose([*prompt, 7, 8, 9, 10, 11], 4, GENERATOR)
+    state.close()
+    assert len(drafter.cache) == 1 and drafter.cache.tree.count([7, 8, 9]) == 1
+    # a new request that has just produced "7 8": the global tree continues it
+    fresh = drafter.start([3, 4], SamplingParams())
+    assert fresh.propose([3, 4, 7, 8], 3, GENERATOR).token_ids == [9, 10]  # α·p = 2
+    fresh.close()
+    # without the global cache nothing is known
+    alone = SuffixDrafter(SuffixOptions(global_cache=False)).start([3, 4], SamplingParams())
+    assert alone.propose([3, 4, 7, 8], 3, GENERATOR).token_ids == []
+    cache = GlobalSuffixCache(max_depth=4, max_requests=2)
+    for output in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        cache.add(output)
+    assert len(cache) == 2
+    assert cache.tree.count([1, 2]) == 0 and cache.tree.count([7, 8]) == 1
+
+
+def test_tree_session_offers_frequent_continuations():
+    text = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2]
+    state = SuffixDrafter(SuffixOptions(global_cache=False, min_token_prob=0.2)).start(
+        text, SamplingParams()
+    )
+    builder = make_tree_builder(TreeSpec.parse("dynamic:top_k=2,depth=3,budget=6"))
+    session = state.tree_session(text, SamplingParams())
+    tree = builder.build(session, 3, False, GENERATOR).tree
+    # the longest match "9 1 2" (p = 3, so 3 tokens deep): 3 (2/3) or 4 (1/3), then 9 1
+    paths = {tuple(tree.token_ids[n] for n in path) for path in tree.paths()}
+    assert paths == {(3, 9, 1), (4, 9, 1)}
+    assert tree.parents[0] == ROOT
+
+
+def test_suffix_with_the_global_cache_accepts_more_on_repeated_requests(target):
+    llm = LLM(target, speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=8))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompt = [1, 9, 4, 17]
+    first = llm.generate(prompt, params)
+    second = llm.generate(prompt, params)
+    assert second.token_ids == first.token_ids
+    assert second.metrics.num_accepted_tokens > first.metrics.num_accepted_tokens
+
+
+class TestSuffixConformance(DrafterConformance):
+    spec = "suffix"
+
+
+class TestSuffixWithoutGlobalCacheConformance(DrafterConformance):
+    spec = "suffix:global_cache=false,max_depth=8,max_spec_factor=2.0"
+    trees = ("dynamic:top_k=2,depth=4,budget=8",)
