@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
-.PHONY: setup demo test lint clean bench-quick bench bench-trees
+.PHONY: setup demo test lint clean bench-quick bench bench-trees bench-drafters datastore
 
 setup: $(STAMP)
 
@@ -49,6 +49,28 @@ bench-trees: $(STAMP)
 		--method draft-model:k=8 --method "draft-model@static:tree-8" \
 		--method "draft-model@dynamic:top_k=3,depth=6,budget=8" \
 		--method "draft-model@sequoia:budget=8,depth=6" --out benchmarks/trees_cpu_draft
+
+# A retrieval datastore from Python's standard library source (a code corpus; ~1 minute).
+STORE := out/stdlib-store.npz
+datastore: $(STORE)
+$(STORE): $(STAMP)
+	mkdir -p out
+	$(VENV)/bin/specdec datastore build $$(find "$$($(PY) -c 'import sysconfig; \
+		print(sysconfig.get_paths()["stdlib"])')" -name '*.py' -not -path '*/test*' \
+		-not -path '*/site-packages/*' | sort) -o $(STORE)
+
+# Every drafter on Spec-Bench, and the cross-request workload (HumanEval tasks asked three
+# times), native bfloat16 (committed in benchmarks/drafters_cpu and benchmarks/
+# suffix_cache_cpu; about 60 minutes on 2 idle CPU cores).
+bench-drafters: $(STAMP) $(STORE)
+	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category 10 \
+		--max-new-tokens 96 --method ngram:k=10 --method suffix:k=24 --method recycling:k=4 \
+		--method lookahead:k=8 --method retrieval:k=10,datastore=$(STORE) \
+		--method layer-skip:k=5 --method hf-prompt-lookup:k=10 --out benchmarks/drafters_cpu
+	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --dataset humaneval \
+		--limit-per-category 8 --repeat 3 --max-new-tokens 96 --method ngram:k=10 \
+		--method suffix:k=24 --method suffix:k=24,global_cache=false \
+		--method retrieval:k=10,datastore=$(STORE) --out benchmarks/suffix_cache_cpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
