@@ -479,3 +479,14 @@ def test_rewriting_an_out_folder_leaves_no_stale_plot(tmp_path, tiny_llm):
     assert not (tmp_path / "speedup_by_category.png").exists()
     assert not (tmp_path / "accepted_lengths.png").exists()
     assert sorted(p.name for p in paths) == ["report.md", "results.json"]
+
+
+def test_warmup_teaches_drafters_nothing(tiny_llm):
+    """The warm-up runs the first prompt; a cross-request cache must not keep its answer."""
+    prompts = [BenchPrompt("p", "c", "g", ("w5 w6 w7 w8",), chat=False)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    methods = [parse_method("ar"), parse_method("suffix:k=8")]
+    warm = run_benchmark(tiny_llm, methods, prompts, params, warmup=True)
+    tiny_llm.reset_drafters()
+    cold = run_benchmark(tiny_llm, methods, prompts, params, warmup=False)
+    assert warm[1].metrics["num_accepted_tokens"] == cold[1].metrics["num_accepted_tokens"]

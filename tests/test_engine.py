@@ -349,3 +349,35 @@ def test_draft_with_fewer_logits_than_tokens_is_refused(target, tokenizer):
     small = make_model(tokenizer, seed=6, vocab_size=len(tokenizer) - 4, name="small-vocab")
     with pytest.raises(ValueError, match="scores 28 tokens but its tokenizer has 32"):
         LLM(target, draft=small, speculative=SpeculativeConfig(method="draft-model"))
+
+
+class _Broken:
+    """A user drafter returning ``result`` from propose."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def start(self, prompt_ids, params):
+        return self
+
+    def close(self):
+        pass
+
+    def propose(self, token_ids, num_tokens, generator):
+        return self.result(num_tokens) if callable(self.result) else self.result
+
+
+@pytest.mark.parametrize(
+    "result, message",
+    [
+        (lambda k: DraftProposal([5] * (k + 3)), "proposed .* tokens; it was asked for"),
+        (DraftProposal([5, 10_000]), "outside the vocabulary"),
+        (DraftProposal([-1]), "outside the vocabulary"),
+        ([5, 6], "must return a DraftProposal, got list"),
+        (None, "must return a DraftProposal, got NoneType"),
+    ],
+)
+def test_a_broken_user_drafter_is_a_clear_error(target, result, message):
+    llm = LLM(target, drafter=_Broken(result), speculative=SpeculativeConfig(method="custom"))
+    with pytest.raises(ValueError, match=message):
+        llm.generate([1, 5, 6], _greedy(8))

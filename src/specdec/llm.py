@@ -150,6 +150,13 @@ class LLM:
                 self._drafters[config] = self._build_drafter(config)
             return self._drafters[config]
 
+    def reset_drafters(self) -> None:
+        """Forget every drafter built so far and what it learned (suffix's global cache,
+        recycling's table, layer-skip's search); the next generation builds fresh ones. A
+        loaded draft model stays loaded; your own ``drafter=`` object is kept as it is."""
+        with self._lock:
+            self._drafters.clear()
+
     def has_draft_model(self, config: SpeculativeConfig) -> bool:
         """Whether ``config`` names a draft model or this LLM was given one."""
         return config.draft_model is not None or self._draft_source is not None

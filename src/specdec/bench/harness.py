@@ -69,7 +69,9 @@ def run_benchmark(
         prompts: the prompts.
         params: sampling parameters shared by all methods.
         draft: loaded draft model for ``draft-model`` / ``hf-assisted``.
-        warmup: run each method once on a short generation before timing.
+        warmup: run each method once on a short generation before timing; drafters are
+            then rebuilt (``LLM.reset_drafters``), so nothing the warm-up taught them
+            reaches the timed runs.
         progress: called with 1 after each generation (e.g. a tqdm ``update``).
 
     Returns:
@@ -89,6 +91,9 @@ def run_benchmark(
         )
         for runner in runners:
             runner.run(warm_ids, warm_params)
+            reset = getattr(getattr(runner, "llm", None), "reset_drafters", None)
+            if reset is not None:  # what the warm-up taught a drafter must not leak into
+                reset()  # the timed runs (suffix's global cache, recycling's table)
     records: list[Record] = []
     for prompt in prompts:
         per_method = [_run_turns(llm, runner, prompt, params, progress) for runner in runners]

@@ -362,6 +362,9 @@ class Datastore:
         try:
             with os.fdopen(fd, "wb") as handle:
                 np.savez(handle, tokens=self.tokens, suffix_array=self.suffix_array, metadata=meta)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a datastore is shareable data
             os.replace(tmp, path)
         except OSError as error:
             Path(tmp).unlink(missing_ok=True)
@@ -386,10 +389,10 @@ class Datastore:
                 meta = json.loads(bytes(data["metadata"]).decode())
                 tokens, array = data["tokens"], data["suffix_array"]
         except Exception as error:  # any read failure means "not a datastore / corrupt"
-            reason = " ".join(str(error).split()) or type(error).__name__
+            reason = type(error).__name__  # numpy's text can suggest unsafe pickle loading
             raise ValueError(
-                f"cannot read retrieval datastore {path}: not a datastore file or corrupt "
-                f"({reason[:200]})"
+                f"cannot read retrieval datastore {path}: not a specdec datastore file, or "
+                f"corrupt ({reason}); build one with `specdec datastore build`"
             ) from None
         store = _checked(path, tokens, array, meta)
         if tokenizer is not None:

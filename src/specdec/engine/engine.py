@@ -392,6 +392,7 @@ class Engine:
         if seq.tree_builder is None:
             k = min(seq.num_speculative_tokens, budget - 1)
             draft = seq.drafter_state.propose(seq.tokens, k, seq.generator)
+            _check_proposal(seq, draft, k, self.target.vocab_size)
         else:
             draft = _draft_tree(seq, budget - 1)
         aux = seq.drafter_state.aux_rows(seq.tokens) if seq.max_aux_rows else None
@@ -459,6 +460,23 @@ class Engine:
             seq.text_end = step.text_end
             self._finish(seq, step.finish_reason, SequenceStatus.FINISHED)
         return step
+
+
+def _check_proposal(seq: Sequence, draft, k: int, vocab_size: int) -> None:
+    """Refuse a drafter's broken chain: not a DraftProposal, more than ``k`` tokens (the
+    engine sized the step and the KV cache for ``k``), or ids outside the vocabulary.
+
+    Raises:
+        ValueError: naming the drafter and what it returned.
+    """
+    name = type(seq.drafter).__name__
+    if not isinstance(draft, DraftProposal):
+        raise ValueError(f"{name}.propose must return a DraftProposal, got {type(draft).__name__}")
+    if len(draft.token_ids) > k:
+        raise ValueError(f"{name} proposed {len(draft.token_ids)} tokens; it was asked for {k}")
+    bad = [t for t in draft.token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"{name} proposed token ids outside the vocabulary: {bad[:5]}")
 
 
 def _feedback(pending: int, draft, logits: torch.Tensor, result) -> VerificationFeedback:
