@@ -221,7 +221,51 @@ class DraftModelSequence(DrafterBase):
         return list(token_ids[n:])
 
 
-class DraftModelTreeSession:
+class CachedTreeSession:
+    """Base of tree sessions that run a model over the tree's nodes in a KV cache (a draft
+    model, or the target minus some layers): each ``expand`` forwards the nodes not yet
+    forwarded, with tree attention, after the cached sequence (a node at depth d sits at
+    position ``base - 1 + d`` and sees the sequence, its forwarded ancestors and itself).
+
+    Subclasses set ``base`` (cached tokens, the root included) and ``params``, put the
+    root's logits in ``logits[ROOT]``, and implement :meth:`_run`.
+    """
+
+    base: int
+    params: SamplingParams
+
+    def _init_tree(self, root_logits: torch.Tensor) -> None:
+        self.parents: list[int] = []
+        self.tokens: list[int] = []
+        self.depths: list[int] = []
+        self.slot: dict[int, int] = {}  # node -> index among forwarded tree tokens
+        self.logits: dict[int, torch.Tensor] = {ROOT: root_logits}
+
+    def _run(self, tokens: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
+        """``[len(tokens), V]`` logits of the nodes forwarded with ``mask``."""
+        raise NotImplementedError
+
+    def add(self, parent: int, token: int) -> int:
+        self.parents.append(parent)
+        self.tokens.append(int(token))
+        self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def expand(self, nodes: Sequence[int], width: int) -> list[Expansion]:
+        new = [n for n in dict.fromkeys(nodes) if n not in self.logits]
+        if new:
+            num_cached = len(self.slot)
+            mask = new_nodes_mask(new, self.parents, self.slot)
+            positions = [self.base - 1 + self.depths[n] for n in new]
+            logits = self._run([self.tokens[n] for n in new], positions, mask)
+            for row, node in enumerate(new):
+                self.slot[node] = num_cached + row
+                self.logits[node] = logits[row]
+        rows = torch.stack([self.logits[n] for n in nodes])
+        return expansions_from_logits(rows, self.params, width)
+
+
+class DraftModelTreeSession(CachedTreeSession):
     """Tree drafting with a draft model: each ``expand`` is one draft forward over the new
     nodes with tree attention, appended after the draft's cached sequence.
 
@@ -243,40 +287,16 @@ class DraftModelTreeSession:
         logits = self.draft.forward(pending, self.cache, num_logits=1)
         sequence._cached_ids.extend(pending)
         self.base = self.cache.num_tokens  # == len(token_ids)
-        self.parents: list[int] = []
-        self.tokens: list[int] = []
-        self.depths: list[int] = []
-        self.slot: dict[int, int] = {}  # node -> index among forwarded tree tokens
-        self.logits: dict[int, torch.Tensor] = {ROOT: self._align(logits[-1:])[0]}
+        self.params = sequence._params
+        self._init_tree(self._align(logits[-1:])[0])
 
     def _align(self, logits: torch.Tensor) -> torch.Tensor:
         d = self.sequence
         return align_draft_logits(logits, d.num_real_tokens, d.target_vocab_size)
 
-    def add(self, parent: int, token: int) -> int:
-        self.parents.append(parent)
-        self.tokens.append(int(token))
-        self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
-        return len(self.tokens) - 1
-
-    def expand(self, nodes: Sequence[int], width: int) -> list[Expansion]:
-        new = [n for n in dict.fromkeys(nodes) if n not in self.logits]
-        if new:
-            self._forward(new)
-        rows = torch.stack([self.logits[n] for n in nodes])
-        return expansions_from_logits(rows, self.sequence._params, width)
-
-    def _forward(self, new: list[int]) -> None:
-        num_cached = len(self.slot)
-        mask = new_nodes_mask(new, self.parents, self.slot)
-        positions = [self.base - 1 + self.depths[n] for n in new]
-        logits = self.draft.forward(
-            [self.tokens[n] for n in new], self.cache, positions=positions, tree_mask=mask
-        )
-        logits = self._align(logits)
-        for row, node in enumerate(new):
-            self.slot[node] = num_cached + row
-            self.logits[node] = logits[row]
+    def _run(self, tokens: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
+        logits = self.draft.forward(tokens, self.cache, positions=positions, tree_mask=mask)
+        return self._align(logits)
 
     def close(self) -> None:
         self.cache.truncate(self.base)

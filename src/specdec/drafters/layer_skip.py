@@ -69,11 +69,9 @@ from specdec.drafters.base import (
     VerificationFeedback,
     needs_isolation,
 )
-from specdec.drafters.draft_model import expansions_from_logits, new_nodes_mask
+from specdec.drafters.draft_model import CachedTreeSession
 from specdec.drafters.options import LayerSkipOptions, parse_layer_set
 from specdec.sampling import logits_to_probs, sample
-from specdec.trees.builders import Expansion
-from specdec.trees.tree import ROOT
 
 
 def skippable_layers(num_layers: int) -> tuple[int, ...]:
@@ -418,7 +416,7 @@ class LayerSkipSequence(DrafterBase):
         self.cache = None
 
 
-class LayerSkipTreeSession:
+class LayerSkipTreeSession(CachedTreeSession):
     """Tree drafting with the kept layers: the pending token is forwarded first, then each
     ``expand`` forwards the new nodes with tree attention after it (node at depth d sits at
     position ``len(sequence) - 1 + d`` and sees the prefix, its ancestors and itself).
@@ -445,36 +443,13 @@ class LayerSkipTreeSession:
             cache.truncate(origin)
             raise
         self.base = cache.num_tokens  # == len(token_ids)
-        self.parents: list[int] = []
-        self.tokens: list[int] = []
-        self.depths: list[int] = []
-        self.slot: dict[int, int] = {}  # node -> index among forwarded tree tokens
-        self.logits: dict[int, torch.Tensor] = {ROOT: out.logits[0]}
+        self._init_tree(out.logits[0])
 
-    def add(self, parent: int, token: int) -> int:
-        self.parents.append(parent)
-        self.tokens.append(int(token))
-        self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
-        return len(self.tokens) - 1
-
-    def expand(self, nodes: Sequence[int], width: int) -> list[Expansion]:
-        new = [n for n in dict.fromkeys(nodes) if n not in self.logits]
-        if new:
-            self._forward(new)
-        rows = torch.stack([self.logits[n] for n in nodes])
-        return expansions_from_logits(rows, self.params, width)
-
-    def _forward(self, new: list[int]) -> None:
-        num_cached = len(self.slot)
-        mask = new_nodes_mask(new, self.parents, self.slot)
-        positions = [self.base - 1 + self.depths[n] for n in new]
+    def _run(self, tokens: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
         out = self.target.forward_full(
-            [self.tokens[n] for n in new], self.cache, positions=positions, tree_mask=mask,
-            layers=self.layers,
-        )  # fmt: skip
-        for row, node in enumerate(new):
-            self.slot[node] = num_cached + row
-            self.logits[node] = out.logits[row]
+            tokens, self.cache, positions=positions, tree_mask=mask, layers=self.layers
+        )
+        return out.logits
 
     def close(self) -> None:
         self.cache.truncate(self.origin)
