@@ -6,6 +6,7 @@ draft samples γ tokens autoregressively; the target verifies them in one forwar
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -221,7 +222,7 @@ class DraftModelSequence(DrafterBase):
         return list(token_ids[n:])
 
 
-class CachedTreeSession:
+class CachedTreeSession(ABC):
     """Base of tree sessions that run a model over the tree's nodes in a KV cache (a draft
     model, or the target minus some layers): each ``expand`` forwards the nodes not yet
     forwarded, with tree attention, after the cached sequence (a node at depth d sits at
@@ -241,9 +242,9 @@ class CachedTreeSession:
         self.slot: dict[int, int] = {}  # node -> index among forwarded tree tokens
         self.logits: dict[int, torch.Tensor] = {ROOT: root_logits}
 
+    @abstractmethod
     def _run(self, tokens: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
         """``[len(tokens), V]`` logits of the nodes forwarded with ``mask``."""
-        raise NotImplementedError
 
     def add(self, parent: int, token: int) -> int:
         self.parents.append(parent)
