@@ -57,6 +57,19 @@ def make_model(
     return HFModel(model, tokenizer, name=name)
 
 
+def save_model(hf: HFModel, directory) -> str:
+    """Write a tiny model and its tokenizer as a Hugging Face directory; its path."""
+    hf.model.save_pretrained(directory)
+    hf.tokenizer.hf.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """The tiny target (seed 0) saved as a model directory, for CLI tests (read-only)."""
+    return save_model(make_model(make_tokenizer(), seed=0), tmp_path_factory.mktemp("tiny"))
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

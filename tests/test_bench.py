@@ -280,11 +280,8 @@ def test_draft_methods_need_a_draft(tiny_llm):
         )
 
 
-def test_bench_cli(tmp_path, capsys):
-    hf = make_model(make_tokenizer(), seed=0)
-    model_dir = tmp_path / "m"
-    hf.model.save_pretrained(model_dir)
-    hf.tokenizer.hf.save_pretrained(model_dir)
+def test_bench_cli(tmp_path, capsys, tiny_model_dir):
+    model_dir = tiny_model_dir
     data = tmp_path / "d.jsonl"
     data.write_text(
         '{"prompt": "w5 w6 w7 w5 w6", "category": "copy"}\n'
@@ -321,13 +318,10 @@ def test_bench_cli(tmp_path, capsys):
     assert all(r["matches_baseline"] for r in results["records"] if r["method"] != "autoregressive")
 
 
-def test_bench_repeat_runs_rounds_with_every_new_drafter(tmp_path, capsys):
+def test_bench_repeat_runs_rounds_with_every_new_drafter(tmp_path, capsys, tiny_model_dir):
     """--repeat asks the prompts round after round; suffix with its global cache accepts
     more in round 2 than without it, and every drafter runs by name with options."""
-    hf = make_model(make_tokenizer(), seed=0)
-    model_dir = tmp_path / "m"
-    hf.model.save_pretrained(model_dir)
-    hf.tokenizer.hf.save_pretrained(model_dir)
+    model_dir = tiny_model_dir
     data = tmp_path / "d.jsonl"
     data.write_text(
         '{"prompt": "w5 w6 w7 w8", "category": "a"}\n{"prompt": "w9", "category": "b"}\n'

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from conftest import make_model, make_tokenizer
 from specdec.cli import main
 
 #: With the seed-0 tiny model this prompt gives 20 greedy tokens with no EOS and a repeating
@@ -29,12 +28,8 @@ METRIC_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    hf = make_model(make_tokenizer(), seed=0)
-    directory = tmp_path_factory.mktemp("tiny-model")
-    hf.model.save_pretrained(directory)
-    hf.tokenizer.hf.save_pretrained(directory)
-    return str(directory)
+def model_dir(tiny_model_dir) -> str:
+    return tiny_model_dir
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

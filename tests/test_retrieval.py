@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_statistical import PROMPT as STATISTICAL_PROMPT
 
-from conftest import make_model, make_tokenizer
+from conftest import make_tokenizer
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.cli import main
 from specdec.drafters.options import RetrievalOptions
@@ -388,12 +388,8 @@ def test_factory_needs_a_datastore_and_a_deep_enough_index(tmp_path, target):
 
 # ---------------------------------------------------------------------------------- CLI
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    hf = make_model(make_tokenizer(), seed=0)
-    directory = tmp_path_factory.mktemp("tiny-model")
-    hf.model.save_pretrained(directory)
-    hf.tokenizer.hf.save_pretrained(directory)
-    return str(directory)
+def model_dir(tiny_model_dir) -> str:
+    return tiny_model_dir
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
