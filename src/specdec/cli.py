@@ -113,22 +113,40 @@ def _build_parser() -> argparse.ArgumentParser:
         description="List every registered drafter with its options and their defaults.",
     )
     drafters.set_defaults(func=_cmd_drafters)
+    controllers = sub.add_parser(
+        "controllers",
+        help="list the speculation controllers and their options",
+        description="List every registered speculation controller (--controller) with its "
+        "options and their defaults.",
+    )
+    controllers.set_defaults(func=_cmd_controllers)
     return parser
 
 
 def _cmd_drafters(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from specdec import registry
 
-    for name in registry.drafter_names():
-        entry = registry.drafter_entry(name)
+    _print_entries(registry.drafter_names(), registry.drafter_entry)
+    return 0
+
+
+def _cmd_controllers(args: argparse.Namespace) -> int:
+    from specdec import registry
+
+    _print_entries(registry.controller_names(), registry.controller_entry)
+    return 0
+
+
+def _print_entries(names, entry_of) -> None:
+    import dataclasses
+
+    for name in names:
+        entry = entry_of(name)
         print(f"{name:<12} {entry.summary}")
         for f in dataclasses.fields(entry.options):
             default = f.default
             text = str(default).lower() if isinstance(default, bool) else default
             print(f"{'':<12}   {f.name}={text}")
-    return 0
 
 
 def _quiet_transformers() -> None:

@@ -37,12 +37,31 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
         "dynamic:top_k=4,depth=5,budget=16 (EAGLE-2), best-first:budget=16,depth=6 "
         "(DDTree), sequoia:budget=16,depth=6 (Sequoia); budget = draft nodes per step",
     )
+    parser.add_argument(
+        "--controller",
+        default="fixed",
+        metavar="NAME[:OPTS]",
+        type=_controller_spec,
+        help=f"how many tokens each step drafts, at most K: "
+        f"{', '.join(registry.controller_names())}, optionally with options, e.g. "
+        "cost:decay=0.9 (default: fixed, always K; cost switches speculation off when it "
+        "does not pay; `specdec controllers` lists every controller and option)",
+    )
 
 
 def _drafter_spec(text: str) -> str:
     """argparse type of ``--drafter``: checks the name and options now."""
     try:
         SpeculativeConfig(method=text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _controller_spec(text: str) -> str:
+    """argparse type of ``--controller``: checks the name and options now."""
+    try:
+        SpeculativeConfig(method="none", controller=text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
@@ -63,6 +82,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,
         tree=args.tree,
+        controller=args.controller,
     )
 
 

@@ -141,10 +141,19 @@ class SpeculativeConfig:
             ``"static:tree-16"``, ``"best-first:budget=16,depth=6"``,
             ``"sequoia:budget=16,depth=6"`` (see :mod:`specdec.trees.spec`). The tree's
             own depth then replaces ``num_speculative_tokens``.
+        controller: how many tokens each step drafts (see :mod:`specdec.control`): a
+            registered controller, optionally with options: ``"fixed"`` (always
+            ``num_speculative_tokens``, the default), ``"heuristic"``, ``"confidence"``,
+            ``"cost"``, ``"bandit"``, e.g. ``"cost:decay=0.9"``. ``num_speculative_tokens``
+            (or the tree's depth) is then the most a step drafts. Stored as the name;
+            the options go to ``controller_options``.
+        controller_options: the controller's options dataclass or a mapping (``None``:
+            defaults, or those written in ``controller``).
 
     Raises:
         ValueError: unknown drafter or option, a bad option value, options both in
-            ``method`` and ``options``, num_speculative_tokens < 1, a bad tree spec, a
+            ``method`` and ``options``, num_speculative_tokens < 1, a bad tree spec, an
+            unknown controller or controller option, a
             tree with method ``"none"``, or sampled children (``draw=iid`` / ``wor``) with
             a drafter that has no distribution.
     """
@@ -154,9 +163,23 @@ class SpeculativeConfig:
     options: object = None
     draft_model: str | None = None
     tree: TreeSpec | str | None = None
+    controller: str = "fixed"
+    controller_options: object = None
 
     def __post_init__(self) -> None:
         from specdec import registry  # the registry's drafters import this module
+
+        if not isinstance(self.controller, str):
+            raise ValueError(f"controller must be a string, got {self.controller!r}")
+        cname, cwritten = registry.parse_spec(self.controller)
+        if cwritten and self.controller_options is not None:
+            raise ValueError("give controller options in controller or controller_options")
+        object.__setattr__(self, "controller", cname)
+        object.__setattr__(
+            self,
+            "controller_options",
+            registry.make_controller_options(cname, cwritten or self.controller_options),
+        )
 
         if not isinstance(self.method, str):
             raise ValueError(f"method must be a string, got {self.method!r}")
@@ -196,3 +219,11 @@ class SpeculativeConfig:
 
         extra = options_string(self.options)
         return f"{self.method}:{extra}" if extra else self.method
+
+    @property
+    def controller_spec(self) -> str:
+        """The controller as a spec string: its name plus non-default options."""
+        from specdec.registry import options_string
+
+        extra = options_string(self.controller_options)
+        return f"{self.controller}:{extra}" if extra else self.controller

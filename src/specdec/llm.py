@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from specdec import registry
 from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
+from specdec.control.base import SpeculationController
+from specdec.control.cost import CostModel
 from specdec.drafters.base import Drafter, check_drafter
 from specdec.drafters.draft_model import check_vocab_compatible
 from specdec.engine.engine import Engine, EngineConfig
@@ -134,7 +136,11 @@ class LLM:
         self._draft: Backend | None = None
         self._drafters: dict[SpeculativeConfig, Drafter] = {}
         self._tree_builders: dict[SpeculativeConfig, TreeBuilder] = {}
+        self._controllers: dict[tuple, SpeculationController] = {}
         self.engine_config = engine_config or EngineConfig()
+        #: what verification forwards and drafts cost here, learned from every generation
+        #: (the adaptive controllers read it; see :mod:`specdec.control.cost`)
+        self.cost_model = CostModel()
         # One step at a time on this LLM (models, drafters and builders are shared); held
         # per step, never across a yield, so interleaved streams in one thread work.
         self._lock = threading.RLock()
@@ -150,12 +156,27 @@ class LLM:
                 self._drafters[config] = self._build_drafter(config)
             return self._drafters[config]
 
+    def controller(self, config: SpeculativeConfig) -> SpeculationController:
+        """The speculation controller for ``config`` (one per controller and options, so
+        what a learning controller shares across requests carries over)."""
+        key = (config.controller, config.controller_options)
+        controller = self._controllers.get(key)
+        if controller is None:
+            with self._lock:
+                if key not in self._controllers:
+                    entry = registry.controller_entry(config.controller)
+                    self._controllers[key] = entry.factory(config.controller_options)
+                controller = self._controllers[key]
+        return controller
+
     def reset_drafters(self) -> None:
         """Forget every drafter built so far and what it learned (suffix's global cache,
-        recycling's table, layer-skip's search); the next generation builds fresh ones. A
+        recycling's table, layer-skip's search) and every controller's shared statistics; the
+        next generation builds fresh ones (the cost model keeps its measurements). A
         loaded draft model stays loaded; your own ``drafter=`` object is kept as it is."""
         with self._lock:
             self._drafters.clear()
+            self._controllers.clear()
 
     def has_draft_model(self, config: SpeculativeConfig) -> bool:
         """Whether ``config`` names a draft model or this LLM was given one."""
@@ -296,7 +317,7 @@ class LLM:
         configs = [c or self.speculative for c in configs]
         encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked first
         with self._lock:
-            engine = Engine(self.target, self.engine_config)
+            engine = Engine(self.target, self.engine_config, self.cost_model)
             sequences = [
                 engine.add_request(str(i), ids, params, **self._request(config, params))
                 for i, (ids, params, config) in enumerate(
@@ -322,6 +343,7 @@ class LLM:
             tree_builder=self.tree_builder(config, params.seed),
             stop_checker=self._stop_checker(params),
             generator=make_generator(params.seed, self.target.device),
+            controller=self.controller(config),
         )
 
     def stream(
@@ -358,6 +380,8 @@ class LLM:
             request["generator"],
             request["tree_builder"],
             self.engine_config,
+            controller=request["controller"],
+            cost_model=self.cost_model,
         )
         return prompt_ids, self._locked(steps)
 

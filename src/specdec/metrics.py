@@ -33,6 +33,13 @@ class SpecStats:
         prefill_s, draft_s, verify_s: seconds spent in the target prefill, in the drafter
             (including a draft model's prefill) and in target verification (forward +
             acceptance).
+        chosen_k_counts: histogram of the speculation controller's choices; entry k =
+            steps it chose to draft k tokens (tree: depth k). Steps where nothing could
+            be drafted (plain decoding, or the last token) are not counted.
+        num_steps_off: steps the controller switched speculation off (chose 0 although
+            it could draft).
+        trace: the step trace (:class:`~specdec.control.simulate.TraceStep` per step)
+            when the engine records one (``EngineConfig.record_trace``), else empty.
     """
 
     num_steps: int = 0
@@ -46,6 +53,16 @@ class SpecStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    chosen_k_counts: list[int] = field(default_factory=list)
+    num_steps_off: int = 0
+    trace: list = field(default_factory=list, repr=False)
+
+    def record_choice(self, k: int) -> None:
+        """Count one controller choice of ``k`` draft tokens (0 = speculation off)."""
+        _grow(self.chosen_k_counts, k + 1)
+        self.chosen_k_counts[k] += 1
+        if k == 0:
+            self.num_steps_off += 1
 
     def record_step(
         self,
@@ -123,6 +140,8 @@ class SpecStats:
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "tokens_per_s": self.tokens_per_s,
+            "chosen_k_counts": list(self.chosen_k_counts),
+            "num_steps_off": self.num_steps_off,
         }
 
 

@@ -75,18 +75,20 @@ def register_drafter(entry: DrafterEntry, *, replace: bool = False) -> None:
         raise ValueError(f"a drafter name cannot be empty or hold ':,@= ', got {entry.name!r}")
     if entry.name in _DRAFTERS and not replace:
         raise ValueError(f"a drafter named {entry.name!r} is already registered")
-    if not dataclasses.is_dataclass(entry.options):
-        raise ValueError(f"options of {entry.name!r} must be a dataclass")
-    hints = typing.get_type_hints(entry.options)
-    for f in dataclasses.fields(entry.options):
+    _check_options_class(entry.name, entry.options)
+    _DRAFTERS[entry.name] = entry
+
+
+def _check_options_class(name: str, cls: type) -> None:
+    if not dataclasses.is_dataclass(cls):
+        raise ValueError(f"options of {name!r} must be a dataclass")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ValueError(f"option {f.name!r} of {entry.name!r} needs a default")
+            raise ValueError(f"option {f.name!r} of {name!r} needs a default")
         kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
         if (kinds or [hints[f.name]])[0] not in _KIND_NAMES:
-            raise ValueError(
-                f"option {f.name!r} of {entry.name!r} must be an int, float, bool or str"
-            )
-    _DRAFTERS[entry.name] = entry
+            raise ValueError(f"option {f.name!r} of {name!r} must be an int, float, bool or str")
 
 
 def drafter_names() -> tuple[str, ...]:
@@ -133,15 +135,17 @@ def make_options(name: str, values: Mapping[str, Any] | Any | None = None) -> An
         ValueError: unknown drafter or option, a value of the wrong type, an instance of
             another drafter's options, or whatever the options' own validation refuses.
     """
-    entry = drafter_entry(name)
-    cls = entry.options
+    return _make_options("drafter", name, drafter_entry(name).options, values)
+
+
+def _make_options(kind: str, name: str, cls: type, values: Any) -> Any:
     if values is None:
         return cls()
     if isinstance(values, cls):
         return values
     if not isinstance(values, Mapping):
         raise ValueError(
-            f"options of drafter {name!r} must be a {cls.__name__} or a mapping, "
+            f"options of {kind} {name!r} must be a {cls.__name__} or a mapping, "
             f"got {type(values).__name__}"
         )
     hints = typing.get_type_hints(cls)
@@ -150,8 +154,8 @@ def make_options(name: str, values: Mapping[str, Any] | Any | None = None) -> An
     for key, value in values.items():
         if key not in known:
             hint = f" (options: {', '.join(known)})" if known else " (it takes no options)"
-            raise ValueError(f"drafter {name!r} has no option {key!r}{hint}")
-        kwargs[key] = _convert(name, key, value, hints[key])
+            raise ValueError(f"{kind} {name!r} has no option {key!r}{hint}")
+        kwargs[key] = _convert(f"{kind} {name!r}", key, value, hints[key])
     return cls(**kwargs)
 
 
@@ -166,9 +170,7 @@ def _convert(name: str, key: str, value: Any, hint: Any) -> Any:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         if not ok:
-            raise ValueError(
-                f"option {key!r} of drafter {name!r} needs {_KIND_NAMES[kind]}, got {value!r}"
-            )
+            raise ValueError(f"option {key!r} of {name} needs {_KIND_NAMES[kind]}, got {value!r}")
         return value
     try:
         if kind is bool:
@@ -179,7 +181,7 @@ def _convert(name: str, key: str, value: Any, hint: Any) -> Any:
         return kind(value)
     except ValueError:
         raise ValueError(
-            f"option {key!r} of drafter {name!r} needs {_KIND_NAMES[kind]}, got {value!r}"
+            f"option {key!r} of {name} needs {_KIND_NAMES[kind]}, got {value!r}"
         ) from None
 
 
@@ -300,3 +302,94 @@ for _entry in (
     ),
 ):
     register_drafter(_entry)
+
+
+# ---------------------------------------------------------------------- controllers
+
+
+@dataclass(frozen=True)
+class ControllerEntry:
+    """One registered speculation controller.
+
+    Attributes:
+        name: the name used in ``SpeculativeConfig(controller=...)``, ``--controller``,
+            ``bench --method ...+NAME`` and the server.
+        options: its options dataclass (frozen; every field has a default).
+        factory: ``factory(options) -> SpeculationController``.
+        summary: one line for ``--help`` and the README.
+    """
+
+    name: str
+    options: type
+    factory: Callable[[Any], Any]
+    summary: str
+
+
+_CONTROLLERS: dict[str, ControllerEntry] = {}
+
+
+def register_controller(entry: ControllerEntry, *, replace: bool = False) -> None:
+    """Add a speculation controller to the registry.
+
+    Raises:
+        ValueError: as :func:`register_drafter` (taken or malformed name, bad options).
+    """
+    if not entry.name or any(c in entry.name for c in ":,@+= "):
+        raise ValueError(f"a controller name cannot be empty or hold ':,@+= ', got {entry.name!r}")
+    if entry.name in _CONTROLLERS and not replace:
+        raise ValueError(f"a controller named {entry.name!r} is already registered")
+    _check_options_class(entry.name, entry.options)
+    _CONTROLLERS[entry.name] = entry
+
+
+def controller_names() -> tuple[str, ...]:
+    """Registered controller names, in registration order."""
+    return tuple(_CONTROLLERS)
+
+
+def controller_entry(name: str) -> ControllerEntry:
+    """The registry entry for controller ``name``.
+
+    Raises:
+        ValueError: no controller has that name (the message lists the names).
+    """
+    entry = _CONTROLLERS.get(name)
+    if entry is None:
+        raise ValueError(f"unknown controller {name!r}; choose one of {', '.join(_CONTROLLERS)}")
+    return entry
+
+
+def make_controller_options(name: str, values: Mapping[str, Any] | Any | None = None) -> Any:
+    """As :func:`make_options`, for controller ``name``."""
+    return _make_options("controller", name, controller_entry(name).options, values)
+
+
+def _register_controllers() -> None:
+    from specdec.control import controllers as c
+
+    for entry in (
+        ControllerEntry(
+            "fixed", c.FixedOptions, c.FixedController,
+            "every step drafts the configured k (reproducible benchmarks)",
+        ),
+        ControllerEntry(
+            "heuristic", c.HeuristicOptions, c.HeuristicController,
+            "transformers' schedule: +2 after a fully accepted draft, -1 otherwise",
+        ),
+        ControllerEntry(
+            "confidence", c.ConfidenceOptions, c.ConfidenceController,
+            "SpecDec++-style: stop drafting when the predicted rejection chance passes h",
+        ),
+        ControllerEntry(
+            "cost", c.CostOptions, c.CostController,
+            "k (0 = off) maximizing expected tokens/s from acceptance and measured costs",
+        ),
+        ControllerEntry(
+            "bandit", c.BanditOptions, c.BanditController,
+            "UCB over draft lengths (BanditSpec), shorter lengths scored counterfactually",
+        ),
+    ):  # fmt: skip
+        register_controller(entry)
+
+
+_register_controllers()

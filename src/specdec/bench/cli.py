@@ -22,6 +22,7 @@ from specdec.bench.methods import parse_methods
 from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
 from specdec.cli_common import add_sampling_args, llm_from_args, sampling_params
 from specdec.config import SpeculativeConfig
+from specdec.engine.engine import EngineConfig
 from specdec.llm import LLM
 from specdec.models.loading import DEFAULT_MODEL, load
 from specdec.runtime.linear import cpu_name
@@ -108,6 +109,21 @@ def add_parser(sub) -> None:
         "speculation off vs on (the first specdec --method, default ngram:k=5), and the "
         "in-process API at concurrency 1; writes serving.{json,md,png} with --out",
     )
+    p.add_argument(
+        "--controller",
+        default="fixed",
+        metavar="NAME[:OPTS]",
+        help="speculation controller of every specdec method that does not name one "
+        "after '+' (e.g. --method ngram:k=10+cost); default: fixed",
+    )
+    p.add_argument(
+        "--simulate",
+        metavar="DIR",
+        help="instead of running models: predict each --method's tokens/s by replaying "
+        "the step traces of an earlier `bench --out DIR` run of the same drafter (greedy "
+        "chains; record with the largest k), compared with DIR's measured run of the "
+        "method when it has one; writes simulation.{json,md} with --out",
+    )
     p.set_defaults(func=cmd_bench)
 
 
@@ -115,13 +131,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     # Every option is checked before any model loads: a mistake never costs a run.
-    methods = parse_methods(args.methods or DEFAULT_METHODS)
+    methods = parse_methods(args.methods or DEFAULT_METHODS, args.controller)
     params = sampling_params(args)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise ValueError(f"--limit-per-category must be >= 1, got {args.limit_per_category}")
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     out_dir = _check_out_dir(args.out) if args.out else None
+    if args.simulate:
+        return _simulate(args, methods, out_dir)
     if args.forward_cost:
         return _forward_cost(args, out_dir)
     if args.serving:
@@ -152,6 +170,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         backend=args.backend,
         exact=args.exact,
+        engine_config=EngineConfig(record_trace=True),
     )
     draft = None
     if args.draft_model:
@@ -191,6 +210,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "exact": args.exact,
         }
         paths = write_outputs(out_dir, records, summary, baseline, environment(llm), config)
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+def _simulate(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
+    from specdec.bench.simulate import run_simulation, simulation_table, write_simulation
+
+    trace_dir = Path(args.simulate)
+    rows = run_simulation(trace_dir, methods)
+    if not rows:
+        raise ValueError("--simulate predicts specdec drafter methods; give at least one --method")
+    print(simulation_table(rows))
+    if out_dir is not None:
+        paths = write_simulation(out_dir, rows, trace_dir)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 

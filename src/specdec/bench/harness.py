@@ -25,6 +25,8 @@ class Record:
         metrics: specdec :class:`SpecStats` as a dict (``None`` for external baselines).
         matches_baseline: greedy runs: output ids equal the autoregressive baseline's
             for the same turn (``None`` for the baseline itself and for sampled runs).
+        trace: specdec's step trace (:class:`~specdec.control.simulate.TraceStep` dicts)
+            when the run recorded one; written apart from the records (``traces.jsonl.gz``).
     """
 
     method: str
@@ -38,13 +40,17 @@ class Record:
     token_ids: list[int]
     metrics: dict | None = None
     matches_baseline: bool | None = None
+    trace: list[dict] | None = None
 
     @property
     def tokens_per_s(self) -> float:
         return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+        """The record without its trace, plus ``tokens_per_s``."""
+        data = asdict(self)
+        del data["trace"]
+        return {**data, "tokens_per_s": self.tokens_per_s}
 
 
 def run_benchmark(
@@ -131,6 +137,11 @@ def _run_turns(llm: LLM, runner: MethodRunner, prompt: BenchPrompt, params, prog
                 elapsed_s=result.elapsed_s,
                 token_ids=result.token_ids,
                 metrics=result.stats.to_dict() if result.stats is not None else None,
+                trace=(
+                    [step.to_dict() for step in result.stats.trace]
+                    if result.stats is not None and result.stats.trace
+                    else None
+                ),
             )
         )
         answer_ids = [t for t in result.token_ids if t not in llm.tokenizer.eos_token_ids]

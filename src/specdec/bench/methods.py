@@ -8,6 +8,10 @@ Method strings (``--method``):
   ``ngram:k=10,min_n=1``, ``suffix:k=24,global_cache=false``,
   ``recycling@dynamic:top_k=4,depth=6,budget=24``, ``draft-model:k=4`` (with
   ``--draft-model``);
+* a speculation controller follows ``+`` (default ``fixed``, or ``bench --controller``):
+  ``ngram:k=10+cost``, ``draft-model:k=8+bandit:discount=0.95``,
+  ``draft-model@dynamic:top_k=4,depth=5,budget=16+cost``; ``k`` (or the tree's depth) is
+  then the most a step drafts;
 * ``hf-prompt-lookup[:k=10,max_ngram=2]``: transformers ``generate(prompt_lookup_num_tokens=k)``;
 * ``hf-assisted[:k=4]``: transformers ``generate(assistant_model=draft)``.
 
@@ -51,16 +55,18 @@ class Method:
     kind: str
     options: tuple[tuple[str, str], ...] = ()
     tree: str | None = None
+    controller: str = "fixed"
 
     @property
     def name(self) -> str:
-        """Label used in reports, e.g. ``ngram:k=10`` or ``ngram@static:tree-16``
-        (``autoregressive`` for ``ar``)."""
+        """Label used in reports, e.g. ``ngram:k=10``, ``ngram@static:tree-16`` or
+        ``ngram:k=10+cost`` (``autoregressive`` for ``ar``; ``+fixed`` is not shown)."""
         if self.kind == "ar":
             return "autoregressive"
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         label = f"{self.kind}:{opts}" if opts else self.kind
-        return f"{label}@{self.tree}" if self.tree else label
+        label = f"{label}@{self.tree}" if self.tree else label
+        return label if self.controller == "fixed" else f"{label}+{self.controller}"
 
     def option(self, key: str) -> int:
         """The integer option ``key`` (``k`` or an external baseline's), or its default."""
@@ -79,7 +85,8 @@ class Method:
         config = self.speculative_config()
         if config is not None:
             k = 0 if config.method == "none" else config.num_speculative_tokens
-            return config.method, k, config.options, config.tree
+            control = None if config.method == "none" else config.controller_spec
+            return config.method, k, config.options, config.tree, control
         full = {**EXTERNAL[self.kind], **{k: int(v) for k, v in self.options}}
         return self.kind, tuple(sorted(full.items())), self.tree
 
@@ -114,18 +121,23 @@ class Method:
             method=f"{self.kind}:{drafter_options}" if drafter_options else self.kind,
             num_speculative_tokens=self.option("k"),
             tree=self.tree,
+            controller=self.controller,
         )
 
 
-def parse_method(text: str) -> Method:
+def parse_method(text: str, controller: str = "fixed") -> Method:
     """``"ngram:k=8,min_n=2"`` -> ``Method("ngram", (("k", "8"), ("min_n", "2")))``.
 
     A token tree follows ``@``: ``"ngram@dynamic:top_k=4,depth=5,budget=16"`` (specdec
-    drafters that draft trees; ``k`` is then unused).
+    drafters that draft trees; ``k`` is then unused). A speculation controller follows
+    ``+`` (``"ngram:k=10+cost"``); ``controller`` is the default for specdec drafters.
 
     Raises:
-        ValueError: unknown kind, unknown option, a bad value, or a bad tree.
+        ValueError: unknown kind, unknown option, a bad value, a bad tree or controller.
     """
+    text, plus, given = text.strip().partition("+")
+    if plus:
+        controller = given.strip()
     text, at, tree = text.strip().partition("@")
     if at:
         tree = str(TreeSpec.parse(tree))
@@ -137,11 +149,19 @@ def parse_method(text: str) -> Method:
         raise ValueError(f"unknown method {kind!r}; choose from {', '.join(known)}")
     if at and (kind in EXTERNAL or kind == "ar"):
         raise ValueError(f"only specdec drafters take a token tree (@...), not {kind!r}")
+    if plus and (kind in EXTERNAL or kind == "ar"):
+        raise ValueError(f"only specdec drafters take a controller (+...), not {kind!r}")
+    if kind in EXTERNAL or kind == "ar":
+        controller = "fixed"
     if kind in EXTERNAL:
         _check_external(kind, items)
     elif "k" in items:
         _integer(kind, "k", items["k"])
-    method = Method(kind, tuple(items.items()), tree or None)
+    try:  # one spelling per controller: its name and non-default options
+        controller = SpeculativeConfig(method="none", controller=controller).controller_spec
+    except ValueError as error:
+        raise ValueError(f"method {text!r}: {error}") from None
+    method = Method(kind, tuple(items.items()), tree or None, controller)
     try:
         method.speculative_config()  # specdec's own checks, now rather than mid-run
     except ValueError as error:
@@ -166,10 +186,12 @@ def _check_external(kind: str, items: dict[str, str]) -> None:
             raise ValueError(f"method {kind!r}: {key}={value} must be >= 1")
 
 
-def parse_methods(texts: Sequence[str]) -> list[Method]:
+def parse_methods(texts: Sequence[str], controller: str = "fixed") -> list[Method]:
     """The run's methods: ``ar`` (the baseline) first, then each of ``texts`` once.
 
     ``ar`` in ``texts`` is the baseline itself (it always runs) and is not run again.
+
+    ``controller`` is the speculation controller of methods that do not name one.
 
     Raises:
         ValueError: a bad method (see :func:`parse_method`), or the same method given twice
@@ -178,7 +200,7 @@ def parse_methods(texts: Sequence[str]) -> list[Method]:
     methods = [parse_method("ar")]
     seen = {methods[0].settings: "ar"}
     for text in texts:
-        method = parse_method(text)
+        method = parse_method(text, controller)
         if method.kind == "ar":
             continue
         if method.settings in seen:
@@ -216,7 +238,13 @@ class MethodRunner:
             raise ValueError(f"method {method.kind!r} needs --draft-model")
         self.speculative = method.speculative_config()
         if method.needs_draft_model and method.is_specdec:  # shares the loaded target
-            self.llm = LLM(llm.target, draft=draft_llm_model, speculative=self.speculative)
+            self.llm = LLM(
+                llm.target,
+                draft=draft_llm_model,
+                speculative=self.speculative,
+                engine_config=llm.engine_config,
+            )
+            self.llm.cost_model = llm.cost_model  # the same target: share what it costs
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> RunResult:
         start = time.perf_counter()

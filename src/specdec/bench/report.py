@@ -10,6 +10,7 @@ Speedup conventions (both reported, always relative to the baseline method of th
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ class Summary:
             verification (target forward + acceptance); prefill is the rest.
         num_identical: greedy turns whose output equals the baseline's (None if unchecked).
         accepted_length_counts: histogram of accepted draft tokens per step.
+        off_share: fraction of steps the speculation controller switched drafting off.
+        mean_chosen_k: mean draft length the controller chose (over its choices).
     """
 
     num_turns: int = 0
@@ -50,6 +53,8 @@ class Summary:
     verify_share: float | None = None
     num_identical: int | None = None
     accepted_length_counts: list[int] = field(default_factory=list)
+    off_share: float | None = None
+    mean_chosen_k: float | None = None
 
 
 def summarize(records: Sequence[Record], baseline: str) -> dict[str, dict[str, Summary]]:
@@ -113,6 +118,13 @@ def _add_spec_metrics(s: Summary, metrics: list[dict]) -> None:
     s.per_position_acceptance_rate = [p / drafts for p in pos] if drafts else []
     s.draft_share = sum(m["draft_s"] for m in metrics) / elapsed if elapsed else None
     s.verify_share = sum(m["verify_s"] for m in metrics) / elapsed if elapsed else None
+    chosen = [0] * max(len(m.get("chosen_k_counts", [])) for m in metrics)
+    for m in metrics:
+        for k, n in enumerate(m.get("chosen_k_counts", [])):
+            chosen[k] += n
+    if sum(chosen):
+        s.off_share = chosen[0] / sum(chosen)
+        s.mean_chosen_k = sum(k * n for k, n in enumerate(chosen)) / sum(chosen)
     hist_width = max(len(m["accepted_length_counts"]) for m in metrics)
     s.accepted_length_counts = [
         sum(m["accepted_length_counts"][i] for m in metrics if i < len(m["accepted_length_counts"]))
@@ -156,6 +168,12 @@ def markdown_tables(summary: dict[str, dict[str, Summary]], baseline: str) -> st
                 "Draft / verification share of wall time",
                 lambda s: (
                     "-" if s.draft_share is None else f"{s.draft_share:.0%} / {s.verify_share:.0%}"
+                ),
+            ),
+            table(
+                "Speculation controller: steps with speculation off / mean chosen k",
+                lambda s: (
+                    "-" if s.off_share is None else f"{s.off_share:.0%} / {s.mean_chosen_k:.1f}"
                 ),
             ),
             table(
@@ -218,6 +236,9 @@ def write_outputs(
     }
     paths = [out_dir / "results.json", out_dir / "report.md"]
     paths[0].write_text(json.dumps(results, indent=1))
+    traced = [r for r in records if r.trace]
+    if traced:
+        paths.append(write_traces(out_dir / TRACES, traced))
     env = "\n".join(f"- {k}: {v}" for k, v in environment.items())
     cfg = "\n".join(f"- {k}: {v}" for k, v in config.items())
     paths[1].write_text(
@@ -234,6 +255,43 @@ def write_outputs(
             path.unlink()  # a plot of an earlier run in the same folder would mislead
         paths += written
     return paths
+
+
+#: The step traces of a bench run (one JSON line per traced record, gzip).
+TRACES = "traces.jsonl.gz"
+
+
+def write_traces(path: Path, records: Sequence[Record]) -> Path:
+    """One line per record: method, prompt id, turn, output tokens, prefill seconds,
+    elapsed seconds and its step trace."""
+    with gzip.open(path, "wt") as f:
+        for r in records:
+            line = {
+                "method": r.method, "prompt_id": r.prompt_id, "group": r.group,
+                "turn": r.turn, "num_output_tokens": r.num_output_tokens,
+                "prefill_s": r.metrics["prefill_s"] if r.metrics else 0.0,
+                "elapsed_s": r.elapsed_s, "trace": r.trace,
+            }  # fmt: skip
+            f.write(json.dumps(line) + "\n")
+    return path
+
+
+def read_traces(path: Path) -> list[dict]:
+    """The lines :func:`write_traces` wrote.
+
+    Raises:
+        ValueError: the file is missing or not a trace file.
+    """
+    if not path.is_file():
+        raise ValueError(f"no step traces at {path} (run `specdec bench --out DIR` first)")
+    try:
+        with gzip.open(path, "rt") as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a specdec trace file: {error}") from None
+    if not all(isinstance(x, dict) and "trace" in x and "method" in x for x in lines):
+        raise ValueError(f"{path} is not a specdec trace file")
+    return lines
 
 
 def pyplot():

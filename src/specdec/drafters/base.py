@@ -20,10 +20,14 @@ class DraftProposal:
         draft_probs: ``[k', vocab_size]`` float32 distributions the tokens were sampled from,
             in the target's vocabulary; ``None`` for deterministic drafters, whose tokens are
             verified as point masses (still lossless).
+        confidence: ``[k']`` optional: the top probability of the draft distribution at
+            each position (a function of the earlier draft tokens only), for confidence
+            stops (:mod:`specdec.control`); derived from ``draft_probs`` when absent.
     """
 
     token_ids: list[int]
     draft_probs: torch.Tensor | None = None
+    confidence: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -129,6 +133,10 @@ class Drafter(Protocol):
     * ``max_aux_rows`` (int, default 0): after drafting, the engine asks the sequence's
       ``aux_rows(token_ids)`` for up to this many :class:`AuxRows` to run in the same
       forward (Lookahead decoding); the scheduler counts them in the token budget.
+    * ``confidence_stop``: its sequences' ``propose`` also takes ``stop_drafting=fn``
+      and calls ``fn(position, confidence)`` with the top probability of the draft
+      distribution before keeping each token, stopping when it returns True (so a
+      confidence-stopping controller saves the draft work, not only the verification).
     """
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> SequenceDrafter:
@@ -147,6 +155,9 @@ class DrafterBase:
     uses_target_cache: bool = False
     #: most :class:`AuxRows` its sequences add to a verification (``aux_rows(token_ids)``)
     max_aux_rows: int = 0
+    #: its sequences' ``propose`` takes ``stop_drafting=fn`` and asks ``fn(position,
+    #: confidence)`` before keeping each draft token, ending the draft when it returns True
+    confidence_stop: bool = False
 
     def observe(self, feedback: VerificationFeedback) -> None:
         """Learn from a verification (default: nothing)."""
@@ -177,7 +188,7 @@ def check_drafter(drafter: object) -> None:
             f"{type(drafter).__name__} is not a drafter: it needs start(prompt_ids, params) "
             "returning a sequence drafter with propose() and close()"
         )
-    for flag in ("supports_trees", "observes", "uses_target_cache"):
+    for flag in ("supports_trees", "observes", "uses_target_cache", "confidence_stop"):
         if not isinstance(getattr(drafter, flag, False), bool):
             raise ValueError(f"{type(drafter).__name__}.{flag} must be a bool")
     aux = getattr(drafter, "max_aux_rows", 0)

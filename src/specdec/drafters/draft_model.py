@@ -7,7 +7,7 @@ draft samples γ tokens autoregressively; the target verifies them in one forwar
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -138,6 +138,8 @@ class DraftModelDrafter(DrafterBase):
 
     #: Its sequences offer ``tree_session`` (token trees).
     supports_trees = True
+    #: ``propose`` takes ``stop_drafting`` and reports each position's confidence.
+    confidence_stop = True
 
     def __init__(self, draft: Backend, target_vocab_size: int, num_real_tokens: int) -> None:
         self.draft = draft
@@ -174,30 +176,47 @@ class DraftModelSequence(DrafterBase):
             self._cached_ids = list(prompt_ids[:-1])
 
     def propose(
-        self, token_ids: Sequence[int], num_tokens: int, generator: torch.Generator
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        generator: torch.Generator,
+        *,
+        stop_drafting: Callable[[int, float], bool] | None = None,
     ) -> DraftProposal:
+        """Up to ``num_tokens`` draft tokens, one draft forward each; ``confidence`` holds
+        each position's top draft probability (temperature 1 for greedy), and
+        ``stop_drafting(i, confidence)`` may end the draft before position i's token is
+        drawn."""
         if num_tokens <= 0:
             return DraftProposal([])
         pending = self._sync(token_ids)
         proposed: list[int] = []
         probs: list[torch.Tensor] = []
+        confidence: list[float] = []
         for i in range(num_tokens):
             logits = self.draft.forward(pending, self._cache, num_logits=1)
             self._cached_ids.extend(pending)
             logits = align_draft_logits(logits, self.num_real_tokens, self.target_vocab_size)
             if self._params.greedy:
-                token = int(torch.argmax(logits[-1]))
+                top = float(torch.softmax(logits[-1].float(), -1).max())
             else:
                 step_probs = logits_to_probs(logits[-1:], self._params)
+                top = float(step_probs[0].max())
+            if stop_drafting is not None and stop_drafting(i, top):
+                break
+            if self._params.greedy:
+                token = int(torch.argmax(logits[-1]))
+            else:
                 token = int(sample(step_probs, generator))
                 probs.append(step_probs[0])
             proposed.append(token)
+            confidence.append(top)
             pending = [token]
             if i == num_tokens - 1:
                 break
         self._synced = len(token_ids)
         draft_probs = torch.stack(probs) if probs else None
-        return DraftProposal(proposed, draft_probs)
+        return DraftProposal(proposed, draft_probs, confidence)
 
     def tree_session(
         self, token_ids: Sequence[int], params: SamplingParams

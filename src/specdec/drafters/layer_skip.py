@@ -57,7 +57,7 @@ Losslessness never depends on the skipped set: the drafter only proposes.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -271,6 +271,7 @@ class LayerSkipDrafter(DrafterBase):
     supports_trees = True
     observes = True
     uses_target_cache = True
+    confidence_stop = True
 
     def __init__(self, target, options: LayerSkipOptions | None = None) -> None:
         if getattr(target, "backend", None) != "native":
@@ -329,12 +330,19 @@ class LayerSkipSequence(DrafterBase):
         self.cache = cache
 
     def propose(
-        self, token_ids: Sequence[int], num_tokens: int, generator: torch.Generator
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        generator: torch.Generator,
+        *,
+        stop_drafting: Callable[[int, float], bool] | None = None,
     ) -> DraftProposal:
-        """Draft up to ``num_tokens`` tokens after ``token_ids`` with the kept layers.
+        """Draft up to ``num_tokens`` tokens after ``token_ids`` with the kept layers;
+        ``stop_drafting(i, confidence)`` may end the draft before position i's token.
 
         Returns:
-            the chain; ``draft_probs`` ``[k', V]`` float32 when sampling, else ``None``.
+            the chain; ``draft_probs`` ``[k', V]`` float32 when sampling, else ``None``;
+            ``confidence``: each position's top draft probability.
 
         Raises:
             ValueError: no cache attached, or the cache does not hold exactly every token
@@ -349,36 +357,42 @@ class LayerSkipSequence(DrafterBase):
         layers = self.drafter.kept_layers(skip)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        confidence: list[float] = []
         token = int(token_ids[-1])
         try:
-            for _ in range(num_tokens):
+            for i in range(num_tokens):
                 out = self.target.forward_full([token], self.cache, num_logits=1, layers=layers)
                 self._forwards += 1
-                picked = self._pick(out.logits, generator)
+                picked = self._pick(out.logits, generator, i, stop_drafting)
                 if picked is None:
                     break
-                token, row = picked
+                token, row, top = picked
                 tokens.append(token)
+                confidence.append(top)
                 if row is not None:
                     rows.append(row)
         finally:
             self.cache.truncate(origin)
-        return DraftProposal(tokens, torch.stack(rows) if rows else None)
+        return DraftProposal(tokens, torch.stack(rows) if rows else None, confidence)
 
     def _pick(
-        self, logits: torch.Tensor, generator: torch.Generator
-    ) -> tuple[int, torch.Tensor | None] | None:
-        """The draft token from ``[1, V]`` logits and its distribution (``None`` when
-        greedy); ``None`` when its top-1 probability is below the confidence threshold."""
+        self, logits: torch.Tensor, generator: torch.Generator, position: int = 0, stop=None
+    ) -> tuple[int, torch.Tensor | None, float] | None:
+        """The draft token from ``[1, V]`` logits, its distribution (``None`` when
+        greedy) and its top probability; ``None`` when that probability is below the
+        confidence threshold or ``stop(position, top)`` says so."""
         threshold = self.drafter.options.confidence
         if self.params.greedy:
-            if threshold > 0 and float(torch.softmax(logits[0], -1).max()) < threshold:
-                return None
-            return int(torch.argmax(logits[0])), None
-        probs = logits_to_probs(logits, self.params)
-        if float(probs[0].max()) < threshold:
+            top = float(torch.softmax(logits[0].float(), -1).max())
+            probs = None
+        else:
+            probs = logits_to_probs(logits, self.params)
+            top = float(probs[0].max())
+        if top < threshold or (stop is not None and stop(position, top)):
             return None
-        return int(sample(probs, generator)), probs[0]
+        if probs is None:
+            return int(torch.argmax(logits[0])), None, top
+        return int(sample(probs, generator)), probs[0], top
 
     def _skip_set(self) -> tuple[int, ...]:
         return self.drafter.search.initial if self.isolated else self.drafter.skip_set

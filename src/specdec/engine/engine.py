@@ -9,16 +9,21 @@ One :meth:`Engine.step`:
    in 16-slot blocks as it grows; when the running sequences' next step does not fit, the
    latest arrival is *preempted*: its cache and drafter state are dropped and it waits
    again, to be recomputed from its tokens (prompt + output) when readmitted.
-2. **draft**: each scheduled sequence's own drafter state proposes a chain (up to k
-   tokens, capped by its remaining budget) or a token tree.
+2. **control and draft**: each scheduled sequence's speculation controller
+   (:mod:`specdec.control`) chooses how many tokens it drafts this step (0 = a plain
+   step; at most its k, capped by its remaining budget; for a tree, the most depth), then
+   its own drafter state proposes a chain or a token tree of that size.
 3. **one forward**: prompt chunks and verification inputs of every sequence, a ragged
    batch (``forward_batch`` on the native backend; one forward per sequence on a backend
    without it).
 4. **verify and commit** per sequence: greedy match, lossless rejection sampling, or tree
    verification; the cache is truncated or compacted (cursor rule); stops apply.
 
-What a sequence computes never depends on the rest of the batch: its number of draft
-tokens and its tree come from its own settings and state (a sequence that does not fit
+What a sequence computes never depends on the rest of the batch: its tree and its
+drafts come from its own settings and state, and a seeded sampled sequence's controller
+decides from the sequence alone (``isolated``; adaptive controllers of other sequences may
+look at the batch and the measured costs, which changes how many tokens they draft but,
+greedy verification being exact, never their output) (a sequence that does not fit
 the token budget waits a step rather than drafting less), every random draw comes from
 its own generator, prompt chunk boundaries are fixed per sequence (``prefill_chunk``), and
 on the native backend's exact mode every row's logits are bit-identical whatever the
@@ -31,6 +36,7 @@ sequence.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -39,6 +45,16 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SamplingParams
+from specdec.control.base import (
+    SequenceInfo,
+    SpeculationController,
+    StepOutcome,
+    StepView,
+    check_choice,
+)
+from specdec.control.controllers import FixedController
+from specdec.control.cost import CostModel
+from specdec.control.simulate import TraceStep
 from specdec.drafters.base import (
     AuxRows,
     Drafter,
@@ -46,6 +62,7 @@ from specdec.drafters.base import (
     NoDrafter,
     VerificationFeedback,
     check_drafter,
+    needs_isolation,
 )
 from specdec.engine.commit import StepOutput, finish_step, verify
 from specdec.engine.sequence import Sequence, SequenceStatus
@@ -76,6 +93,9 @@ class EngineConfig:
         prefill_chunk: prompt tokens per prefill forward (chunked prefill; default:
             2048, or ``max_num_batched_tokens`` if smaller). Fixed per sequence, so a prompt
             is split the same way whatever else runs.
+        record_trace: keep every sequence's step trace in ``stats.trace`` (one
+            :class:`~specdec.control.simulate.TraceStep` per verification step) for
+            the what-if simulator.
 
     Raises:
         ValueError: a limit that is not a positive integer, or ``prefill_chunk`` above
@@ -86,6 +106,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_kv_tokens: int = 1 << 16
     prefill_chunk: int | None = None
+    record_trace: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_chunk is None:
@@ -111,13 +132,23 @@ class Engine:
     Args:
         target: the target backend (batched forwards when it has ``forward_batch``).
         config: scheduler limits (default :class:`EngineConfig`).
+        cost_model: the online :class:`~specdec.control.cost.CostModel` the engine feeds
+            with every verification forward's time and every draft's time, and that
+            controllers read (default: a new one; pass one to share what it learned).
 
     Not thread-safe: one thread drives ``add_request`` / ``step`` / ``abort``.
     """
 
-    def __init__(self, target: Backend, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        target: Backend,
+        config: EngineConfig | None = None,
+        cost_model: CostModel | None = None,
+    ) -> None:
         self.target = target
         self.config = config or EngineConfig()
+        self.cost_model = cost_model if cost_model is not None else CostModel()
+        self._frozen_cost = CostModel(frozen=True)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: prefilling or running
         self._live: dict[str, Sequence] = {}
@@ -137,6 +168,7 @@ class Engine:
         tree_builder: TreeBuilder | None = None,
         stop_checker: StopChecker | None = None,
         generator: torch.Generator | None = None,
+        controller: SpeculationController | None = None,
     ) -> Sequence:
         """Queue a request.
 
@@ -150,6 +182,8 @@ class Engine:
             tree_builder: draft a token tree per step (the drafter must support trees).
             stop_checker: stop tokens / strings (default: none).
             generator: this request's random source (default: unseeded).
+            controller: chooses each step's number of draft tokens within
+                ``num_speculative_tokens`` (default: fixed, always all of them).
 
         Returns:
             the queued :class:`Sequence` (its ``status`` and ``tokens`` update as it runs).
@@ -197,6 +231,18 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; with its largest verification "
                 f"({largest}) it needs more than max_kv_tokens={cfg.max_kv_tokens}"
             )
+        max_k = tree_builder.max_depth if tree_builder is not None else num_speculative_tokens
+        info = SequenceInfo(
+            request_id=request_id,
+            max_k=max_k,
+            params=params,
+            drafter=type(drafter).__name__ + (":tree" if tree_builder is not None else ""),
+            tree_nodes_per_depth=(
+                tree_builder.max_nodes / max(1, tree_builder.max_depth) if tree_builder else 1.0
+            ),
+            isolated=needs_isolation(params),
+            aux_rows=aux,
+        )
         seq = Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -210,6 +256,8 @@ class Engine:
             arrival=next(self._arrivals),
             observes=bool(getattr(drafter, "observes", False)),
             max_aux_rows=getattr(drafter, "max_aux_rows", 0),
+            control=(controller or FixedController()).start(info),
+            control_info=info,
         )
         self.waiting.append(seq)
         self._live[request_id] = seq
@@ -252,27 +300,99 @@ class Engine:
         chunks = self._schedule_prefill(budget)
         if not verified and not chunks:
             return []
-        drafts = [self._draft(s) for s in verified]
+        plans = self._plan(verified, sum(end - start for _, start, end in chunks))
+        drafts = [self._draft(s, k) for s, k in zip(verified, plans, strict=True)]
         items = [(s, s.tokens[start:end], None, None, 1) for s, start, end in chunks]
         for seq, (draft, aux) in zip(verified, drafts, strict=True):
             items.append(_verification_input(seq, draft, aux))
+        rows = sum(len(item[1]) for item in items)
         t_forward = time.perf_counter()
         logits = self._forward(items)
         forward_s = time.perf_counter() - t_forward
+        if not chunks:  # verification-only forwards define the verification cost
+            self.cost_model.observe_forward(rows, forward_s)
         for (seq, _, end), _ in zip(chunks, logits, strict=False):
             seq.num_prefilled = end
             seq.stats.prefill_s += forward_s
             if seq.num_to_prefill == 0:
                 seq.status = SequenceStatus.RUNNING
         outputs = []
-        for seq, (draft, aux), seq_logits in zip(
-            verified, drafts, logits[len(chunks) :], strict=True
+        for seq, k, (draft, aux), seq_logits in zip(
+            verified, plans, drafts, logits[len(chunks) :], strict=True
         ):
-            outputs.append((seq, self._commit(seq, draft, aux, seq_logits, forward_s)))
+            outputs.append((seq, self._commit(seq, k, draft, aux, seq_logits, forward_s, rows)))
         elapsed = time.perf_counter() - t_step
         for seq in {id(s): s for s in [*verified, *(c[0] for c in chunks)]}.values():
             seq.stats.elapsed_s += elapsed
+        if self.config.record_trace:
+            for seq in verified:
+                seq.stats.trace[-1].step_s = elapsed
         return outputs
+
+    # ------------------------------------------------------------------ control
+
+    def _plan(self, verified: list[Sequence], chunk_tokens: int) -> list[int]:
+        """Each verified sequence's draft size this step (arrival order), chosen by its
+        controller from a :class:`StepView` of the batch so far."""
+        plans = []
+        other_tokens = chunk_tokens + len(verified)
+        for _i, seq in enumerate(verified):
+            cap = seq.last_cap = self._step_cap(seq)
+            if cap == 0:
+                plans.append(0)
+                continue
+            if seq.control_info.isolated:
+                view = StepView(cap, self._frozen_cost)
+            else:
+                view = StepView(
+                    cap, self.cost_model, len(verified), other_tokens - 1, len(verified) - 1.0
+                )
+            k = check_choice(seq.control, seq.control.choose(view), cap)
+            seq.stats.record_choice(k)
+            other_tokens += math.ceil(k * seq.control_info.tree_nodes_per_depth)
+            if k and seq.max_aux_rows:
+                other_tokens += seq.max_aux_rows
+            plans.append(k)
+        return plans
+
+    def _step_cap(self, seq: Sequence) -> int:
+        """Most draft tokens (tree: depth) this step: k capped by the budget left."""
+        left = seq.max_total - len(seq.tokens) - 1
+        if isinstance(seq.drafter, NoDrafter):
+            return 0
+        return max(0, min(seq.control_info.max_k, left))
+
+    def _control_observe(self, seq, k, draft, result, position, forward_s, rows) -> None:
+        """Tell the sequence's controller (and the cost model, and the trace) how the
+        step went."""
+        tree = isinstance(draft, TreeProposal)
+        drafted = len(draft.tree) if tree else len(draft)
+        outcome = StepOutcome(
+            k=k,
+            num_drafted=drafted,
+            num_accepted=result.num_accepted,
+            num_emitted=len(result.output_token_ids),
+            confidences=None if tree else _confidences(draft),
+            draft_s=seq.last_draft_s,
+            forward_s=forward_s,
+            forward_tokens=rows,
+            tree=tree,
+        )
+        if k and (drafted or tree):  # trees: draft time per unit of depth
+            self.cost_model.observe_draft(
+                seq.control_info.drafter, k if tree else drafted, seq.last_draft_s
+            )
+        if seq.last_cap:
+            seq.control.observe(outcome)
+        if self.config.record_trace:
+            seq.stats.trace.append(
+                TraceStep(
+                    position=position, k=k, cap=seq.last_cap, num_drafted=drafted,
+                    num_accepted=outcome.num_accepted, num_emitted=outcome.num_emitted,
+                    draft_s=outcome.draft_s, forward_s=forward_s, forward_tokens=rows,
+                    tree=tree,
+                )
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ scheduling
 
@@ -385,24 +505,44 @@ class Engine:
 
     # ------------------------------------------------------------------ draft, forward, commit
 
-    def _draft(self, seq: Sequence) -> tuple[DraftProposal | TreeProposal, AuxRows | None]:
-        """The step's draft (chain or tree) and the drafter's auxiliary rows, if any."""
+    def _draft(self, seq: Sequence, k: int) -> tuple[DraftProposal | TreeProposal, AuxRows | None]:
+        """The step's draft (a chain of at most ``k`` tokens, or a tree at most ``k``
+        deep) and the drafter's auxiliary rows, if any (none for a plain step)."""
         t0 = time.perf_counter()
-        budget = seq.max_total - len(seq.tokens)
-        if seq.tree_builder is None:
-            k = min(seq.num_speculative_tokens, budget - 1)
-            draft = seq.drafter_state.propose(seq.tokens, k, seq.generator)
-            _check_proposal(seq, draft, k, self.target.vocab_size)
-        else:
-            draft = _draft_tree(seq, budget - 1)
-        aux = seq.drafter_state.aux_rows(seq.tokens) if seq.max_aux_rows else None
+        draft = self._propose(seq, k) if seq.tree_builder is None else _draft_tree(seq, k)
+        aux = seq.drafter_state.aux_rows(seq.tokens) if seq.max_aux_rows and k else None
         if aux is not None and len(aux) > seq.max_aux_rows:
             raise ValueError(
                 f"{type(seq.drafter).__name__} returned {len(aux)} auxiliary rows, more than "
                 f"its max_aux_rows={seq.max_aux_rows}"
             )
-        seq.stats.draft_s += time.perf_counter() - t0
+        seq.last_draft_s = time.perf_counter() - t0
+        seq.stats.draft_s += seq.last_draft_s
         return draft, (aux or None)
+
+    def _propose(self, seq: Sequence, k: int) -> DraftProposal:
+        """A chain of at most ``k`` tokens, ended early where the controller's
+        ``stop_drafting`` says so (inside the drafter when it declares
+        ``confidence_stop``, else on the proposal's confidences)."""
+        state = seq.drafter_state
+        stop = getattr(seq.control, "stop_drafting", None) if k else None
+        if stop is not None and getattr(seq.drafter, "confidence_stop", False):
+            draft = state.propose(seq.tokens, k, seq.generator, stop_drafting=stop)
+            stop = None
+        else:
+            draft = state.propose(seq.tokens, k, seq.generator)
+        _check_proposal(seq, draft, k, self.target.vocab_size)
+        confidences = _confidences(draft) if stop is not None else None
+        if confidences:
+            keep = next((i for i, c in enumerate(confidences) if stop(i, c)), len(draft))
+            if keep < len(draft):
+                probs = draft.draft_probs
+                draft = DraftProposal(
+                    draft.token_ids[:keep],
+                    None if probs is None else probs[:keep],
+                    confidences[:keep],
+                )
+        return draft
 
     def _forward(self, items) -> list[torch.Tensor]:
         target = self.target
@@ -422,9 +562,17 @@ class Engine:
         return outputs
 
     def _commit(
-        self, seq: Sequence, draft, aux: AuxRows | None, logits: torch.Tensor, forward_s: float
+        self,
+        seq: Sequence,
+        k: int,
+        draft,
+        aux: AuxRows | None,
+        logits: torch.Tensor,
+        forward_s: float,
+        rows: int,
     ) -> StepOutput:
         t0 = time.perf_counter()
+        position = len(seq.tokens) - len(seq.prompt_ids)
         cache, params = seq.cache, seq.params
         past = cache.num_tokens - logits.shape[0]  # before this step's rows
         aux_logits = None
@@ -448,6 +596,7 @@ class Engine:
             feedback.aux_logits = aux_logits
             seq.drafter_state.observe(feedback)
             stats.draft_s += time.perf_counter() - t_observe
+        self._control_observe(seq, k, draft, result, position, forward_s, rows)
         seq.tokens.extend(result.output_token_ids)
         step = finish_step(
             seq.tokens, len(seq.prompt_ids), len(result.output_token_ids), seq.max_total,
@@ -477,6 +626,15 @@ def _check_proposal(seq: Sequence, draft, k: int, vocab_size: int) -> None:
     bad = [t for t in draft.token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
         raise ValueError(f"{name} proposed token ids outside the vocabulary: {bad[:5]}")
+
+
+def _confidences(draft) -> list[float] | None:
+    """A chain's per-position draft confidence: given, or the top of ``draft_probs``."""
+    if draft.confidence is not None:
+        return list(draft.confidence)
+    if draft.draft_probs is not None and len(draft):
+        return draft.draft_probs.max(dim=-1).values.tolist()
+    return None
 
 
 def _feedback(pending: int, draft, logits: torch.Tensor, result) -> VerificationFeedback:

@@ -19,6 +19,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from specdec.config import SamplingParams
+from specdec.control.base import SpeculationController
+from specdec.control.cost import CostModel
 from specdec.drafters.base import Drafter
 from specdec.engine.commit import StepOutput, verify
 from specdec.engine.engine import Engine, EngineConfig
@@ -39,6 +41,9 @@ def generate_steps(
     generator: torch.Generator,
     tree_builder: TreeBuilder | None = None,
     engine_config: EngineConfig | None = None,
+    *,
+    controller: SpeculationController | None = None,
+    cost_model: CostModel | None = None,
 ) -> Iterator[StepOutput]:
     """Run speculative decoding for one sequence, yielding after every step.
 
@@ -59,6 +64,9 @@ def generate_steps(
             remaining token budget.
         engine_config: the engine's limits (defaults of :class:`EngineConfig`; a batched
             run must use the same ``prefill_chunk`` to give the same bits).
+        controller: chooses each step's draft length within ``num_speculative_tokens``
+            (default: fixed).
+        cost_model: the online cost model to read and feed (default: a new one).
 
     Yields:
         :class:`StepOutput` per step; the last one has a ``finish_reason``.
@@ -67,10 +75,11 @@ def generate_steps(
         ValueError: empty prompt, a prompt that fills the context, or a tree with a
             drafter that cannot draft trees (see :meth:`Engine.add_request`).
     """
-    engine = Engine(target, engine_config)
+    engine = Engine(target, engine_config, cost_model)
     seq = engine.add_request(
         "0", prompt_ids, params, drafter=drafter, num_speculative_tokens=num_speculative_tokens,
         tree_builder=tree_builder, stop_checker=stop_checker, generator=generator,
+        controller=controller,
     )  # fmt: skip
     try:
         while not seq.is_finished:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SamplingParams
+from specdec.control.base import SequenceControl, SequenceInfo
 from specdec.drafters.base import Drafter, SequenceDrafter
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
@@ -58,6 +59,9 @@ class Sequence:
             :class:`~specdec.drafters.base.VerificationFeedback`).
         max_aux_rows: most auxiliary rows its drafter adds to a verification.
         num_preemptions: times its cache was dropped to make room (then recomputed).
+        control: its speculation controller state (see :mod:`specdec.control`), made from
+            ``control_info``.
+        last_cap, last_draft_s: the step's cap on draft tokens and its draft seconds.
     """
 
     request_id: str
@@ -82,6 +86,10 @@ class Sequence:
     finish_reason: str | None = None
     text_end: int | None = None
     num_preemptions: int = 0
+    control: SequenceControl | None = None
+    control_info: SequenceInfo | None = None
+    last_cap: int = 0
+    last_draft_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.tokens:

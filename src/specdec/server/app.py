@@ -369,6 +369,8 @@ def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) ->
         changes["num_speculative_tokens"] = options.num_speculative_tokens
     if "tree" in options.model_fields_set:
         changes["tree"] = options.tree
+    if options.controller is not None and options.controller != base.controller:
+        changes.update(controller=options.controller, controller_options=None)
     try:
         return dataclasses.replace(base, **changes)
     except ValueError as error:

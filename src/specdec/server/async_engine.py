@@ -73,7 +73,7 @@ class AsyncEngine:
 
     def __init__(self, llm: LLM, max_waiting: int = 256, metrics: ServerMetrics | None = None):
         self.llm = llm
-        self.engine = Engine(llm.target, llm.engine_config)
+        self.engine = Engine(llm.target, llm.engine_config, llm.cost_model)
         self.max_waiting = max_waiting
         self.metrics = metrics or ServerMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -220,17 +220,20 @@ class AsyncEngine:
         """Add this step's drafted / accepted counts (deltas of the sequence's stats)."""
         s = seq.stats
         now = (
-            s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position)
+            s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position),
+            s.num_steps_off, list(s.chosen_k_counts),
         )  # fmt: skip
-        before = self._last_stats.get(seq.request_id, (0, 0, 0, []))
+        before = self._last_stats.get(seq.request_id, (0, 0, 0, [], 0, []))
         m = self.metrics
         m.num_drafts.inc(now[0] - before[0])
         m.num_draft_tokens.inc(now[1] - before[1])
         m.num_accepted_tokens.inc(now[2] - before[2])
-        for position, count in enumerate(now[3]):
-            previous = before[3][position] if position < len(before[3]) else 0
-            if count > previous:
-                m.accepted_per_position.labels(position=str(position)).inc(count - previous)
+        m.num_steps_off.inc(now[4] - before[4])
+        for counter, label, i in ((m.accepted_per_position, "position", 3), (m.chosen_k, "k", 5)):
+            for key, count in enumerate(now[i]):
+                previous = before[i][key] if key < len(before[i]) else 0
+                if count > previous:
+                    counter.labels(**{label: str(key)}).inc(count - previous)
         self._last_stats[seq.request_id] = now
 
     def _post(self, request_id: str, update: Update, final: bool) -> None:

@@ -53,6 +53,17 @@ class ServerMetrics:
             ["position"],
             registry=r,
         )
+        self.num_steps_off = Counter(
+            "specdec:spec_decode_num_steps_off",
+            "Steps whose speculation controller switched drafting off (chose 0 tokens).",
+            registry=r,
+        )
+        self.chosen_k = Counter(
+            "specdec:spec_decode_chosen_k",
+            "Steps per number of draft tokens chosen by the speculation controller.",
+            ["k"],
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             "specdec:time_to_first_token_seconds", "Time to first token.",
             buckets=LATENCY_BUCKETS, registry=r,

@@ -23,6 +23,9 @@ class SpeculativeOptions(BaseModel):
         num_speculative_tokens: draft tokens per step (1 to 64).
         tree: a token-tree spec (e.g. ``"static:tree-16"``), or ``null`` for chains.
         enabled: ``false`` runs plain decoding for this request.
+        controller: a registered speculation controller's name (``fixed``, ``cost``,
+            ...; see ``specdec controllers``), with the server's options when it is the
+            server's own controller, else with its defaults.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -31,6 +34,20 @@ class SpeculativeOptions(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=1, le=64, strict=True)
     tree: str | None = None
     enabled: bool = True
+    controller: str | None = None
+
+    @field_validator("controller")
+    @classmethod
+    def _known_controller(cls, value: str | None) -> str | None:
+        from specdec import registry
+
+        if value is not None and value not in registry.controller_names():
+            names = ", ".join(registry.controller_names())
+            raise ValueError(
+                f"unknown controller {value!r}; choose one of {names} "
+                "(options cannot be set per request)"
+            )
+        return value
 
     @field_validator("method")
     @classmethod

@@ -149,6 +149,15 @@ class TreeBuilder(ABC):
         """
         return None
 
+    @property
+    def max_depth(self) -> int:
+        """Deepest level a tree of this builder reaches (its ``depth``, or its longest
+        rank path)."""
+        depth = getattr(self, "depth", None)
+        if depth:
+            return int(depth)
+        return max((len(p) for p in getattr(self, "paths", ())), default=1)
+
 
 class StaticTreeBuilder(TreeBuilder):
     """A fixed shape of rank paths; see the module docstring.

@@ -1,0 +1,21 @@
+"""Speculation controllers (how many tokens to draft each step), the online cost model,
+and the trace simulator. See :mod:`specdec.control.base` for the protocol."""
+
+from specdec.control.base import (
+    SequenceControl,
+    SequenceInfo,
+    SpeculationController,
+    StepOutcome,
+    StepView,
+)
+from specdec.control.cost import CostModel, CostPrior
+
+__all__ = [
+    "CostModel",
+    "CostPrior",
+    "SequenceControl",
+    "SequenceInfo",
+    "SpeculationController",
+    "StepOutcome",
+    "StepView",
+]
