@@ -437,7 +437,8 @@ def test_cost_alternating_stream_settles_on_max_k_when_rows_are_cheap():
 
 def test_cost_switches_off_after_a_drift_to_never_accepting():
     switch = 100
-    chosen = drive(CostController(), drift(switch, accept_all, accept_none), switch + 100)
+    alone = CostController(CostOptions(shared=False))  # one request's own dynamics
+    chosen = drive(alone, drift(switch, accept_all, accept_none), switch + 100)
     assert all(k == MAX_K for k in chosen[10:switch])
     off = first_index(chosen, lambda k: k == 0, switch) - switch
     # With the default decay 0.85 the acceptance evidence of 100 full steps fades as
@@ -449,7 +450,7 @@ def test_cost_switches_off_after_a_drift_to_never_accepting():
 def test_cost_with_faster_decay_switches_off_sooner():
     switch = 100
     stream = drift(switch, accept_all, accept_none)
-    chosen = drive(CostController(CostOptions(decay=0.8)), stream, switch + 60)
+    chosen = drive(CostController(CostOptions(decay=0.8, shared=False)), stream, switch + 60)
     assert first_index(chosen, lambda k: k == 0, switch) - switch <= 15  # measured 13
 
 
@@ -476,8 +477,8 @@ def test_cost_median_choice_is_near_leviathans_optimum_for_iid_acceptance(alpha)
 def test_cost_isolated_sequence_uses_its_own_frozen_prior():
     expensive = frozen_cost(5.0)  # the shared (measured) model says speculation never pays
     controller = CostController(CostOptions(token_cost=0.01))
-    shared = drive(controller, accept_all, 20, cost=expensive)
-    assert set(shared) == {0, 1} and shared.count(0) >= 10  # off, but for one-token probes
+    # off; a one-token probe would cost 5x a plain step, so none runs within 20 steps
+    assert set(drive(controller, accept_all, 20, cost=expensive)) == {0}
     chosen = drive(controller, accept_all, 20, cost=expensive, isolated=True)
     assert chosen[-1] == MAX_K
 
@@ -1052,7 +1053,7 @@ def test_trace_round_trips_through_stats_dicts():
 
 
 def test_cost_probes_back_off_after_rejected_probes_and_reset_after_an_accepted_one():
-    control = CostController(CostOptions(max_backoff=4)).start(info())
+    control = CostController(CostOptions(max_backoff=4, probe_budget=1.0)).start(info())
     view = StepView(MAX_K, frozen_cost())
     for _ in range(5):  # evidence that nothing is accepted
         control.observe(outcome(1, 0))
@@ -1076,3 +1077,45 @@ def test_cost_probes_back_off_after_rejected_probes_and_reset_after_an_accepted_
 def test_cost_max_backoff_is_a_positive_integer(value):
     with pytest.raises(ValueError, match="max_backoff"):
         CostOptions(max_backoff=value)
+
+
+def test_cost_probes_cost_at_most_the_probe_budget():
+    # a probe costs 0.1 of a plain step more; at most 2% of the off time: one per 5 steps
+    chosen = drive(CostController(CostOptions(shared=False)), accept_none, 200)
+    probes = [i for i, k in enumerate(chosen) if k and i > 20]
+    assert all(b - a >= 6 for a, b in pairwise(probes))
+    lookahead_like = info()
+    control = CostController(CostOptions(shared=False)).start(
+        SequenceInfo("r", MAX_K, SamplingParams(), "d", aux_rows=15)
+    )
+    chosen = drive(None, accept_none, 200, control=control)
+    assert sum(1 for k in chosen[20:] if k) <= 3  # a probe costs 1.6x: one per 80 steps
+    assert lookahead_like.aux_rows == 0
+
+
+def test_cost_requests_share_what_they_learned_unless_isolated():
+    controller = CostController()
+    drive(controller, accept_all, 50)
+    assert drive(controller, accept_all, 1) == [MAX_K]  # a new request starts long
+    fresh = drive(CostController(CostOptions(shared=False)), accept_all, 1)
+    assert fresh[0] < MAX_K  # from the priors alone: a short draft (measured 3)
+    assert drive(controller, accept_all, 1, isolated=True) == fresh
+
+
+def test_cost_drafts_whole_cheap_deterministic_proposals_or_none():
+    """A deterministic, free drafter: speculate with whole proposals while their measured
+    goodput beats a plain step's, else switch off (probing now and then)."""
+    good = CostController(CostOptions(shared=False)).start(info())
+    bad = CostController(CostOptions(shared=False)).start(info())
+    view = StepView(MAX_K, frozen_cost())
+    for control, accepted in ((good, 3), (bad, 0)):
+        for _ in range(30):
+            k = control.choose(view)
+            drafted = min(k, 5)  # the drafter self-limits to 5 tokens
+            a = min(accepted, drafted)
+            control.observe(
+                StepOutcome(k=k, num_drafted=drafted, num_accepted=a, num_emitted=a + 1,
+                            deterministic=True)
+            )  # fmt: skip
+    assert good.choose(view) == MAX_K  # 4 tokens for 1.5x a plain step's time
+    assert [bad.choose(view) for _ in range(3)] == [0, 0, 0]  # 1 token for 1.5x: off

@@ -331,13 +331,14 @@ def test_cli_lists_and_takes_controllers(capsys, tiny_model_dir):
     listed = capsys.readouterr().out
     for name in CONTROLLERS:
         assert f"\n{name}" in "\n" + listed
-    assert "decay=0.95" in listed
-    argv = ["generate", "--model", tiny_model_dir, "--prompt", "w5 w6 w7 w5 w6 w7",
-            "--max-new-tokens", "12", "--controller", "cost", "--json"]  # fmt: skip
+    assert "decay=0.85" in listed
+    argv = ["generate", "w5 w6 w7 w5 w6 w7", "--model", tiny_model_dir, "--no-chat",
+            "--max-new-tokens", "12", "--json", "--controller", "cost"]  # fmt: skip
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert "chosen_k_counts" in out["metrics"] and "num_steps_off" in out["metrics"]
-    assert main([*argv[:-3], "--controller", "nope"]) == 2
+    with pytest.raises(SystemExit):  # refused by argparse, before the model loads
+        main([*argv[:-2], "--controller", "nope"])
     assert "unknown controller 'nope'" in capsys.readouterr().err
 
 

@@ -24,7 +24,7 @@ from specdec.cli_common import add_sampling_args, llm_from_args, sampling_params
 from specdec.config import SpeculativeConfig
 from specdec.engine.engine import EngineConfig
 from specdec.llm import LLM
-from specdec.models.loading import DEFAULT_MODEL, load
+from specdec.models.loading import DEFAULT_MODEL, INT8_DYNAMIC, load
 from specdec.runtime.linear import cpu_name
 
 DEFAULT_METHODS = ("ngram:k=10", "hf-prompt-lookup:k=10")
@@ -175,7 +175,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     draft = None
     if args.draft_model:
         draft_dtype = args.draft_dtype or args.dtype
-        draft = load(args.draft_model, draft_dtype, args.device, args.backend, args.exact)
+        backend = args.backend
+        if backend == "native" and str(draft_dtype).lower() == INT8_DYNAMIC:
+            backend = "auto"  # as LLM does: int8 layers run on transformers
+        draft = load(args.draft_model, draft_dtype, args.device, backend, args.exact)
     num_runs = len(methods) * sum(len(p.turns) for p in prompts)
     with tqdm(total=num_runs, desc="bench", unit="gen", file=sys.stderr) as bar:
         records = run_benchmark(

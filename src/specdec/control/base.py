@@ -94,6 +94,8 @@ class StepOutcome:
         forward_s: seconds of the step's whole target forward (every sequence in it).
         forward_tokens: rows that forward ran (every sequence, prompt chunks included).
         tree: the step verified a token tree.
+        deterministic: the draft carried no distribution (point masses: n-gram, suffix,
+            a greedy draft model, ...).
     """
 
     k: int
@@ -105,6 +107,7 @@ class StepOutcome:
     forward_s: float = 0.0
     forward_tokens: int = 1
     tree: bool = False
+    deterministic: bool = False
 
 
 @runtime_checkable

@@ -41,12 +41,22 @@ class AcceptanceEstimator:
 
     Args:
         prior: acceptance rate before any evidence, in [0, 1].
+        deep_prior: if given, positions >= 1 shrink toward this rate instead of the
+            previous position's (acceptance given that the earlier tokens were accepted
+            is usually much higher than at the first position).
         strength: weight of the shrinkage (pseudo-tests), > 0.
         decay: per-step forgetting factor, in (0, 1].
     """
 
-    def __init__(self, prior: float = 0.3, strength: float = 1.0, decay: float = 0.85):
+    def __init__(
+        self,
+        prior: float = 0.3,
+        strength: float = 1.0,
+        decay: float = 0.85,
+        deep_prior: float | None = None,
+    ):
         self.prior, self.strength, self.decay = prior, strength, decay
+        self.deep_prior = deep_prior
         self.accepted: list[float] = []
         self.tested: list[float] = []
 
@@ -64,20 +74,28 @@ class AcceptanceEstimator:
             if i < num_accepted:
                 self.accepted[i] += 1.0
 
-    def rates(self, k: int) -> list[float]:
-        """``[k]`` conditional acceptance probabilities of positions 0..k-1."""
+    def rates(self, k: int, prior: list[float] | None = None) -> list[float]:
+        """``[k]`` conditional acceptance probabilities of positions 0..k-1; with
+        ``prior`` (``[k]`` rates, e.g. what other requests showed), position i shrinks
+        toward ``prior[i]`` instead of the previous position."""
         out, previous = [], self.prior
         for i in range(k):
             a = self.accepted[i] if i < len(self.accepted) else 0.0
             n = self.tested[i] if i < len(self.tested) else 0.0
-            previous = (a + self.strength * previous) / (n + self.strength)
+            if prior is not None:
+                target = prior[i]
+            elif i and self.deep_prior is not None:
+                target = self.deep_prior
+            else:
+                target = previous
+            previous = (a + self.strength * target) / (n + self.strength)
             out.append(previous)
         return out
 
-    def expected_tokens(self, k: int) -> list[float]:
+    def expected_tokens(self, k: int, prior: list[float] | None = None) -> list[float]:
         """``[k + 1]``: entry j = expected tokens emitted by a step drafting j tokens."""
         out, survive, total = [1.0], 1.0, 1.0
-        for p in self.rates(k):
+        for p in self.rates(k, prior):
             survive *= p
             total += survive
             out.append(total)
@@ -290,27 +308,44 @@ class CostOptions:
     """Options of ``cost``.
 
     Attributes:
-        prior: acceptance rate assumed before evidence, in [0, 1].
-        strength: weight of that prior (pseudo-tests), > 0.
+        prior: acceptance rate of a first draft token assumed before evidence, in [0, 1].
+        deep_prior: acceptance rate of a later draft token whose predecessors were
+            accepted, assumed before evidence, in [0, 1] (optimistic, so that long drafts
+            get tried and measured).
+        strength: weight of these priors (pseudo-tests), > 0.
         decay: per-step forgetting of acceptance evidence, in (0, 1]: evidence is worth
             about ``1 / (1 - decay)`` drafting steps, so a drafter that stops being
             accepted is switched off after about ``ln(token_cost) / ln(decay)`` steps.
+        goodput_decay: per-step forgetting of the measured goodput of whole proposals
+            (cheap deterministic drafters, see :class:`CostController`), in (0, 1].
         token_cost: cost of one more verified row relative to a plain step, used before
             the cost model has measurements and always for isolated (seeded sampled)
             requests, >= 0.
         max_backoff: while speculation is off, a one-token probe runs after 1, 2, 4, ...
             off steps (doubling after each probe that was rejected, back to 1 after one
             that was accepted), at most this many (int >= 1).
+        probe_budget: probes are also spaced so that they cost at most this fraction of
+            the time spent with speculation off (a probe of a drafter that adds rows,
+            like Lookahead's window, waits longer), in (0, 1].
+        shared: requests that are not isolated learn a per-position acceptance profile
+            of the drafter together (decaying slowly), toward which each request's own
+            estimate shrinks; otherwise every request starts from ``prior``.
     """
 
     prior: float = 0.3
+    deep_prior: float = 0.9
     strength: float = 1.0
     decay: float = 0.85
+    goodput_decay: float = 0.95
     token_cost: float = 0.1
     max_backoff: int = 64
+    probe_budget: float = 0.02
+    shared: bool = True
 
     def __post_init__(self) -> None:
         _check("prior", self.prior, 0.0, 1.0)
+        _check("deep_prior", self.deep_prior, 0.0, 1.0)
+        _check("goodput_decay", self.goodput_decay, 0.0, 1.0, low_open=True)
         _check("strength", self.strength, 0.0, math.inf, low_open=True, high_open=True)
         _check("decay", self.decay, 0.0, 1.0, low_open=True)
         _check("token_cost", self.token_cost, 0.0, math.inf, high_open=True)
@@ -318,6 +353,7 @@ class CostOptions:
             raise ValueError(f"max_backoff must be an integer >= 1, got {self.max_backoff!r}")
         if self.max_backoff < 1:
             raise ValueError(f"max_backoff must be an integer >= 1, got {self.max_backoff!r}")
+        _check("probe_budget", self.probe_budget, 0.0, 1.0, low_open=True)
 
 
 def best_length(
@@ -352,30 +388,94 @@ def best_length(
     return best_k
 
 
+class Goodput:
+    """Decayed sums of tokens emitted and estimated seconds over speculating steps."""
+
+    def __init__(self) -> None:
+        self.tokens = 0.0
+        self.seconds = 0.0
+        self.steps = 0.0
+
+    def add(self, tokens: float, seconds: float, decay: float) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
+        self.steps = self.steps * decay + 1.0
+
+    def rate(self) -> float | None:
+        """Tokens per second (``None`` before any step)."""
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
 class CostControl:
-    def __init__(self, options: CostOptions, info: SequenceInfo, frozen: CostModel | None):
-        self.options = options
+    """One request's state of :class:`CostController` (see there)."""
+
+    def __init__(
+        self,
+        options: CostOptions,
+        info: SequenceInfo,
+        frozen: CostModel | None,
+        shared: dict | None,
+        shared_decay: float,
+    ):
+        o = self.options = options
         self.info = info
         self.frozen = frozen
-        self.estimator = AcceptanceEstimator(options.prior, options.strength, options.decay)
+        self.shared = shared
+        self.shared_decay = shared_decay
+        self.estimator = AcceptanceEstimator(o.prior, o.strength, o.decay, o.deep_prior)
+        self.goodput = Goodput()
+        if shared is not None and shared["goodput"].steps > 0:  # warm start, worth 2 steps
+            g = shared["goodput"]
+            scale = min(1.0, 2.0 / g.steps)
+            self.goodput.tokens, self.goodput.seconds = g.tokens * scale, g.seconds * scale
+            self.goodput.steps = g.steps * scale
+        self.deterministic = False  # its drafts carry no distribution
         self.off_steps = 0  # consecutive steps with speculation off
         self.backoff = 1  # off steps before the next probe
         self.probing = False
+        self._view: StepView | None = None
+
+    def _whole(self, cost: CostModel, view: StepView) -> bool:
+        """Draft whole proposals or nothing: drafts are deterministic and cheap."""
+        plain = cost.forward_time(view.other_tokens + 1)
+        cheap = cost.draft_time(self.info.drafter, view.max_k) <= 0.1 * plain
+        return self.deterministic and cheap and not self.info.drafter.endswith(":tree")
 
     def choose(self, view: StepView) -> int:
+        self._view = view
         cost = self.frozen or view.cost
-        expected = self.estimator.expected_tokens(view.max_k)
         info = self.info
-        k = best_length(
-            expected, cost, info.drafter, view, info.tree_nodes_per_depth, info.aux_rows
-        )
-        if k > 0 or view.max_k == 0:
-            self.off_steps = 0
-            return k
+        plain = cost.forward_time(view.other_tokens + 1)
+        if self._whole(cost, view):
+            rate = self.goodput.rate()
+            if rate is None or rate * plain >= 1.0:
+                self.off_steps = 0
+                return view.max_k
+            per_step = self.goodput.seconds / max(self.goodput.steps, 1e-9)
+            extra = max(0.0, per_step - plain) / plain
+            k = view.max_k
+        else:
+            prior = self.shared["rates"].rates(view.max_k) if self.shared is not None else None
+            expected = self.estimator.expected_tokens(view.max_k, prior)
+            k = best_length(
+                expected, cost, info.drafter, view, info.tree_nodes_per_depth, info.aux_rows
+            )
+            if k > 0 or view.max_k == 0:
+                self.off_steps = 0
+                return k
+            extra = (
+                cost.forward_time(view.other_tokens + 2 + info.aux_rows)
+                + cost.draft_time(info.drafter, 1)
+                - plain
+            ) / plain
+            k = 1
+        # speculation is off; a probe tells whether it pays again. Probes back off when
+        # rejected and cost at most ``probe_budget`` of the time spent off.
         self.off_steps += 1
-        if self.off_steps > self.backoff:  # probe: one draft token tells whether it pays
+        wait = max(self.backoff, math.ceil(extra / self.options.probe_budget))
+        if self.off_steps > wait:
             self.off_steps, self.probing = 0, True
-            return 1
+            return k
         return 0
 
     def observe(self, outcome: StepOutcome) -> None:
@@ -386,8 +486,22 @@ class CostControl:
                 self.backoff = 1
             else:
                 self.backoff = min(2 * self.backoff, self.options.max_backoff)
-        if drafted:  # a step without a draft says nothing about acceptance
-            self.estimator.update(drafted, outcome.num_accepted)
+        if not drafted:  # a step without a draft says nothing about acceptance
+            return
+        self.deterministic = outcome.deterministic
+        self.estimator.update(drafted, outcome.num_accepted)
+        view = self._view
+        if self.shared is not None:
+            self.shared["rates"].update(drafted, outcome.num_accepted)
+        if view is not None and not outcome.tree:
+            cost, info = self.frozen or view.cost, self.info
+            seconds = cost.forward_time(
+                view.other_tokens + 1 + drafted + info.aux_rows
+            ) + cost.draft_time(info.drafter, drafted)
+            tokens = outcome.num_accepted + 1
+            self.goodput.add(tokens, seconds, self.options.goodput_decay)
+            if self.shared is not None:
+                self.shared["goodput"].add(tokens, seconds, self.shared_decay)
 
 
 class CostController:
@@ -399,16 +513,40 @@ class CostController:
     Large Language Models Using Goodput", eq. 3): all sequences' expected tokens over the
     shared forward's time. Leviathan et al. (2023, section 3.5) derive the same optimum
     for one sequence and an i.i.d. acceptance rate.
+
+    Deterministic drafters whose drafts cost next to nothing (n-gram, suffix, recycling,
+    retrieval) choose their own draft length (a long suffix or n-gram match is a
+    confident one), so for them the choice is between their whole proposal (up to k) and
+    none: speculate while the measured goodput of speculating steps (tokens emitted over
+    the cost model's time for the rows they verified) beats a plain step's.
     """
 
     name = "cost"
 
+    #: per-step decay of the shared per-position profile (evidence of ~200 steps)
+    SHARED_DECAY = 0.995
+
     def __init__(self, options: CostOptions | None = None) -> None:
         self.options = options or CostOptions()
         self._frozen = CostModel(CostPrior(self.options.token_cost), frozen=True)
+        self._shared: dict[str, dict] = {}
 
     def start(self, info: SequenceInfo) -> CostControl:
-        return CostControl(self.options, info, self._frozen if info.isolated else None)
+        o = self.options
+        if info.isolated:
+            return CostControl(o, info, self._frozen, None, self.SHARED_DECAY)
+        shared = None
+        if o.shared:
+            shared = self._shared.setdefault(
+                info.drafter,
+                {
+                    "rates": AcceptanceEstimator(
+                        o.prior, o.strength, self.SHARED_DECAY, o.deep_prior
+                    ),
+                    "goodput": Goodput(),
+                },
+            )
+        return CostControl(o, info, None, shared, self.SHARED_DECAY)
 
 
 # ---------------------------------------------------------------------- bandit

@@ -147,7 +147,8 @@ class DraftModelDrafter(DrafterBase):
         self.num_real_tokens = num_real_tokens
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftModelSequence:
-        """A new sequence's drafter, with the prompt prefilled into its own draft cache."""
+        """A new sequence's drafter; its draft cache is filled by its first draft (one
+        forward over the prompt), so a sequence that never drafts never runs the draft."""
         return DraftModelSequence(self, prompt_ids, params)
 
 
@@ -156,7 +157,8 @@ class DraftModelSequence(DrafterBase):
 
     The draft cache is synchronised lazily: at each ``propose`` the longest prefix shared by
     the cached tokens and the current sequence is kept (rollback is moving the cursor) and
-    the rest is fed in one forward. The cache starts sized for the prompt plus
+    the rest is fed in one forward (the whole prompt at the first draft; everything
+    generated meanwhile after steps a controller ran without drafting). The cache starts sized for the prompt plus
     ``max_new_tokens`` (at most the draft's context) and grows if a tree needs more.
     """
 
@@ -169,11 +171,8 @@ class DraftModelSequence(DrafterBase):
         self._params = params
         capacity = min(len(prompt_ids) + params.max_new_tokens, self.draft.max_context) + 16
         self._cache = self.draft.new_cache(capacity)
-        self._cached_ids: list[int] = []
-        self._synced = 0
-        if len(prompt_ids) > 1:  # prefill all but the last token (cursor rule)
-            self.draft.forward(list(prompt_ids[:-1]), self._cache, num_logits=1)
-            self._cached_ids = list(prompt_ids[:-1])
+        self._cached_ids: list[int] = []  # filled by the first draft: no draft forward
+        self._synced = 0  # runs while a controller keeps speculation off
 
     def propose(
         self,

@@ -348,7 +348,6 @@ class Engine:
                     cap, self.cost_model, len(verified), other_tokens - 1, len(verified) - 1.0
                 )
             k = check_choice(seq.control, seq.control.choose(view), cap)
-            seq.stats.record_choice(k)
             other_tokens += math.ceil(k * seq.control_info.tree_nodes_per_depth)
             if k and seq.max_aux_rows:
                 other_tokens += seq.max_aux_rows
@@ -377,12 +376,14 @@ class Engine:
             forward_s=forward_s,
             forward_tokens=rows,
             tree=tree,
+            deterministic=not tree and draft.draft_probs is None,
         )
         if k and (drafted or tree):  # trees: draft time per unit of depth
             self.cost_model.observe_draft(
                 seq.control_info.drafter, k if tree else drafted, seq.last_draft_s
             )
         if seq.last_cap:
+            seq.stats.record_choice(k)
             seq.control.observe(outcome)
         if self.config.record_trace:
             seq.stats.trace.append(
@@ -533,15 +534,16 @@ class Engine:
             draft = state.propose(seq.tokens, k, seq.generator)
         _check_proposal(seq, draft, k, self.target.vocab_size)
         confidences = _confidences(draft) if stop is not None else None
+        keep = len(draft)
         if confidences:
             keep = next((i for i, c in enumerate(confidences) if stop(i, c)), len(draft))
-            if keep < len(draft):
-                probs = draft.draft_probs
-                draft = DraftProposal(
-                    draft.token_ids[:keep],
-                    None if probs is None else probs[:keep],
-                    confidences[:keep],
-                )
+        if keep < len(draft):
+            probs, confidence = draft.draft_probs, draft.confidence
+            draft = DraftProposal(
+                draft.token_ids[:keep],
+                None if probs is None else probs[:keep],
+                None if confidence is None else confidence[:keep],
+            )
         return draft
 
     def _forward(self, items) -> list[torch.Tensor]:
