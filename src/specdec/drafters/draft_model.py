@@ -158,8 +158,9 @@ class DraftModelSequence(DrafterBase):
     The draft cache is synchronised lazily: at each ``propose`` the longest prefix shared by
     the cached tokens and the current sequence is kept (rollback is moving the cursor) and
     the rest is fed in one forward (the whole prompt at the first draft; everything
-    generated meanwhile after steps a controller ran without drafting). The cache starts sized for the prompt plus
-    ``max_new_tokens`` (at most the draft's context) and grows if a tree needs more.
+    generated meanwhile after steps a controller ran without drafting). The cache starts
+    sized for the prompt plus ``max_new_tokens`` (at most the draft's context) and grows if
+    a tree needs more.
     """
 
     def __init__(
