@@ -6,7 +6,8 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
-.PHONY: setup demo test lint clean bench-quick bench bench-trees bench-drafters datastore
+.PHONY: setup demo test lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
+	datastore
 
 setup: $(STAMP)
 
@@ -71,6 +72,27 @@ bench-drafters: $(STAMP) $(STORE)
 		--limit-per-category 8 --repeat 3 --max-new-tokens 96 --method ngram:k=10 \
 		--method suffix:k=24 --method suffix:k=24,global_cache=false \
 		--method retrieval:k=10,datastore=$(STORE) --out benchmarks/suffix_cache_cpu
+
+# Fixed speculation length vs the cost controller for every drafter that loses or wins
+# with a fixed length (committed in benchmarks/adaptive_cpu and benchmarks/adaptive_draft_cpu,
+# native bfloat16; about 80 minutes on 2 idle CPU cores), then the simulator's predictions
+# from the fixed runs' traces, compared with the measured adaptive runs.
+ADAPTIVE_METHODS = ngram:k=10 ngram:k=10+cost suffix:k=24 suffix:k=24+cost recycling:k=4 \
+	recycling:k=4+cost lookahead lookahead+cost layer-skip:k=5 layer-skip:k=5+cost
+TREE = draft-model@dynamic:top_k=3,depth=6,budget=8
+bench-adaptive: $(STAMP)
+	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category 10 \
+		--max-new-tokens 96 $(addprefix --method ,$(ADAPTIVE_METHODS)) \
+		--out benchmarks/adaptive_cpu
+	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category 10 \
+		--max-new-tokens 64 --draft-model smollm2-135m-instruct --draft-dtype int8-dynamic \
+		--method draft-model:k=4 --method draft-model:k=4+cost --method "$(TREE)" \
+		--method "$(TREE)+cost" --out benchmarks/adaptive_draft_cpu
+	$(VENV)/bin/specdec bench --simulate benchmarks/adaptive_cpu \
+		$(addprefix --method ,$(filter %+cost,$(ADAPTIVE_METHODS))) --method lookahead \
+		--method ngram:k=10 --method suffix:k=24 --method recycling:k=4 \
+		--method layer-skip:k=5 --method ngram:k=4 --method ngram:k=10+bandit \
+		--method ngram:k=10+heuristic --method suffix:k=24+bandit --out benchmarks/adaptive_cpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

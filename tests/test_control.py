@@ -1119,3 +1119,19 @@ def test_cost_drafts_whole_cheap_deterministic_proposals_or_none():
             )  # fmt: skip
     assert good.choose(view) == MAX_K  # 4 tokens for 1.5x a plain step's time
     assert [bad.choose(view) for _ in range(3)] == [0, 0, 0]  # 1 token for 1.5x: off
+
+
+def test_timing_fit_takes_plain_forwards_only_and_infers_auxiliary_rows():
+    def step(position, k, drafted, rows, seconds, step_s):
+        return TraceStep(position, k, k, drafted, 0, 1, 0.0, seconds, rows, step_s=step_s)
+
+    # a Lookahead-like run: every speculating step verifies 1 + drafted + 15 rows
+    looked = Trace([step(i, 4, 2, 18, 0.05, 0.06) for i in range(10)], 10)
+    plain = Trace([step(i, 0, 0, 1, 0.01, 0.03) for i in range(10)], 10)
+    alone = Timing.fit([looked])
+    both = Timing.fit([looked], plain=[plain])
+    assert both.aux_rows == alone.aux_rows == 15
+    assert both.cost.forward_time(1) == pytest.approx(0.01)  # measured, not extrapolated
+    assert both.overhead_s == pytest.approx(0.01) == alone.overhead_s  # from `looked` only
+    off = simulate(looked, FixedController(), 0, both)  # plain decoding: 10 one-row steps
+    assert off.seconds == pytest.approx(10 * (0.01 + 0.01))

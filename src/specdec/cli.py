@@ -250,6 +250,10 @@ def _print_metrics(output: GenerationOutput, baseline, params: SamplingParams, t
         nodes = m.num_draft_tokens / max(m.num_steps, 1)
         print(f"tree                     {tree} ({nodes:.1f} nodes/step)")
         print(f"accepted depth histogram {depths} (depth:steps)")
+    if m.chosen_k_counts:
+        chosen = " ".join(f"{k}:{n}" for k, n in enumerate(m.chosen_k_counts) if n)
+        print(f"speculation off          {m.num_steps_off} of {sum(m.chosen_k_counts)} steps")
+        print(f"chosen k histogram       {chosen} (k:steps)")
     print(f"time                     {m.elapsed_s:.2f} s ({m.tokens_per_s:.1f} tokens/s)")
     if baseline is None:
         return

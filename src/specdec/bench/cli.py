@@ -51,7 +51,9 @@ def add_parser(sub) -> None:
         "(see `specdec drafters`), e.g. ngram:k=10,min_n=1, suffix:k=24, recycling:k=6, "
         "draft-model:k=4; hf-prompt-lookup[:k=10,max_ngram=2], hf-assisted[:k=4]. "
         "Drafters that draft trees take one after '@', e.g. "
-        "ngram@dynamic:top_k=4,depth=5,budget=16 (see specdec generate --help, --tree). "
+        "ngram@dynamic:top_k=4,depth=5,budget=16 (see specdec generate --help, --tree); "
+        "a speculation controller after '+', e.g. suffix:k=24+cost (see `specdec "
+        "controllers`). "
         "The autoregressive baseline always runs first. "
         f"Default: {' '.join(DEFAULT_METHODS)}",
     )

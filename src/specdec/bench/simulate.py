@@ -3,7 +3,9 @@
 For each specdec method asked for, the traces of the recorded run with the same drafter
 (same options, chains, the largest k) are replayed (:func:`specdec.control.simulate.simulate`)
 under the method's controller and k; each turn is charged its recorded prefill and
-per-generation overhead plus the simulated steps. Where the trace directory also holds a
+per-generation overhead plus the simulated steps, at the costs fitted on that turn's
+recorded steps and on the baseline's plain steps of the same turn (so that a 1-row forward
+is measured even when the replayed run never ran one). Where the trace directory also holds a
 measured run of the method itself, the prediction is compared with it.
 """
 
@@ -68,14 +70,17 @@ def run_simulation(trace_dir: Path, methods: Sequence[Method]) -> list[dict]:
     recorded: dict[str, list[dict]] = {}
     for line in lines:
         recorded.setdefault(line["method"], []).append(line)
+    plain = {  # the baseline's plain steps of the same turn: what a 1-row forward costs
+        (t["prompt_id"], t["turn"]): Trace.from_stats(t) for t in recorded.pop("autoregressive", [])
+    }
     rows = []
     for method in methods:
         if not method.is_specdec or method.kind == "ar":
             continue
         source, max_k = _source(method, recorded)
         turns = recorded[source]
-        traces = [Trace.from_stats({**t, "trace": t["trace"]}) for t in turns]
-        timing = Timing.fit(traces, SIM_DRAFTER)
+        traces = [Trace.from_stats(t) for t in turns]
+        overall = Timing.fit(traces, SIM_DRAFTER)
         config = method.speculative_config()
         controller = registry.controller_entry(config.controller).factory(config.controller_options)
         k = min(config.num_speculative_tokens, max_k)
@@ -83,6 +88,10 @@ def run_simulation(trace_dir: Path, methods: Sequence[Method]) -> list[dict]:
         chosen: list[int] = []
         for turn, trace in zip(turns, traces, strict=True):
             outside = turn["elapsed_s"] - turn["prefill_s"] - sum(s.step_s for s in trace.steps)
+            # each turn's own costs (its context length), the run's when it has no step
+            baseline = plain.get((turn["prompt_id"], turn["turn"]))
+            extra = [baseline] if baseline is not None else []
+            timing = Timing.fit([trace], SIM_DRAFTER, extra) if trace.steps else overall
             one = simulate(trace, controller, k, timing)
             tokens += one.num_output_tokens
             seconds += one.seconds + max(0.0, outside)

@@ -56,13 +56,18 @@ class CostModel:
         frozen: never learn: every estimate is the prior, in units of one plain step
             (``forward_time(1) == 1.0``). Controllers of seeded sampled requests use a
             frozen model so that their choices, and so the output, do not depend on timing.
+        window: forward samples kept per row count (the most recent; ``None``: all, for
+            fitting a whole recorded run), and four times as many draft samples.
 
     Not thread-safe (the engine's one thread updates it).
     """
 
-    def __init__(self, prior: CostPrior | None = None, *, frozen: bool = False) -> None:
+    def __init__(
+        self, prior: CostPrior | None = None, *, frozen: bool = False, window: int | None = WINDOW
+    ) -> None:
         self.prior = prior or CostPrior()
         self.frozen = frozen
+        self.window = window
         self._forward: dict[int, deque[float]] = {}
         self._draft: dict[str, deque[tuple[int, float]]] = {}
         self._table: list[float] | None = None
@@ -74,14 +79,15 @@ class CostModel:
         """Record one target forward over ``num_tokens`` rows that took ``seconds``."""
         if self.frozen or num_tokens < 1 or not seconds > 0:
             return
-        self._forward.setdefault(num_tokens, deque(maxlen=WINDOW)).append(seconds)
+        self._forward.setdefault(num_tokens, deque(maxlen=self.window)).append(seconds)
         self._table = None
 
     def observe_draft(self, drafter: str, num_tokens: int, seconds: float) -> None:
         """Record that ``drafter`` proposed ``num_tokens`` tokens in ``seconds``."""
         if self.frozen or num_tokens < 1 or seconds < 0:
             return
-        self._draft.setdefault(drafter, deque(maxlen=4 * WINDOW)).append((num_tokens, seconds))
+        window = None if self.window is None else 4 * self.window
+        self._draft.setdefault(drafter, deque(maxlen=window)).append((num_tokens, seconds))
         self._draft_fit.pop(drafter, None)
 
     @property
@@ -161,7 +167,7 @@ class CostModel:
                 value = line[0] + line[1] * m
             else:
                 value = base * (1 + self.prior.token_cost * (m - 1))
-            table[m] = max(value, table[m - 1])  # never cheaper with more rows
+            table[m] = max(value, table[m - 1], 1e-9)  # never cheaper with more rows
         table[0] = table[1]
         self._table = table
         return table

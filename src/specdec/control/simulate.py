@@ -16,7 +16,10 @@ The replay model (an approximation, validated against measured runs in the bench
   tokens of the longer one);
 * at a position ``p + j`` inside that step's accepted block, it offers ``d - j`` tokens of
   which ``a - j`` match (the same draft, shifted);
-* it never offers more than the recorded run asked for: record with the largest k.
+* it never offers more than the recorded run asked for: record with the largest k;
+* a step costs what the same turn's recorded steps of that many rows cost (forward time
+  grows with the context, so each turn is fitted on its own steps), plus the engine's
+  per-step overhead.
 """
 
 from __future__ import annotations
@@ -85,30 +88,41 @@ class Trace:
 
 @dataclass
 class Timing:
-    """Costs fitted on traces: the cost model and the per-step engine overhead (s)."""
+    """Costs fitted on traces: the cost model, the per-step engine overhead (s) and the
+    auxiliary rows a speculating step adds (Lookahead's window)."""
 
     cost: CostModel
     overhead_s: float
     drafter: str = "drafter"
+    aux_rows: int = 0
 
     @classmethod
-    def fit(cls, traces: Iterable[Trace], drafter: str = "drafter") -> Timing:
+    def fit(
+        cls, traces: Iterable[Trace], drafter: str = "drafter", plain: Iterable[Trace] = ()
+    ) -> Timing:
         """Fit on every step of ``traces`` (forward time per row count, draft time per
-        draft token, median overhead = step time minus forward and draft).
+        draft token, median overhead = step time minus forward and draft); the steps of
+        ``plain`` (e.g. the baseline's, on the same prompt) add forward times only.
 
         Raises:
             ValueError: the traces hold no step.
         """
-        cost, overheads = CostModel(), []
+        cost, overheads, aux = CostModel(window=None), [], []
+        for trace in plain:
+            for s in trace.steps:
+                cost.observe_forward(s.forward_tokens, s.forward_s)
         for trace in traces:
             for s in trace.steps:
+                if s.k and s.num_drafted:
+                    aux.append(max(0, s.forward_tokens - 1 - s.num_drafted))
                 cost.observe_forward(s.forward_tokens, s.forward_s)
                 cost.observe_draft(drafter, s.num_drafted, s.draft_s)
                 if s.step_s:
                     overheads.append(max(0.0, s.step_s - s.forward_s - s.draft_s))
         if not cost.num_forward_samples:
             raise ValueError("the traces hold no verification step to fit costs on")
-        return cls(cost, statistics.median(overheads) if overheads else 0.0, drafter)
+        overhead = statistics.median(overheads) if overheads else 0.0
+        return cls(cost, overhead, drafter, int(statistics.median(aux)) if aux else 0)
 
 
 @dataclass
@@ -178,7 +192,9 @@ def simulate(
     """
     offered, matched = opportunities(trace)
     n = trace.num_output_tokens
-    info = SequenceInfo("sim", max(max_k, 1), SamplingParams(), timing.drafter)
+    info = SequenceInfo(
+        "sim", max(max_k, 1), SamplingParams(), timing.drafter, aux_rows=timing.aux_rows
+    )
     control = controller.start(info)
     cost = timing.cost
     result = SimResult(seconds=trace.prefill_s)
@@ -190,9 +206,16 @@ def simulate(
             _bump(result.chosen_k_counts, k, 1)
         drafted = min(k, offered[p])
         accepted = min(matched[p], drafted)
-        seconds = cost.step_time(timing.drafter, drafted) + timing.overhead_s
-        if cap > 0:
-            control.observe(StepOutcome(k, drafted, accepted, accepted + 1, None, 0.0, seconds))
+        rows = 1 + drafted + (timing.aux_rows if k else 0)
+        seconds = (
+            cost.forward_time(rows) + cost.draft_time(timing.drafter, drafted) + timing.overhead_s
+        )
+        if cap > 0:  # a greedy replay: every draft is a point mass (deterministic)
+            control.observe(
+                StepOutcome(
+                    k, drafted, accepted, accepted + 1, forward_s=seconds, deterministic=True
+                )
+            )
         emitted = min(accepted + 1, n - p)
         result.num_steps += 1
         result.num_draft_tokens += drafted

@@ -20,11 +20,11 @@ One :meth:`Engine.step`:
    verification; the cache is truncated or compacted (cursor rule); stops apply.
 
 What a sequence computes never depends on the rest of the batch: its tree and its
-drafts come from its own settings and state, and a seeded sampled sequence's controller
-decides from the sequence alone (``isolated``; adaptive controllers of other sequences may
-look at the batch and the measured costs, which changes how many tokens they draft but,
-greedy verification being exact, never their output) (a sequence that does not fit
-the token budget waits a step rather than drafting less), every random draw comes from
+drafts come from its own settings and state (a sequence that does not fit the token
+budget waits a step rather than drafting less), a seeded sampled sequence's controller
+decides from that sequence alone (``isolated``: no measured times, no batch; adaptive
+controllers of other sequences may look at both, which changes how many tokens they
+draft but, greedy verification being exact, never their output), every random draw comes from
 its own generator, prompt chunk boundaries are fixed per sequence (``prefill_chunk``), and
 on the native backend's exact mode every row's logits are bit-identical whatever the
 batch. So each request's output equals single-sequence generation (greedy: token for
@@ -336,7 +336,7 @@ class Engine:
         controller from a :class:`StepView` of the batch so far."""
         plans = []
         other_tokens = chunk_tokens + len(verified)
-        for _i, seq in enumerate(verified):
+        for seq in verified:
             cap = seq.last_cap = self._step_cap(seq)
             if cap == 0:
                 plans.append(0)
