@@ -1135,3 +1135,27 @@ def test_timing_fit_takes_plain_forwards_only_and_infers_auxiliary_rows():
     assert both.overhead_s == pytest.approx(0.01) == alone.overhead_s  # from `looked` only
     off = simulate(looked, FixedController(), 0, both)  # plain decoding: 10 one-row steps
     assert off.seconds == pytest.approx(10 * (0.01 + 0.01))
+
+
+def test_cost_probes_wait_longer_after_an_expensive_probe_and_tell_new_requests():
+    controller = CostController()
+    control = controller.start(info())
+    measured = CostModel()
+    for n in range(1, MAX_K + 2):
+        for _ in range(3):
+            measured.observe_forward(n, 0.01)  # flat: only the draft costs
+            measured.observe_draft("d", n, 0.005 * n)  # half a plain step per token
+    view = StepView(MAX_K, measured)
+    for _ in range(5):
+        control.choose(view)
+        control.observe(outcome(1, 0))
+    chosen = []
+    for _ in range(400):
+        k = control.choose(view)
+        chosen.append(k)
+        # the first probe's draft catches up with the whole sequence: 2 s, 200 plain steps
+        control.observe(StepOutcome(k, k, 0, 1, draft_s=2.0 if k else 0.0))
+    probes = [i for i, k in enumerate(chosen) if k]
+    assert len(probes) == 1  # the next one would come after 200 / 0.02 off steps
+    assert controller.start(info()).probe_extra == pytest.approx(200.0)
+    assert controller.start(info(isolated=True)).probe_extra == 0.0

@@ -326,7 +326,9 @@ class CostOptions:
             that was accepted), at most this many (int >= 1).
         probe_budget: probes are also spaced so that they cost at most this fraction of
             the time spent with speculation off (a probe of a drafter that adds rows,
-            like Lookahead's window, waits longer), in (0, 1].
+            like Lookahead's window, or whose first draft must catch up with the whole
+            sequence, like a draft model's, waits longer; the last probe's measured cost
+            counts), in (0, 1].
         shared: requests that are not isolated learn a per-position acceptance profile
             of the drafter together (decaying slowly), toward which each request's own
             estimate shrinks; otherwise every request starts from ``prior``.
@@ -430,6 +432,9 @@ class CostControl:
             self.goodput.tokens, self.goodput.seconds = g.tokens * scale, g.seconds * scale
             self.goodput.steps = g.steps * scale
         self.deterministic = False  # its drafts carry no distribution
+        # what the last probe cost beyond a plain step (relative; measured, so never for
+        # isolated requests, whose choices must not depend on timing)
+        self.probe_extra = shared.get("probe_extra", 0.0) if shared is not None else 0.0
         self.off_steps = 0  # consecutive steps with speculation off
         self.backoff = 1  # off steps before the next probe
         self.probing = False
@@ -472,6 +477,9 @@ class CostControl:
         # speculation is off; a probe tells whether it pays again. Probes back off when
         # rejected and cost at most ``probe_budget`` of the time spent off.
         self.off_steps += 1
+        # a probe may cost more than a steady draft (a draft model first catches up with
+        # everything generated while it was off): charge what the last probe really cost
+        extra = max(extra, self.probe_extra)
         wait = max(self.backoff, math.ceil(extra / self.options.probe_budget))
         if self.off_steps > wait:
             self.off_steps, self.probing = 0, True
@@ -482,6 +490,15 @@ class CostControl:
         drafted = outcome.k if outcome.tree else outcome.num_drafted
         if self.probing:
             self.probing = False
+            view = self._view
+            if view is not None:
+                cost = self.frozen or view.cost
+                plain = cost.forward_time(view.other_tokens + 1)
+                drafted_rows = view.other_tokens + 1 + outcome.num_drafted + self.info.aux_rows
+                spent = cost.forward_time(drafted_rows) + outcome.draft_s - plain
+                self.probe_extra = max(0.0, spent / plain) if self.frozen is None else 0.0
+                if self.shared is not None:
+                    self.shared["probe_extra"] = self.probe_extra
             if outcome.num_accepted:
                 self.backoff = 1
             else:
