@@ -369,13 +369,20 @@ def test_bench_simulate_end_to_end(tmp_path, capsys, tiny_model_dir):
     # the replayed fixed run predicts its own measurement closely
     assert abs(rows[0]["error"]) < 0.3
     for bad, message in [
-        (["--method", "suffix:k=4"], "no chain run of drafter 'suffix'"),
+        (["--method", "suffix:k=4"], "no fixed-length chain run of drafter 'suffix'"),
         (["--method", "ngram@static:tree-8"], "token trees cannot be simulated"),
     ]:
         assert main(["bench", "--simulate", str(out), *bad]) == 2
         assert message in capsys.readouterr().err
     assert main(["bench", "--simulate", str(tmp_path), "--method", "ngram"]) == 2
     assert "no step traces" in capsys.readouterr().err
+    assert main(["bench", "--simulate", str(out), "--method", "ngram:k=8"]) == 2
+    assert "the largest recorded k of this drafter is 6" in capsys.readouterr().err
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "traces.jsonl.gz").write_bytes((out / "traces.jsonl.gz").read_bytes()[:300])
+    assert main(["bench", "--simulate", str(cut), "--method", "ngram:k=6"]) == 2
+    assert "is not a complete specdec trace file" in capsys.readouterr().err
 
 
 def test_server_takes_a_controller_per_request(native):

@@ -119,9 +119,9 @@ def parse_spec(text: str) -> tuple[str, dict[str, str]]:
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
-            raise ValueError(f"drafter option {item!r} of {name!r} is not key=value")
+            raise ValueError(f"option {item!r} of {name!r} is not key=value")
         if key.strip() in items:
-            raise ValueError(f"drafter option {key.strip()!r} given twice")
+            raise ValueError(f"option {key.strip()!r} of {name!r} given twice")
         items[key.strip()] = value.strip()
     return name.strip(), items
 
@@ -378,7 +378,7 @@ def _register_controllers() -> None:
         ),
         ControllerEntry(
             "confidence", c.ConfidenceOptions, c.ConfidenceController,
-            "SpecDec++-style: stop drafting when the predicted rejection chance passes h",
+            "SpecDec++-style: stop drafting once the predicted rejection chance passes threshold",
         ),
         ControllerEntry(
             "cost", c.CostOptions, c.CostController,

@@ -225,7 +225,10 @@ def _simulate(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
     trace_dir = Path(args.simulate)
     rows = run_simulation(trace_dir, methods)
     if not rows:
-        raise ValueError("--simulate predicts specdec drafter methods; give at least one --method")
+        raise ValueError(
+            "--simulate predicts specdec drafter methods (not ar or external baselines); "
+            "give at least one"
+        )
     print(simulation_table(rows))
     if out_dir is not None:
         paths = write_simulation(out_dir, rows, trace_dir)

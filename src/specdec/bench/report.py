@@ -287,8 +287,8 @@ def read_traces(path: Path) -> list[dict]:
     try:
         with gzip.open(path, "rt") as f:
             lines = [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not a specdec trace file: {error}") from None
+    except (OSError, EOFError, json.JSONDecodeError) as error:  # EOF: a cut-off file
+        raise ValueError(f"{path} is not a complete specdec trace file: {error}") from None
     if not all(isinstance(x, dict) and "trace" in x and "method" in x for x in lines):
         raise ValueError(f"{path} is not a specdec trace file")
     return lines

@@ -26,10 +26,11 @@ SIM_DRAFTER = "drafter"
 
 def _source(method: Method, recorded: dict[str, list[dict]]) -> tuple[str, int]:
     """The recorded method to replay for ``method``: same drafter and options, a chain,
-    the largest k.
+    the ``fixed`` controller (an adaptive run's short drafts say nothing about longer
+    ones), the largest k.
 
     Raises:
-        ValueError: a tree method, or no compatible recorded run.
+        ValueError: a tree method, no compatible recorded run, or one with a smaller k.
     """
     if method.tree:
         raise ValueError(f"{method.name}: token trees cannot be simulated (chains only)")
@@ -40,7 +41,7 @@ def _source(method: Method, recorded: dict[str, list[dict]]) -> tuple[str, int]:
             other = parse_method(name)
         except ValueError:
             continue
-        if other.kind != method.kind or other.tree:
+        if other.kind != method.kind or other.tree or other.controller != "fixed":
             continue
         if {k: v for k, v in other.options if k != "k"} != mine:
             continue
@@ -49,8 +50,14 @@ def _source(method: Method, recorded: dict[str, list[dict]]) -> tuple[str, int]:
             best = (name, k)
     if best is None:
         raise ValueError(
-            f"{method.name}: the traces hold no chain run of drafter {method.kind!r} with "
-            f"these options (recorded: {', '.join(recorded)})"
+            f"{method.name}: the traces hold no fixed-length chain run of drafter "
+            f"{method.kind!r} with these options (recorded: {', '.join(recorded)})"
+        )
+    asked = method.option("k")
+    if asked > best[1]:
+        raise ValueError(
+            f"{method.name}: the largest recorded k of this drafter is {best[1]} "
+            f"({best[0]}); a replay cannot draft more than was recorded (record k >= {asked})"
         )
     return best
 
@@ -67,57 +74,77 @@ def run_simulation(trace_dir: Path, methods: Sequence[Method]) -> list[dict]:
         ValueError: no trace file, a tree method, or no compatible recorded run.
     """
     lines = read_traces(trace_dir / TRACES)
+    results = trace_dir / "results.json"
+    if results.is_file():
+        try:
+            temperature = json.loads(results.read_text())["config"]["temperature"]
+        except (ValueError, KeyError, TypeError):
+            temperature = 0.0
+        if temperature:
+            raise ValueError(
+                f"{trace_dir} holds a sampled run (temperature {temperature}); only greedy "
+                "traces can be replayed (their output does not depend on the drafts)"
+            )
     recorded: dict[str, list[dict]] = {}
     for line in lines:
         recorded.setdefault(line["method"], []).append(line)
-    plain = {  # the baseline's plain steps of the same turn: what a 1-row forward costs
-        (t["prompt_id"], t["turn"]): Trace.from_stats(t) for t in recorded.pop("autoregressive", [])
-    }
     rows = []
-    for method in methods:
-        if not method.is_specdec or method.kind == "ar":
-            continue
-        source, max_k = _source(method, recorded)
-        turns = recorded[source]
-        traces = [Trace.from_stats(t) for t in turns]
-        overall = Timing.fit(traces, SIM_DRAFTER)
-        config = method.speculative_config()
-        controller = registry.controller_entry(config.controller).factory(config.controller_options)
-        k = min(config.num_speculative_tokens, max_k)
-        tokens = seconds = steps = 0.0
-        chosen: list[int] = []
-        for turn, trace in zip(turns, traces, strict=True):
-            outside = turn["elapsed_s"] - turn["prefill_s"] - sum(s.step_s for s in trace.steps)
-            # each turn's own costs (its context length), the run's when it has no step
-            baseline = plain.get((turn["prompt_id"], turn["turn"]))
-            extra = [baseline] if baseline is not None else []
-            timing = Timing.fit([trace], SIM_DRAFTER, extra) if trace.steps else overall
-            one = simulate(trace, controller, k, timing)
-            tokens += one.num_output_tokens
-            seconds += one.seconds + max(0.0, outside)
-            steps += one.num_steps
-            for i, n in enumerate(one.chosen_k_counts):
-                chosen.extend([0] * (i + 1 - len(chosen)))
-                chosen[i] += n
-        measured = recorded.get(method.name)
-        measured_tps = (
-            sum(t["num_output_tokens"] for t in measured) / sum(t["elapsed_s"] for t in measured)
-            if measured
-            else None
-        )
-        predicted = tokens / seconds if seconds else 0.0
-        rows.append(
-            {
-                "method": method.name,
-                "source": source,
-                "predicted_tps": predicted,
-                "measured_tps": measured_tps,
-                "error": None if not measured_tps else predicted / measured_tps - 1,
-                "predicted_tau": tokens / steps if steps else None,
-                "chosen_k_counts": chosen,
-            }
-        )
+    try:
+        plain = {  # the baseline's plain steps of the same turn: what a 1-row forward costs
+            (t["prompt_id"], t["turn"]): Trace.from_stats(t)
+            for t in recorded.pop("autoregressive", [])
+        }
+        for method in methods:
+            row = _predict(method, recorded, plain)
+            if row is not None:
+                rows.append(row)
+    except (TypeError, KeyError, AttributeError) as error:
+        raise ValueError(f"{trace_dir / TRACES} holds a malformed trace ({error!r})") from None
     return rows
+
+
+def _predict(method: Method, recorded: dict, plain: dict) -> dict | None:
+    """The prediction row of one method (``None`` for ``ar`` and external baselines)."""
+    if not method.is_specdec or method.kind == "ar":
+        return None
+    source, max_k = _source(method, recorded)
+    turns = recorded[source]
+    traces = [Trace.from_stats(t) for t in turns]
+    overall = Timing.fit(traces, SIM_DRAFTER)
+    config = method.speculative_config()
+    controller = registry.controller_entry(config.controller).factory(config.controller_options)
+    k = min(config.num_speculative_tokens, max_k)
+    tokens = seconds = steps = 0.0
+    chosen: list[int] = []
+    for turn, trace in zip(turns, traces, strict=True):
+        outside = turn["elapsed_s"] - turn["prefill_s"] - sum(s.step_s for s in trace.steps)
+        # each turn's own costs (its context length), the run's when it has no step
+        baseline = plain.get((turn["prompt_id"], turn["turn"]))
+        extra = [baseline] if baseline is not None else []
+        timing = Timing.fit([trace], SIM_DRAFTER, extra) if trace.steps else overall
+        one = simulate(trace, controller, k, timing)
+        tokens += one.num_output_tokens
+        seconds += one.seconds + max(0.0, outside)
+        steps += one.num_steps
+        for i, n in enumerate(one.chosen_k_counts):
+            chosen.extend([0] * (i + 1 - len(chosen)))
+            chosen[i] += n
+    measured = recorded.get(method.name)
+    measured_tps = (
+        sum(t["num_output_tokens"] for t in measured) / sum(t["elapsed_s"] for t in measured)
+        if measured
+        else None
+    )
+    predicted = tokens / seconds if seconds else 0.0
+    return {
+        "method": method.name,
+        "source": source,
+        "predicted_tps": predicted,
+        "measured_tps": measured_tps,
+        "error": None if not measured_tps else predicted / measured_tps - 1,
+        "predicted_tau": tokens / steps if steps else None,
+        "chosen_k_counts": chosen,
+    }
 
 
 def simulation_table(rows: Sequence[dict]) -> str:
