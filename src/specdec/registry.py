@@ -71,12 +71,24 @@ def register_drafter(entry: DrafterEntry, *, replace: bool = False) -> None:
             ``=`` or a space in it, or ``options`` is not a dataclass whose fields all have
             defaults and are int, float, bool or str (optionally ``| None``).
     """
-    if not entry.name or any(c in entry.name for c in ":,@= "):
-        raise ValueError(f"a drafter name cannot be empty or hold ':,@= ', got {entry.name!r}")
-    if entry.name in _DRAFTERS and not replace:
-        raise ValueError(f"a drafter named {entry.name!r} is already registered")
+    _add(_DRAFTERS, "drafter", entry, replace, ":,@= ")
+
+
+def _add(table: dict, kind: str, entry: Any, replace: bool, forbidden: str) -> None:
+    """Check ``entry``'s name and options, then put it in ``table``."""
+    if not entry.name or any(c in entry.name for c in forbidden):
+        raise ValueError(f"a {kind} name cannot be empty or hold '{forbidden}', got {entry.name!r}")
+    if entry.name in table and not replace:
+        raise ValueError(f"a {kind} named {entry.name!r} is already registered")
     _check_options_class(entry.name, entry.options)
-    _DRAFTERS[entry.name] = entry
+    table[entry.name] = entry
+
+
+def _lookup(table: dict, kind: str, name: str) -> Any:
+    entry = table.get(name)
+    if entry is None:
+        raise ValueError(f"unknown {kind} {name!r}; choose one of {', '.join(table)}")
+    return entry
 
 
 def _check_options_class(name: str, cls: type) -> None:
@@ -102,10 +114,7 @@ def drafter_entry(name: str) -> DrafterEntry:
     Raises:
         ValueError: no drafter has that name (the message lists the names).
     """
-    entry = _DRAFTERS.get(name)
-    if entry is None:
-        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(_DRAFTERS)}")
-    return entry
+    return _lookup(_DRAFTERS, "drafter", name)
 
 
 def parse_spec(text: str) -> tuple[str, dict[str, str]]:
@@ -334,12 +343,7 @@ def register_controller(entry: ControllerEntry, *, replace: bool = False) -> Non
     Raises:
         ValueError: as :func:`register_drafter` (taken or malformed name, bad options).
     """
-    if not entry.name or any(c in entry.name for c in ":,@+= "):
-        raise ValueError(f"a controller name cannot be empty or hold ':,@+= ', got {entry.name!r}")
-    if entry.name in _CONTROLLERS and not replace:
-        raise ValueError(f"a controller named {entry.name!r} is already registered")
-    _check_options_class(entry.name, entry.options)
-    _CONTROLLERS[entry.name] = entry
+    _add(_CONTROLLERS, "controller", entry, replace, ":,@+= ")
 
 
 def controller_names() -> tuple[str, ...]:
@@ -353,10 +357,7 @@ def controller_entry(name: str) -> ControllerEntry:
     Raises:
         ValueError: no controller has that name (the message lists the names).
     """
-    entry = _CONTROLLERS.get(name)
-    if entry is None:
-        raise ValueError(f"unknown controller {name!r}; choose one of {', '.join(_CONTROLLERS)}")
-    return entry
+    return _lookup(_CONTROLLERS, "controller", name)
 
 
 def make_controller_options(name: str, values: Mapping[str, Any] | Any | None = None) -> Any:
