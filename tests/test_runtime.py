@@ -360,3 +360,18 @@ def test_both_backends_implement_the_protocol(pair):
     assert llm.tokenizer is hf.tokenizer
     out = llm.generate([1, 5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert len(out.token_ids) == 4 and out.text == hf.tokenizer.decode(out.token_ids)
+
+
+@pytest.mark.parametrize("name", ["linear", "w_xt", "x_wt"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_exact_product_is_row_major_whatever_the_row_count(name, rows):
+    """Downstream kernels (CPU SDPA on 2 threads) give other bits for the same values in
+    another memory layout, so the exact product's layout must not depend on how many tiles
+    the rows took: ``w_xt`` returned a transposed view for one tile and a row-major
+    ``cat`` for several, and a prompt prefilled in a batch differed from it alone."""
+    from specdec.runtime.linear import FORMULATIONS, exact_product
+
+    weight = torch.randn(24, 8, dtype=torch.bfloat16)
+    x = torch.randn(rows, 8, dtype=torch.bfloat16)
+    y = exact_product(x, FORMULATIONS[name].prepare(weight), name, tile=16, min_rows=2)
+    assert y.shape == (rows, 24) and y.is_contiguous()

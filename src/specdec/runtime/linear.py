@@ -148,7 +148,15 @@ class Linear:
 
 def exact_product(x, prepared, name: str, tile: int, min_rows: int) -> torch.Tensor:
     """Rows in chunks of at most ``tile``; a chunk of fewer than ``min_rows`` rows is padded
-    by repeating its first row (and the padding dropped)."""
+    by repeating its first row (and the padding dropped).
+
+    The result is always contiguous (row-major). ``w_xt`` returns a transposed view for one
+    chunk but a row-major ``cat`` for several, and what comes downstream keeps that layout
+    (rotary, the cache's queries); PyTorch's CPU ``scaled_dot_product_attention`` gives
+    other bits for the same values in another layout when it runs on 2 threads, so a prompt
+    prefilled alone (one chunk) and in a batch (several) differed (measured: SmolLM2 bf16,
+    the first layer's attention off by 0.25).
+    """
     apply = FORMULATIONS[name].apply
     chunks = []
     for start in range(0, x.shape[0], max(1, tile)):
@@ -159,7 +167,7 @@ def exact_product(x, prepared, name: str, tile: int, min_rows: int) -> torch.Ten
             chunks.append(apply(torch.cat([chunk, pad]).contiguous(), prepared)[:m])
         else:
             chunks.append(apply(chunk.contiguous(), prepared))
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    return chunks[0].contiguous() if len(chunks) == 1 else torch.cat(chunks)
 
 
 # ------------------------------------------------------------------ calibration
