@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -139,3 +141,78 @@ def small():
     target = make_model(tokenizer, seed=0, hidden_size=16, num_layers=1, init_std=0.2)
     draft = perturbed_copy(target, noise=0.08, seed=1)
     return target, draft
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads(monkeypatch):
+    """The CLI sets PyTorch's thread count for its process (``--threads``, or fewer on a
+    busy machine); tests that run it in-process must not change it for the tests after,
+    nor depend on the machine's load (the test process itself keeps a core busy), so the
+    load average reads idle unless a test says otherwise."""
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0), raising=False)
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+#: A chat template for the tiny word-level tokenizer: the messages' contents, then "w28".
+SERVER_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w28{% endif %}"
+)
+
+
+def make_server_llm():
+    """The tiny target on the native runtime (exact), with a chat template, prompt lookup
+    (k=4) and room for 16 sequences: what the server tests serve."""
+    from specdec import LLM, SpeculativeConfig
+    from specdec.engine import EngineConfig
+    from specdec.models.native import NativeModel
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = SERVER_CHAT_TEMPLATE
+    target = NativeModel(make_model(tokenizer, seed=0, name="tiny-target"), exact=True)
+    return LLM(
+        target,
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        engine_config=EngineConfig(max_num_seqs=16, max_num_batched_tokens=256),
+    )
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def uvicorn_thread(app, **config):
+    """``app`` on a uvicorn server in a daemon thread, on a free loopback port; yields
+    ``(base url, server)`` and stops the server after. ``config`` goes to
+    ``uvicorn.Config`` (e.g. ``log_level="error"``, or ``log_config=None`` to log through
+    the root logger, which ``caplog`` sees)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    port = free_port()
+    config = {"timeout_graceful_shutdown": 5, **config}
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(15)

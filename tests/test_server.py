@@ -7,66 +7,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_model, make_tokenizer
+from conftest import free_port, make_model, make_server_llm, make_tokenizer, uvicorn_thread
 from specdec import LLM, SamplingParams, SpeculativeConfig
-from specdec.engine import EngineConfig
-from specdec.models.native import NativeModel
 from specdec.server import create_app
 
-TEMPLATE = (
-    "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}w28{% endif %}"
-)
 NAME = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def serving(llm: LLM, **kwargs):
-    """The app on a uvicorn server in a thread; yields (base url, app)."""
+    """The app on a uvicorn server in a thread; yields (base url, app, server)."""
     app = create_app(llm, NAME, **kwargs)
-    port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                            timeout_graceful_shutdown=5)  # fmt: skip
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", app, server
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with uvicorn_thread(app, log_level="error") as (url, server):
+        yield url, app, server
 
 
 @pytest.fixture(scope="module")
 def llm():
-    tokenizer = make_tokenizer()
-    tokenizer.chat_template = TEMPLATE
-    target = NativeModel(make_model(tokenizer, seed=0, name="tiny-target"), exact=True)
-    return LLM(
-        target,
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-        engine_config=EngineConfig(max_num_seqs=16, max_num_batched_tokens=256),
-    )
+    return make_server_llm()
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +269,7 @@ def test_specdec_serve_exits_cleanly_on_sigterm(tmp_path):
     hf = make_model(make_tokenizer(), seed=0)
     hf.model.save_pretrained(tmp_path)
     hf.tokenizer.hf.save_pretrained(tmp_path)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "SPECDEC_CACHE": str(tmp_path / "cache")}
     process = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli", "serve", "--model", str(tmp_path), "--port",

@@ -4,8 +4,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming SSE o
 ``usage``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Every
 request runs in the batched engine (:class:`~specdec.server.async_engine.AsyncEngine`)
 with its own sampling and speculative settings. Errors are OpenAI-style JSON: 400 for a
-malformed or invalid request, 429 when too many requests wait, 503 while shutting down. A
-client that disconnects has its requests aborted and their KV cache freed.
+malformed or invalid request (``param`` names the field; see :mod:`specdec.server.protocol`
+for which fields are accepted), 429 when too many requests wait, 503 while shutting down,
+and 500 ``internal_error`` for anything unexpected (never a plain-text page; the server
+logs it once). A client that disconnects has its requests aborted, quietly, their KV cache
+freed and each choice counted once as ``finished_reason="abort"``.
 """
 
 from __future__ import annotations
@@ -28,20 +31,16 @@ from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
 from specdec.llm import LLM
 from specdec.server.async_engine import AsyncEngine, Overloaded, Unavailable, Update
 from specdec.server.protocol import (
+    BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     SpeculativeOptions,
+    describe_errors,
     error_body,
 )
 from specdec.text import TextStream
 
-
-class BadRequest(Exception):
-    """An invalid request (HTTP 400); the message says why."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["BadRequest", "create_app"]
 
 
 def create_app(
@@ -75,27 +74,7 @@ def create_app(
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.engine = engine
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, error: RequestValidationError):
-        return JSONResponse(error_body(_validation_message(error)), status_code=400)
-
-    @app.exception_handler(BadRequest)
-    async def _bad(request: Request, error: BadRequest):
-        return JSONResponse(error_body(str(error), param=error.param), status_code=400)
-
-    @app.exception_handler(Overloaded)
-    async def _overloaded(request: Request, error: Overloaded):
-        return JSONResponse(error_body(str(error), "rate_limit_exceeded"), status_code=429)
-
-    @app.exception_handler(Unavailable)
-    async def _unavailable(request: Request, error: Unavailable):
-        return JSONResponse(error_body(str(error), "service_unavailable"), status_code=503)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, error: StarletteHTTPException):
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -122,6 +101,13 @@ def create_app(
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    _add_generation_routes(app, llm, engine, name)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, llm: LLM, engine: AsyncEngine, name: str) -> None:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, name)
@@ -131,7 +117,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
-        messages = [m.model_dump() for m in body.messages]
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
         try:
             prompts = [llm.encode(messages)]
         except ValueError as error:
@@ -140,7 +126,47 @@ def create_app(
             body.max_tokens = body.max_completion_tokens
         return await _serve(llm, engine, name, body, prompts, request, chat=True)
 
-    return app
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error is OpenAI-style JSON, an unexpected one included (500, logged once by
+    the server, which Starlette re-raises it to)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError):
+        message, param = describe_errors(error.errors(), error.body)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, error: BadRequest):
+        return JSONResponse(error_body(str(error), param=error.param), status_code=400)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, error: Overloaded):
+        return JSONResponse(error_body(str(error), "rate_limit_exceeded"), status_code=429)
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(request: Request, error: Unavailable):
+        return JSONResponse(error_body(str(error), "service_unavailable"), status_code=503)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = _undecodable_body(error) or str(error.detail)
+        return JSONResponse(error_body(message, kind), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, error: Exception):
+        message = f"internal error ({type(error).__name__}); see the server's log"
+        return JSONResponse(error_body(message, "internal_error"), status_code=500)
+
+
+def _undecodable_body(error: StarletteHTTPException) -> str | None:
+    """The message for a body that is not UTF-8 (FastAPI only says it could not parse it)."""
+    cause = error.__cause__
+    if not isinstance(cause, UnicodeDecodeError):
+        return None
+    byte = cause.object[cause.start]
+    return f"the request body is not valid UTF-8: byte 0x{byte:02x} at offset {cause.start}"
 
 
 # ---------------------------------------------------------------- request handling
@@ -161,7 +187,7 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     jobs = []  # (choice index, prompt ids, params)
     for p, ids in enumerate(prompts):
         for i in range(body.n):
-            seed = None if body.seed is None else body.seed + i
+            seed = None if body.seed is None else (body.seed + i) % 2**63
             jobs.append((p * body.n + i, ids, _sampling(llm, body, ids, seed)))
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
@@ -171,10 +197,10 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
             request_id = engine.new_request_id(response_id)
             queues.append(engine.submit(request_id, prompt_ids, params, speculative))
             ids.append(request_id)
-    except ValueError as error:
+    except ValueError as error:  # the drafter, tree or controller refused these settings
         for request_id in ids:
             engine.abort(request_id)
-        raise BadRequest(str(error)) from None
+        raise BadRequest(f"speculative: {error}", "speculative") from None
     except (Overloaded, Unavailable):
         for request_id in ids:
             engine.abort(request_id)
@@ -191,23 +217,18 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
 
 async def _complete(engine, ids, queues, streams, meta, chat, num_prompt, request):
     """Wait for every choice (aborting all if the client goes away)."""
-    results = asyncio.gather(*(_collect(q, s) for q, s in zip(queues, streams, strict=True)))
+    tasks = [asyncio.ensure_future(_collect(q, s)) for q, s in zip(queues, streams, strict=True)]
     try:
-        while True:
-            done, _ = await asyncio.wait({results}, timeout=0.25)
-            if done:
-                break
-            if await request.is_disconnected():  # nobody to answer: free the engine
-                results.cancel()
-                for request_id in ids:
-                    engine.abort(request_id)
-                return JSONResponse(error_body("client disconnected"), status_code=499)
-        finals = results.result()
-    except BaseException:
-        results.cancel()
-        for request_id in ids:
-            engine.abort(request_id)
-        raise
+        finished = await _wait_unless_gone(tasks, request)
+    finally:  # finished, the client went away, or this handler was cancelled
+        if not all(task.done() for task in tasks):
+            for task in tasks:  # cancelled tasks log nothing (a cancelled gather() would)
+                task.cancel()
+            for request_id in ids:
+                engine.abort(request_id)
+    if not finished:  # nobody to answer; the engine is freed
+        return JSONResponse(error_body("client disconnected"), status_code=499)
+    finals = [task.result() for task in tasks]
     errors = [u for u in finals if u.error]
     if errors:
         status = max(u.status for u in errors)
@@ -228,6 +249,17 @@ async def _complete(engine, ids, queues, streams, meta, chat, num_prompt, reques
         "choices": choices,
         "usage": _usage(num_prompt, num_generated),
     }
+
+
+async def _wait_unless_gone(tasks: list[asyncio.Future], request: Request) -> bool:
+    """Wait for ``tasks``; ``True`` when all finished, ``False`` when the client
+    disconnected first."""
+    pending = set(tasks)
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=0.25)
+        if pending and await request.is_disconnected():
+            return False
+    return True
 
 
 async def _collect(queue: asyncio.Queue, stream: TextStream) -> Update:
@@ -261,7 +293,8 @@ async def _events(engine, ids, queues, streams, meta, chat, num_prompt, include_
         while live:
             index, update = await merged.get()
             if update.error:
-                yield _sse(error_body(update.error, "internal_error"))
+                kind = "invalid_request_error" if update.status == 400 else "internal_error"
+                yield _sse(error_body(update.error, kind))
                 live.discard(index)
                 continue
             text = streams[index].push(update.new_token_ids, update.finish_reason, update.text_end)
@@ -316,11 +349,11 @@ def _completion_prompts(llm: LLM, prompt) -> list[list[int]]:
     if not prompt:
         raise BadRequest("prompt is empty", "prompt")
     out = []
-    for p in prompt:
+    for i, p in enumerate(prompt):
         try:
             out.append(llm.encode(p, chat=False))
         except ValueError as error:
-            raise BadRequest(str(error), "prompt") from None
+            raise BadRequest(str(error), "prompt" if len(prompt) == 1 else f"prompt[{i}]") from None
     return out
 
 
@@ -340,6 +373,14 @@ def _sampling(llm: LLM, body, prompt_ids: list[int], seed: int | None) -> Sampli
             "max_tokens",
         )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop_ids = tuple(body.stop_token_ids or ())
+    outside = [t for t in stop_ids if t >= llm.target.vocab_size]
+    if outside:
+        raise BadRequest(
+            f"stop_token_ids outside the vocabulary ({llm.target.vocab_size} tokens): "
+            f"{outside[:5]}",
+            "stop_token_ids",
+        )
     try:
         return SamplingParams(
             temperature=body.temperature,
@@ -348,10 +389,11 @@ def _sampling(llm: LLM, body, prompt_ids: list[int], seed: int | None) -> Sampli
             max_new_tokens=max_tokens,
             seed=seed,
             stop=tuple(stop),
+            stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos,
         )
-    except ValueError as error:
-        raise BadRequest(str(error)) from None
+    except ValueError as error:  # the request model checks the same; kept as a backstop
+        raise BadRequest(str(error), "stop" if "stop" in str(error) else None) from None
 
 
 def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) -> SpeculativeConfig:
@@ -375,17 +417,3 @@ def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) ->
         return dataclasses.replace(base, **changes)
     except ValueError as error:
         raise BadRequest(f"speculative: {error}", "speculative") from None
-
-
-def _validation_message(error: RequestValidationError) -> str:
-    parts = []
-    for e in error.errors():
-        if e.get("type") == "json_invalid":
-            loc = e.get("loc", ())
-            where = f" at character {loc[1]}" if len(loc) > 1 else ""
-            detail = (e.get("ctx") or {}).get("error", "")
-            parts.append(f"the request body is not valid JSON (error{where}: {detail})")
-            continue
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-    return "; ".join(parts) or "invalid request"

@@ -194,9 +194,15 @@ class AsyncEngine:
                     self._post(request_id, update, final=True)
             else:
                 request_id = message[1]
-                if self.engine.abort(request_id):
-                    self.metrics.request_success.labels(finished_reason="abort").inc()
+                self._abort(request_id)
                 self._post(request_id, Update([], "abort"), final=True)
+
+    def _abort(self, request_id: str) -> None:
+        """Abort a request in the engine; counted as ``finished_reason="abort"`` when it was
+        live there (so once per request, however many aborts arrive)."""
+        if self.engine.abort(request_id):
+            self.metrics.request_success.labels(finished_reason="abort").inc()
+            self._last_stats.pop(request_id, None)
 
     def _deliver(self, seq: Sequence, step: StepOutput) -> None:
         handle = self._handles.get(seq.request_id)
@@ -246,7 +252,7 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self._handles):
-            self.engine.abort(request_id)
+            self._abort(request_id)
             self._post(request_id, Update([], "abort", error=message, status=500), final=True)
 
     def _update_gauges(self) -> None:

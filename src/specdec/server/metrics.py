@@ -6,6 +6,10 @@ The speculative-decoding counters use the names vLLM and llama.cpp share, with a
 ``specdec:spec_decode_num_accepted_tokens_per_pos{position}`` (counters, exposed with the
 ``_total`` suffix). Acceptance rate = accepted / draft tokens; mean acceptance length =
 1 + accepted / drafts (vLLM's definitions).
+
+``specdec:request_success{finished_reason}`` counts each choice once when it ends:
+``stop``, ``length``, or ``abort`` (its client disconnected, the server shut down before it
+finished, or the engine failed).
 """
 
 from __future__ import annotations

@@ -1,15 +1,60 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and OpenAI-style errors.
 
-Fields follow OpenAI's completions and chat completions APIs; ``top_k``, ``ignore_eos`` and
-``speculative`` are specdec extensions (as vLLM adds ``top_k`` and ``ignore_eos``).
-Unknown fields are ignored, as the OpenAI client may send more than a server uses.
+Fields follow OpenAI's completions and chat completions APIs, plus vLLM's ``top_k``,
+``ignore_eos`` and ``stop_token_ids`` and specdec's ``speculative``. Every field a request
+sends falls under one rule:
+
+- the fields this server implements work as documented; ``null`` means the default;
+- known OpenAI fields and vLLM sampling extensions that it does not implement
+  (:data:`UNSUPPORTED`: ``logprobs``, ``presence_penalty``, ``tools``,
+  ``response_format``, ``min_p``, ``repetition_penalty``, ``guided_json``, ...) are
+  accepted when their value asks for nothing (``null`` or the neutral value: ``false``,
+  ``0`` penalties, ``repetition_penalty: 1``, ``tool_choice: "none"`` or ``"auto"``
+  without tools, ``response_format: {"type": "text"}``, ...) and otherwise refused
+  (HTTP 400, ``param`` the field): ignoring ``logprobs: 5`` would hand a client ``null``;
+- fields that do not change the output (:data:`IGNORED`: ``user``, ``metadata``,
+  ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
+  ``parallel_tool_calls``, ``request_id``) are accepted and ignored;
+- anything else is refused (HTTP 400, ``unknown field 'foo_bar'``, ``param: "foo_bar"``):
+  a misspelt field would otherwise silently do nothing.
+
+A chat message has ``role``, ``content`` and optionally ``name`` (ignored). ``content`` is
+a string or a list of OpenAI content parts: text parts (``{"type": "text", "text": ...}``)
+are joined with ``"\\n"`` (as vLLM does); other parts (``image_url``, ``input_audio``,
+``file``, ...) are refused, as this model takes text only. An assistant message's
+``content`` may be ``null`` (read as ``""``). Tool calls (``tool_calls``,
+``tool_call_id``, ``function_call``) and a returned answer's ``refusal``, ``audio`` and
+``annotations`` are accepted only empty (``null``, ``[]``).
+
+Every string of a request (prompts, message contents, stop strings, ``model``, the
+``speculative`` options, field names, ignored values) must be valid Unicode: a lone UTF-16
+surrogate, which a JSON ``\\u`` escape can carry, is refused with HTTP 400 naming where it
+is. Errors name the offending field in OpenAI's ``param`` (``"temperature"``,
+``"messages[0].content"``, ``"stop[1]"``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specdec.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from specdec.unicode import find_invalid, printable
+
+
+class BadRequest(Exception):
+    """An invalid request (HTTP 400): the message says why; ``param`` names the field as
+    OpenAI does (``"prompt"``, ``"messages[0].content"``), or is ``None``.
+
+    Not a ``ValueError``: raised inside pydantic validation, it passes through unchanged,
+    so the field's location survives.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class SpeculativeOptions(BaseModel):
@@ -62,36 +107,92 @@ class SpeculativeOptions(BaseModel):
         return value
 
 
-#: OpenAI request fields that are not implemented, with the values that ask for nothing.
+#: Known OpenAI fields and vLLM extensions this server does not implement, each with the
+#: values that ask for nothing (accepted, and then dropped); any other value is refused.
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0),
+    # OpenAI
+    "logprobs": (None, False),  # completions: logprobs 0 asks for the chosen tokens' ones
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
-    "tool_choice": (None, "none"),
+    "tool_choice": (None, "none", "auto"),  # "auto" picks no tool when there are none
+    "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
+    "verbosity": (None,),
+    # vLLM
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1),
+    "min_tokens": (None, 0),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "structured_outputs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "priority": (None, 0),
 }
+
+#: Fields that do not change what is generated: accepted with any value, and ignored.
+IGNORED = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+     "parallel_tool_calls", "request_id"}
+)  # fmt: skip
+
+#: Chat message fields beside ``role`` and ``content`` that are not implemented.
+MESSAGE_UNSUPPORTED: dict[str, tuple] = {
+    "tool_calls": (None, []),
+    "tool_call_id": (None,),
+    "function_call": (None,),
+    "refusal": (None,),
+    "audio": (None,),
+    "annotations": (None, []),
+}
+
+#: Chat message fields accepted and ignored.
+MESSAGE_IGNORED = frozenset({"name"})
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    """``stream_options``: ``include_usage`` adds a last chunk with the token counts;
+    ``include_obfuscation`` (padding against side channels) is accepted and ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, strict=True)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS
+    )
+    seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -105,27 +206,76 @@ class _Common(BaseModel):
             raise ValueError("must be a number, not a boolean")
         return value
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value):
+        if value is None:
+            return value
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list):
+            raise BadRequest("stop must be a string or a list of strings", "stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise BadRequest(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+        for i, s in enumerate(stops):
+            where = "stop" if isinstance(value, str) else f"stop[{i}]"
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+                raise BadRequest(
+                    f"{where} must be a string of 1 to {MAX_STOP_STRING_CHARS} characters", where
+                )
+        return value
+
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, data):
-        """OpenAI fields this server does not implement are refused when they ask for
-        something (silently ignoring ``logprobs: 5`` would hand a client ``null``)."""
-        if isinstance(data, dict):
-            asked = [k for k, idle in UNSUPPORTED.items() if k in data and data[k] not in idle]
-            if asked:
-                raise ValueError(f"not supported by this server: {', '.join(sorted(asked))}")
+    def _screen_request(cls, data):
+        """The module's rule: every string valid Unicode; unknown fields, and unsupported
+        ones that ask for something, refused; ignored and neutral ones (and ``null``s,
+        which mean the default) dropped."""
+        if not isinstance(data, dict):
+            return data  # pydantic says what is wrong
+        check_unicode(data)
+        data = screen_fields(data, cls.model_fields, UNSUPPORTED, IGNORED)
+        return cls._screen_more(data)
+
+    @classmethod
+    def _screen_more(cls, data: dict) -> dict:
         return data
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``; ``max_tokens`` defaults to 16 as in OpenAI's API."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[int] | list[str | list[int]]
     max_tokens: int | None = Field(16, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        if isinstance(value, str) or _is_token_ids(value):
+            return value
+        if not isinstance(value, list):
+            raise BadRequest(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists",
+                "prompt",
+            )
+        for i, item in enumerate(value):
+            if not (isinstance(item, str) or _is_token_ids(item)):
+                raise BadRequest(
+                    f"prompt[{i}] must be a string or a list of token ids", f"prompt[{i}]"
+                )
+        return value
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One chat message, its ``content`` already one string (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
@@ -139,7 +289,195 @@ class ChatCompletionRequest(_Common):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
+    @classmethod
+    def _screen_more(cls, data: dict) -> dict:
+        messages = data.get("messages")
+        if isinstance(messages, list):
+            data["messages"] = [
+                _screen_message(m, f"messages[{i}]") for i, m in enumerate(messages)
+            ]
+        return data
+
+
+# ---------------------------------------------------------------- screening
+
+
+def check_unicode(data, path: str = "") -> None:
+    """Refuse the first string (or object key) in the JSON value ``data`` that is not
+    valid Unicode.
+
+    Raises:
+        BadRequest: naming its location (``param``) and the lone surrogate.
+    """
+    stack = [(path, data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            _check_string(value, where, where or "the request body")
+        elif isinstance(value, dict):
+            inner = []
+            for key, item in value.items():
+                _check_string(key, _join(where, key), f"the field name '{printable(key)}'")
+                inner.append((_join(where, key), item))
+            stack.extend(reversed(inner))
+        elif isinstance(value, list):
+            stack.extend(reversed([(f"{where}[{i}]", item) for i, item in enumerate(value)]))
+
+
+def _check_string(text: str, where: str, what: str) -> None:
+    index = find_invalid(text)
+    if index >= 0:
+        raise BadRequest(
+            f"{printable(what)} is not valid Unicode: lone surrogate U+{ord(text[index]):04X} at "
+            f"character {index} (a \\u escape of a UTF-16 surrogate must be half of a "
+            "high/low pair)",
+            printable(where) or None,
+        )
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def screen_fields(data: dict, fields, unsupported: dict, ignored, path: str = "") -> dict:
+    """``data`` with only ``fields`` (dropping ``null``s, ignored fields and unsupported
+    ones that ask for nothing).
+
+    Raises:
+        BadRequest: a field neither known nor ignored, or an unsupported one that asks
+            for something.
+    """
+    unknown = [k for k in data if k not in fields and k not in unsupported and k not in ignored]
+    if unknown:
+        name = printable(_join(path, unknown[0]))
+        raise BadRequest(f"unknown field '{name}'", name)
+    asked = sorted(
+        k for k in data if k in unsupported and not _asks_nothing(data[k], unsupported[k])
+    )
+    if asked:
+        names = [_join(path, k) for k in asked]
+        idle = [json.dumps(v) for v in unsupported[asked[0]]]
+        values = ", ".join(idle[:-1]) + " or " + idle[-1] if len(idle) > 1 else idle[0]
+        raise BadRequest(
+            f"not supported by this server: {', '.join(names)} ({names[0]} is accepted only "
+            f"as {values}: values that ask for nothing)",
+            names[0],
+        )
+    return {k: v for k, v in data.items() if k in fields and v is not None}
+
+
+def _asks_nothing(value, idle: tuple) -> bool:
+    return any(_same_json(value, v) for v in idle)
+
+
+def _same_json(a, b) -> bool:
+    """JSON equality that tells booleans from numbers (in Python ``True == 1``)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _screen_message(message, path: str):
+    """A chat message with only ``role`` and ``content``, the content one string."""
+    if not isinstance(message, dict):
+        return message  # pydantic says what is wrong
+    role, content = message.get("role"), message.get("content")
+    fields = ("role", "content")
+    message = screen_fields(message, fields, MESSAGE_UNSUPPORTED, MESSAGE_IGNORED, path)
+    return {**message, "content": _content_text(content, role, f"{path}.content")}
+
+
+def _content_text(content, role, path: str) -> str:
+    """A message's content as one string: text parts joined with ``"\\n"``."""
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise BadRequest(f"{path} is required (only an assistant message may leave it null)", path)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{path} must be a string or a list of content parts", path)
+    return "\n".join(_part_text(part, f"{path}[{j}]") for j, part in enumerate(content))
+
+
+def _part_text(part, path: str) -> str:
+    """The text of one content part; any other kind of part is refused."""
+    if not isinstance(part, dict):
+        example = '{"type": "text", "text": "..."}'
+        raise BadRequest(f"{path} must be a content part such as {example}", path)
+    kind = part.get("type")
+    if kind != "text":
+        if isinstance(kind, str):
+            raise BadRequest(
+                f"{path}: this model takes text only; content parts of type '{kind}' are not "
+                "supported",
+                path,
+            )
+        raise BadRequest(f'{path}.type must be "text" (this model takes text only)', f"{path}.type")
+    screen_fields(part, ("type", "text"), {}, (), path)
+    if not isinstance(part.get("text"), str):
+        raise BadRequest(f"{path}.text must be a string", f"{path}.text")
+    return part["text"]
+
+
+# ---------------------------------------------------------------- errors
+
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None):
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    """OpenAI's error object (any lone surrogate escaped, so it always encodes as UTF-8)."""
+    param = None if param is None else printable(param)
+    return {"error": {"message": printable(message), "type": kind, "param": param, "code": None}}
+
+
+def describe_errors(errors: list[dict], body) -> tuple[str, str | None]:
+    """OpenAI's ``message`` and ``param`` for pydantic's validation ``errors`` of the
+    request ``body``: each error as ``field: reason`` (without pydantic's ``Value error,``
+    prefix), ``param`` the first one's field (``"messages[0].role"``)."""
+    parts, params = [], []
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            loc = e.get("loc", ())
+            where = f" at character {loc[1]}" if len(loc) > 1 else ""
+            detail = (e.get("ctx") or {}).get("error", "")
+            parts.append(f"the request body is not valid JSON (error{where}: {detail})")
+            continue
+        param = _error_param(e, body)
+        if param in params:
+            continue  # one reason per field (a union's members each add one)
+        params.append(param)
+        parts.append(_error_text(e, param))
+    return "; ".join(parts) or "invalid request", next((p for p in params if p), None)
+
+
+def _error_text(error: dict, param: str | None) -> str:
+    kind = error.get("type")
+    if kind == "extra_forbidden" and param:
+        return f"unknown field '{param}'"
+    if kind in ("value_error", "assertion_error") and "error" in (error.get("ctx") or {}):
+        reason = str(error["ctx"]["error"])  # without pydantic's "Value error, "
+    else:
+        reason = str(error.get("msg"))
+    return f"{param}: {reason}" if param else reason
+
+
+def _error_param(error: dict, body) -> str | None:
+    """The error's location in ``body``, OpenAI-style (``messages[0].content``): pydantic's
+    ``loc`` followed through the body as sent (so a union member's name, which is not in
+    the body, ends it)."""
+    path, value = "", body
+    for key in error.get("loc", ())[1:]:  # after "body"
+        if isinstance(value, dict) and isinstance(key, str):
+            if key not in value and error.get("type") != "missing":
+                break
+            path, value = _join(path, key), value.get(key)
+        elif isinstance(value, list) and type(key) is int and 0 <= key < len(value):
+            path, value = f"{path}[{key}]", value[key]
+        else:
+            break
+    return path or None

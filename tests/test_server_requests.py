@@ -1,0 +1,585 @@
+"""The server's request contract, through HTTP: text that is not valid Unicode, OpenAI's
+request fields (implemented, neutral, ignored, refused, unknown), content-part messages,
+errors that name their field, quiet client disconnects, and a fuzz test: any body gets a
+200 or an OpenAI-style 4xx JSON error, and nothing is lost for the other requests."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import json
+import logging
+import socket
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import make_server_llm, uvicorn_thread
+from specdec import SamplingParams
+from specdec.server import create_app
+
+NAME = "tiny"
+PROMPT = "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_server_llm()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    """The app on uvicorn in a thread, logging through the root logger (so ``caplog``
+    sees uvicorn's and asyncio's records); yields (base url, app)."""
+    app = create_app(llm, NAME)
+    with uvicorn_thread(app, log_config=None) as (url, _):
+        yield url, app
+
+
+def post(url: str, route: str, body, **kwargs) -> httpx.Response:
+    """POST ``body`` serialised by :mod:`json` (which, unlike httpx, writes lone surrogates
+    as ``\\u`` escapes and NaN as ``NaN``, as a sloppy client might)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    return _http().post(f"{url}/v1/{route}", content=data, headers=headers, **kwargs)
+
+
+@functools.cache
+def _http() -> httpx.Client:
+    return httpx.Client(timeout=60)  # one client: a new one per request costs ~50 ms
+
+
+def wait_until(condition, what: str, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.01)
+
+
+def aborts(url: str) -> float:
+    """``specdec:request_success_total{finished_reason="abort"}`` from ``/metrics``."""
+    text = httpx.get(f"{url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name.endswith("_total") and labels.get("finished_reason") == "abort":
+                return sample.value
+    return 0.0
+
+
+# ---------------------------------------------------------------- disconnects
+
+
+@contextlib.contextmanager
+def held_engine(engine):
+    """Each engine step first waits for a message in the engine's inbox (a new request or
+    an abort), so a request cannot finish before its client's disconnect is seen."""
+    real_step = engine.engine.step
+
+    def held_step():
+        deadline = time.time() + 20
+        while engine._inbox.empty() and time.time() < deadline:
+            time.sleep(0.002)
+        return real_step()
+
+    engine.engine.step = held_step
+    try:
+        yield
+    finally:
+        engine.engine.step = real_step
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_disconnect_is_a_quiet_abort_counted_once_per_choice(server, caplog, stream):
+    url, app = server
+    engine = app.state.engine
+    before = aborts(url)
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 60, "n": 2, "ignore_eos": True,
+            "temperature": 0, "stream": stream}  # fmt: skip
+    payload = json.dumps(body).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
+    caplog.set_level(logging.WARNING)
+    with held_engine(engine):
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as client:
+            client.sendall(head.encode() + payload)
+            wait_until(lambda: engine.num_live == 2, "the request was not submitted")
+        wait_until(lambda: engine.num_live == 0, "the disconnected request was not aborted")
+    wait_until(lambda: not engine.engine.has_unfinished(), "the engine still holds it")
+    assert engine.engine.num_kv_tokens_used == 0
+    gc.collect()  # an unretrieved future logs when it is collected
+    time.sleep(0.1)
+    assert aborts(url) == before + 2
+    assert "never retrieved" not in caplog.text and "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+# ---------------------------------------------------------------- text that is not Unicode
+
+
+def assert_error(response: httpx.Response, status: int = 400, param=...) -> dict:
+    """An OpenAI-style JSON error; its ``error`` object."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = json.loads(response.content.decode("utf-8"))["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Value error" not in error["message"] and "Assertion failed" not in error["message"]
+    if param is not ...:
+        assert error["param"] == param, error
+    return error
+
+
+BAD = "caf\udcff hi"  # what the JSON escape "\udcff" decodes to: a lone surrogate
+CHAT = [{"role": "user", "content": "w5 w6 w7 w5 w6 w7"}]
+
+
+@pytest.mark.parametrize(
+    "route, change, param",
+    [
+        ("completions", {"prompt": BAD}, "prompt"),
+        ("completions", {"prompt": ["w1", "w2 \ud800"]}, "prompt[1]"),
+        ("completions", {"stop": BAD}, "stop"),
+        ("completions", {"stop": ["w3", BAD]}, "stop[1]"),
+        ("completions", {"model": BAD}, "model"),
+        ("completions", {"speculative": {"method": BAD}}, "speculative.method"),
+        ("completions", {"user": BAD}, "user"),
+        ("completions", {"metadata": {"k": [BAD]}}, "metadata.k[0]"),
+        ("completions", {BAD: 1}, "caf\\udcff hi"),
+        ("chat/completions", {"messages": [{"role": "user", "content": BAD}]},
+         "messages[0].content"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": BAD}]}]},
+            "messages[0].content[0].text",
+        ),
+        ("chat/completions", {"messages": [*CHAT, {"role": "user", "content": "x\udfff"}]},
+         "messages[1].content"),
+        ("chat/completions", {"messages": CHAT, "stop": [BAD]}, "stop[0]"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "w1", "name": BAD}]},
+         "messages[0].name"),
+    ],
+)  # fmt: skip
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(server, route, change, param):
+    url, app = server
+    body = {"model": NAME, "max_tokens": 4}
+    body.update({"prompt": "w1 w2"} if route == "completions" else {"messages": CHAT})
+    body.update(change)
+    error = assert_error(post(url, route, body), 400, param)
+    assert "is not valid Unicode: lone surrogate U+D" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert app.state.engine.num_live == 0
+
+
+def test_a_surrogate_pair_is_text_and_a_body_that_is_not_utf8_is_a_400(server):
+    url, _ = server
+    pair = b'{"model": "tiny", "prompt": "w1 \\ud83d\\ude00 w2", "max_tokens": 2}'
+    assert post(url, "completions", pair).status_code == 200  # one character: U+1F600
+    latin1 = '{"model": "tiny", "prompt": "café"}'.encode("latin-1")
+    error = assert_error(post(url, "completions", latin1), 400)
+    assert "not valid UTF-8: byte 0xe9 at offset" in error["message"]
+
+
+def test_error_bodies_always_encode():
+    from specdec.server.protocol import error_body
+
+    body = error_body("the model 'x\udcff' does not exist", param="a\ud800")
+    text = json.dumps(body, ensure_ascii=False).encode("utf-8").decode("utf-8")
+    assert "x\\\\udcff" in text and "a\\\\ud800" in text
+
+
+def test_an_unexpected_error_is_a_json_500_logged_once(server, llm, caplog, monkeypatch):
+    url, _ = server
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(llm, "encode", broken)
+    caplog.set_level(logging.ERROR)
+    error = assert_error(post(url, "completions", {"model": NAME, "prompt": "w1"}), 500)
+    assert error["type"] == "internal_error" and "RuntimeError" in error["message"]
+
+    def logged():  # by the server, once the answer is sent
+        return [r for r in caplog.records if r.exc_info and r.exc_info[0] is RuntimeError]
+
+    wait_until(logged, "the error was not logged")
+    time.sleep(0.1)
+    assert len(logged()) == 1, caplog.text
+
+
+# ---------------------------------------------------------------- OpenAI's request fields
+
+
+def completion(url: str, **fields) -> httpx.Response:
+    return post(url, "completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 8,
+                                     "temperature": 0, **fields})  # fmt: skip
+
+
+def chat(url: str, **fields) -> httpx.Response:
+    body = {"model": NAME, "messages": CHAT, "max_tokens": 8, "temperature": 0, **fields}
+    return post(url, "chat/completions", body)
+
+
+def text_of(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+#: For every unsupported field, a value that asks for something.
+ASKING = {
+    "logprobs": 2, "top_logprobs": 3, "echo": True, "best_of": 3, "suffix": " w9",
+    "logit_bias": {"5": 10}, "presence_penalty": 0.5, "frequency_penalty": 1,
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "functions": [{"name": "f"}], "function_call": {"name": "f"}, "tool_choice": "required",
+    "response_format": {"type": "json_object"}, "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
+    "web_search_options": {}, "verbosity": "low", "min_p": 0.1, "repetition_penalty": True,
+    "length_penalty": 2, "min_tokens": 5, "use_beam_search": True, "prompt_logprobs": 1,
+    "guided_json": {"type": "object"}, "guided_regex": "w1+", "guided_choice": ["w1"],
+    "guided_grammar": "root ::= x", "guided_decoding_backend": "xgrammar",
+    "structured_outputs": {"json": {}}, "allowed_token_ids": [4, 5], "bad_words": ["w1"],
+    "truncate_prompt_tokens": 5, "include_stop_str_in_output": True,
+    "skip_special_tokens": False, "priority": 1,
+}  # fmt: skip
+
+#: Neutral values of unsupported fields, and ignored fields: the output does not change.
+NEUTRAL = {
+    "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None,
+    "logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0, "tools": [],
+    "functions": None, "tool_choice": "auto", "function_call": "none",
+    "response_format": {"type": "text"}, "prediction": None, "reasoning_effort": None,
+    "modalities": ["text"], "min_p": 0, "repetition_penalty": 1.0, "length_penalty": 1,
+    "min_tokens": 0, "use_beam_search": False, "guided_json": None, "bad_words": [],
+    "skip_special_tokens": True, "priority": 0,
+    "user": "someone", "metadata": {"team": "x"}, "store": False, "service_tier": "auto",
+    "prompt_cache_key": "k", "safety_identifier": "s", "parallel_tool_calls": True,
+    "request_id": "r-1",
+}  # fmt: skip
+
+
+def test_every_unsupported_field_asking_for_something_is_refused_by_name(server):
+    from specdec.server.protocol import UNSUPPORTED
+
+    url, app = server
+    assert set(ASKING) == set(UNSUPPORTED)
+    for field, value in ASKING.items():
+        for response in (completion(url, **{field: value}), chat(url, **{field: value})):
+            error = assert_error(response, 400, field)
+            assert error["message"].startswith(f"not supported by this server: {field} (")
+    error = assert_error(completion(url, echo=True, best_of=3), 400, "best_of")
+    assert "best_of, echo" in error["message"]
+    assert app.state.engine.num_live == 0
+
+
+def test_neutral_values_and_ignored_fields_change_nothing(server):
+    url, _ = server
+    assert text_of(completion(url, **NEUTRAL)) == text_of(completion(url))
+    assert text_of(chat(url, **NEUTRAL)) == text_of(chat(url))
+
+
+def test_null_means_the_default(server, llm):
+    url, _ = server
+    nulls = dict.fromkeys(["top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
+                           "ignore_eos", "speculative", "stop_token_ids"])  # fmt: skip
+    expected = llm.generate(PROMPT, SamplingParams(max_new_tokens=16), chat=False).text
+    assert text_of(completion(url, max_tokens=None, **nulls)) == expected  # OpenAI's 16
+    assert text_of(chat(url, **nulls)) == text_of(chat(url))
+
+
+@pytest.mark.parametrize(
+    "route, change, param",
+    [
+        ("completions", {"foo_bar": 1}, "foo_bar"),
+        ("completions", {"max_completion_tokens": 5}, "max_completion_tokens"),
+        ("completions", {"messages": CHAT}, "messages"),
+        ("chat/completions", {"prompt": "w1"}, "prompt"),
+        ("completions", {"speculative": {"bogus": 1}}, "speculative.bogus"),
+        ("completions", {"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "w1", "foo": 1}]},
+         "messages[0].foo"),
+        ("chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "text", "text": "w1", "x": 2}]}]},
+         "messages[0].content[0].x"),
+    ],
+)  # fmt: skip
+def test_unknown_fields_are_refused_by_name(server, route, change, param):
+    url, _ = server
+    response = (completion if route == "completions" else chat)(url, **change)
+    error = assert_error(response, 400, param)
+    assert f"unknown field '{param}'" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "route, change, param, match",
+    [
+        ("completions", {"temperature": -1}, "temperature", "greater than or equal to 0"),
+        ("completions", {"temperature": "hot"}, "temperature", "temperature: "),
+        ("completions", {"top_p": 0}, "top_p", "greater than 0"),
+        ("completions", {"n": True}, "n", "n: must be a number, not a boolean"),
+        ("completions", {"max_tokens": -1}, "max_tokens", "max_tokens"),
+        ("completions", {"max_tokens": 10**9}, "max_tokens", "maximum context length"),
+        ("completions", {"seed": -1}, "seed", "seed"),
+        ("completions", {"prompt": None}, "prompt", "prompt: Field required"),
+        ("completions", {"prompt": {"a": 1}}, "prompt", "prompt must be a string"),
+        ("completions", {"prompt": ["w1", 5]}, "prompt[1]", "string or a list of token ids"),
+        ("completions", {"prompt": ["w1", " "]}, "prompt[1]", "empty"),
+        ("completions", {"prompt": [10**6]}, "prompt", "outside the vocabulary"),
+        ("completions", {"stop": 5}, "stop", "stop must be a string or a list"),
+        ("completions", {"stop": ["w1", ""]}, "stop[1]", "1 to 1024 characters"),
+        ("completions", {"stop_token_ids": [3, -1]}, "stop_token_ids[1]", "greater than"),
+        ("completions", {"stop_token_ids": [10**6]}, "stop_token_ids", "outside the vocab"),
+        ("completions", {"model": "other"}, "model", "does not exist"),
+        ("completions", {"speculative": {"method": "magic"}}, "speculative.method",
+         "unknown drafter 'magic'"),
+        ("completions", {"speculative": {"num_speculative_tokens": 0}},
+         "speculative.num_speculative_tokens", "greater than or equal to 1"),
+        ("completions", {"speculative": "fast"}, "speculative", "speculative: "),
+        ("chat/completions", {"messages": []}, "messages", "at least 1 item"),
+        ("chat/completions", {"messages": "hi"}, "messages", "valid list"),
+        ("chat/completions", {"messages": [*CHAT, "hi"]}, "messages[1]", "messages[1]: "),
+        ("chat/completions", {"messages": [{"role": "robot", "content": "w1"}]},
+         "messages[0].role", "messages[0].role: Input should be"),
+        ("chat/completions", {"messages": [{"content": "w1"}]}, "messages[0].role", "required"),
+        ("chat/completions", {"messages": [{"role": "user", "content": 5}]},
+         "messages[0].content", "a string or a list of content parts"),
+        ("chat/completions", {"messages": [{"role": "user", "content": None}]},
+         "messages[0].content", "only an assistant message may leave it null"),
+        ("chat/completions", {"messages": [{"role": "user", "content": ["w1"]}]},
+         "messages[0].content[0]", "must be a content part"),
+        ("chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+         "messages[0].content[0].text", "must be a string"),
+        ("chat/completions", {"messages": [{"role": "assistant", "content": None,
+                                            "tool_calls": [{"id": "c"}]}]},
+         "messages[0].tool_calls", "not supported by this server: messages[0].tool_calls"),
+        ("chat/completions", {"messages": [{"role": "tool", "content": "4",
+                                            "tool_call_id": "c"}]},
+         "messages[0].tool_call_id", "not supported"),
+    ],
+)  # fmt: skip
+def test_every_error_names_its_field_without_a_framework_prefix(server, route, change, param,
+                                                                 match):  # fmt: skip
+    url, app = server
+    response = (completion if route == "completions" else chat)(url, **change)
+    error = assert_error(response, 400, param)
+    assert match in error["message"] and error["type"] == "invalid_request_error"
+    assert app.state.engine.num_live == 0
+
+
+def test_a_body_that_is_not_an_object_is_a_400(server):
+    url, _ = server
+    for body in (b"[1, 2]", b'"w1"', b"null", b"{not json"):
+        assert_error(post(url, "completions", body), 400)
+    response = httpx.post(f"{url}/v1/completions", content=b"w1", timeout=30,
+                          headers={"content-type": "text/plain"})  # fmt: skip
+    assert_error(response, 400)
+
+
+def test_stop_token_ids_end_generation_like_eos(server, llm):
+    url, _ = server
+    ids = llm.generate(PROMPT, SamplingParams(max_new_tokens=12), chat=False).token_ids
+    stop_id = ids[4]
+    expected = llm.generate(
+        PROMPT, SamplingParams(max_new_tokens=12, stop_token_ids=(stop_id,)), chat=False
+    )
+    assert expected.token_ids.index(stop_id) == len(expected.token_ids) - 1
+    response = completion(url, max_tokens=12, stop_token_ids=[stop_id])
+    assert text_of(response) == expected.text
+    assert response.json()["choices"][0]["finish_reason"] == "stop"
+    assert response.json()["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+# ---------------------------------------------------------------- content parts
+
+
+def test_content_parts_from_the_openai_client_are_joined_with_newlines(server, llm):
+    import openai
+
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    parts = [{"type": "text", "text": "w5 w6 w7"}, {"type": "text", "text": "w5 w6 w7"}]
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "w1"}], "name": "rules"},
+        {"role": "user", "content": parts, "name": "alice"},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "user", "content": "w2"},
+    ]
+    as_text = [
+        {"role": "system", "content": "w1"},
+        {"role": "user", "content": "w5 w6 w7\nw5 w6 w7"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "w2"},
+    ]
+    expected = llm.generate(as_text, SamplingParams(max_new_tokens=10)).text
+    whole = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, tool_choice="none"
+    )
+    assert whole.choices[0].message.content == expected
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "f"}},
+    ],
+)
+def test_parts_that_are_not_text_are_refused_by_position(server, part):
+    import openai
+
+    url, app = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    content = [{"type": "text", "text": "w1"}, part]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": content}], max_tokens=4
+        )
+    assert raised.value.param == "messages[0].content[1]"
+    assert f"takes text only; content parts of type '{part['type']}'" in raised.value.message
+    assert app.state.engine.num_live == 0
+
+
+# ---------------------------------------------------------------- fuzz
+
+
+def mostly(valid, anything):
+    """Nine times in ten a ``valid`` value, else ``anything``."""
+    from hypothesis import strategies as st
+
+    return st.integers(0, 9).flatmap(lambda i: anything if i == 0 else valid)
+
+
+def fuzz_values():
+    """(strings: mostly prompt words, else any characters, lone surrogates included;
+    arbitrary JSON values made of those)."""
+    from hypothesis import strategies as st
+
+    chars = st.characters() | st.characters(categories=["Cs"])  # Cs: lone surrogates
+    words = st.lists(st.sampled_from([f"w{i}" for i in range(29)]), min_size=1, max_size=6)
+    # not st.text(chars): text() leaves surrogates out of a merged alphabet
+    text = mostly(words.map(" ".join), st.lists(chars, max_size=8).map("".join))
+    leaves = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | text
+    json_values = st.recursive(
+        leaves,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+        max_leaves=6,
+    )
+    return text, json_values
+
+
+def fuzz_strategies():
+    """(route, body) for completions and chat requests whose every string may be anything
+    (lone surrogates included) and which carry arbitrary JSON in arbitrary fields; most
+    values are valid, so that many requests get far (into the engine)."""
+    from hypothesis import strategies as st
+
+    from specdec import registry
+    from specdec.server.protocol import IGNORED, UNSUPPORTED, ChatCompletionRequest
+
+    text, json_values = fuzz_values()
+    known = set(ChatCompletionRequest.model_fields) | set(UNSUPPORTED) | IGNORED
+    keys = mostly(st.sampled_from(sorted(known | {"prompt", "foo_bar"})), text)
+    extra = st.dictionaries(keys, json_values, max_size=1)
+    speculative = st.fixed_dictionaries(
+        {},
+        optional={"method": mostly(st.sampled_from(registry.drafter_names()), text),
+                  "controller": mostly(st.sampled_from(registry.controller_names()), text),
+                  "tree": text, "num_speculative_tokens": st.integers(-1, 70)},
+    )  # fmt: skip
+    common = st.fixed_dictionaries(
+        {"model": mostly(st.just(NAME), text), "max_tokens": st.integers(1, 6)},
+        optional={"stop": text | st.lists(text, max_size=3), "speculative": speculative,
+                  "stream": st.booleans(), "n": st.integers(1, 3)},
+    )  # fmt: skip
+    prompts = text | st.lists(text, max_size=3) | st.lists(st.integers(-3, 40), max_size=6)
+    part = st.fixed_dictionaries({"type": mostly(st.just("text"), text), "text": text})
+    message = st.fixed_dictionaries(
+        {"role": mostly(st.sampled_from(["user", "system", "assistant"]), text),
+         "content": text | st.lists(part, max_size=3)},
+        optional={"name": text},
+    )  # fmt: skip
+    completions = st.tuples(common, prompts, extra).map(
+        lambda t: ("completions", {**t[0], "prompt": t[1], **t[2]})
+    )
+    chats = st.tuples(common, st.lists(message, min_size=1, max_size=3), extra).map(
+        lambda t: ("chat/completions", {**t[0], "messages": t[1], **t[2]})
+    )
+    return completions | chats
+
+
+def check_answer(response: httpx.Response, body: dict) -> None:
+    """A 200 (JSON, or server-sent events ending in ``[DONE]``) or an OpenAI-style 4xx."""
+    if response.status_code != 200:
+        assert 400 <= response.status_code < 500, response.text
+        assert_error(response, response.status_code)
+        return
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert all("error" not in json.loads(e) for e in events[:-1]), response.text
+    else:
+        assert response.json()["choices"], response.text
+
+
+async def fuzz_pair(url: str, route: str, body: dict) -> tuple[httpx.Response, str]:
+    """The fuzzed request, and an ordinary one alongside it in the engine; (the fuzzed
+    request's answer, the ordinary one's text)."""
+    import asyncio
+
+    async with httpx.AsyncClient(base_url=f"{url}/v1", timeout=60) as http:
+        headers = {"content-type": "application/json"}
+        ordinary = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        fuzzed, plain = await asyncio.gather(
+            http.post(route, content=json.dumps(body).encode(), headers=headers),
+            http.post("completions", json=ordinary),
+        )
+    return fuzzed, text_of(plain)
+
+
+def test_fuzzed_requests_get_200_or_a_json_4xx_and_lose_nothing(server, llm, caplog):
+    """Arbitrary strings in every string field and arbitrary JSON in arbitrary fields:
+    never a 500 or a plain-text answer, and requests in flight meanwhile (one streaming
+    from before the fuzzing, one beside each fuzzed request) get exactly their tokens."""
+    import asyncio
+
+    from hypothesis import given, settings
+
+    url, app = server
+    caplog.set_level(logging.ERROR)
+    expected_short = llm.generate(PROMPT, SamplingParams(max_new_tokens=8), chat=False).text
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    expected_long = llm.generate(PROMPT, params, chat=False).text
+    long = {"model": NAME, "prompt": PROMPT, "max_tokens": 100, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+
+    @settings(max_examples=80, deadline=None, database=None)
+    @given(fuzz_strategies())
+    def check(request):
+        route, body = request
+        response, ordinary = asyncio.run(fuzz_pair(url, route, body))
+        check_answer(response, body)
+        assert ordinary == expected_short
+
+    with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as streaming:
+        lines = streaming.iter_lines()
+        pieces = [next(lines)]
+        check()
+        pieces += list(lines)
+    events = [json.loads(p[6:]) for p in pieces if p.startswith("data: ") and "[DONE]" not in p]
+    assert "".join(e["choices"][0]["text"] for e in events) == expected_long
+    engine = app.state.engine
+    wait_until(lambda: engine.num_live == 0, "a fuzzed request is still live")
+    wait_until(lambda: not engine.engine.has_unfinished(), "the engine still holds requests")
+    assert engine.engine.num_kv_tokens_used == 0
+    assert not caplog.records, caplog.text
