@@ -26,11 +26,14 @@ OK_TOP_K = [0, 1, 5, 10**12]
 OK_SEEDS = [None, 0, 3, 2**63 - 1]
 OK_MAX_NEW = [1, 2, 7, 40, 10**9]
 OK_K = [1, 3, 8, 10**9]
+#: The largest dynamic tree: valid, but each step expands thousands of nodes (with
+#: ``ngram:min_n=1,max_n=1000000`` a 128-token generation took over 10 minutes).
+HUGE_TREE = "dynamic:top_k=64,depth=128,budget=1024"
 OK_TREES = [
     None,
     "static:tree-8",
     "dynamic:top_k=2,depth=4,budget=6",
-    "dynamic:top_k=64,depth=128,budget=1024",
+    HUGE_TREE,
     "best-first:budget=16,depth=6",
     "sequoia:budget=8,depth=4",
     "sequoia:budget=128,depth=128",
@@ -59,12 +62,15 @@ def valid_settings(draw) -> dict:
     tree = None if method == "none" else draw(st.sampled_from(OK_TREES))
     if tree is not None and method == "draft-model" and draw(st.booleans()):
         tree = "static:chain-3,draw=iid"  # sampled children need a draft distribution
+    max_new = draw(st.sampled_from(OK_MAX_NEW))
+    if tree == HUGE_TREE:  # up to 64 x 64 expansions per level and step: keep it to 2 steps
+        max_new = min(max_new, 2)
     return dict(
         temperature=draw(st.sampled_from(OK_TEMPERATURES)),
         top_p=draw(st.sampled_from(OK_TOP_P)),
         top_k=draw(st.sampled_from(OK_TOP_K)),
         seed=draw(st.sampled_from(OK_SEEDS)),
-        max_new=draw(st.sampled_from(OK_MAX_NEW)),
+        max_new=max_new,
         k=draw(st.sampled_from(OK_K)),
         method=method,
         tree=tree,

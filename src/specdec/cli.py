@@ -9,15 +9,21 @@ import sys
 
 from specdec import __version__
 from specdec.cli_common import (
+    MIN_CPU_SHARE,
+    CpuMeter,
     add_drafter_args,
     add_sampling_args,
+    check_model_args,
+    choose_threads,
     llm_from_args,
     sampling_params,
     speculative_config,
+    warn_if_busy,
 )
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.llm import LLM, GenerationOutput
 from specdec.models.loading import DEFAULT_MODEL
+from specdec.unicode import check_text, decode_utf8, printable
 
 #: Built-in prompt for ``--demo-prompt``: rewriting a paragraph with a small change, where
 #: most of the output is copied from the prompt and prompt lookup shines.
@@ -34,20 +40,37 @@ DEMO_PROMPT = (
 )
 
 
+#: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 refused, 130 interrupted)."""
+    _printable_output()
     parser = _build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="specdec: %(message)s")
-    _quiet_transformers()
     try:
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="specdec: %(message)s")
+        _quiet_transformers()
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C while loading or outside a generation
+        print("\nspecdec: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. piped into `head`
         sys.stderr.close()
         return 0
     except (ValueError, OSError) as error:
-        message = " ".join(str(error).split())  # always one line
+        message = printable(" ".join(str(error).split()))  # always one line
         print(f"specdec: error: {message}", file=sys.stderr)
         return 2
+
+
+def _printable_output() -> None:
+    """Anything printed that is not encodable (a path given as non-UTF-8 bytes) comes out
+    backslash-escaped instead of raising mid-output."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,15 +161,17 @@ def _cmd_controllers(args: argparse.Namespace) -> int:
 
 
 def _print_entries(names, entry_of) -> None:
-    import dataclasses
+    """Print each entry's summary, then ``name=default  description`` per option."""
+    from specdec.registry import option_docs
 
     for name in names:
         entry = entry_of(name)
         print(f"{name:<12} {entry.summary}")
-        for f in dataclasses.fields(entry.options):
-            default = f.default
-            text = str(default).lower() if isinstance(default, bool) else default
-            print(f"{'':<12}   {f.name}={text}")
+        docs = option_docs(entry.options)
+        settings = [f"{doc.name}={doc.default_text}" for doc in docs]
+        width = max(map(len, settings), default=0)
+        for setting, doc in zip(settings, docs, strict=True):
+            print(f"{'':<12}   {setting:<{width}}  {doc.help}")
 
 
 def _quiet_transformers() -> None:
@@ -159,55 +184,125 @@ def _quiet_transformers() -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     speculative = speculative_config(args)
-    drafter = speculative.spec
     params = sampling_params(args, stop=tuple(args.stop))
+    check_model_args(args)  # everything checkable is checked before loading
+    threads = choose_threads(args)
     llm = llm_from_args(args, speculative)
-    width = speculative.tree.num_nodes if speculative.tree else speculative.num_speculative_tokens
-    # Warm up the shapes a step can use: never more draft tokens than could be generated.
-    width = min(width, params.max_new_tokens - 1, llm.target.max_context - 1)
-    llm.target.warmup((1, width + 1) if width > 0 else (1,))
-    if args.json:
-        output = llm.generate(prompt, params, chat=args.chat)
-    else:
-        if args.demo_prompt:
-            tree = f", tree {speculative.tree}" if speculative.tree else ""
-            print(f"prompt:\n{DEMO_PROMPT}\n\nspeculative output ({drafter}{tree}):")
-        output = _print_stream(llm, prompt, params, args.chat)
-    baseline = None
+    _warm_up(llm, speculative, params)
+    run = _Run()
+    meter = CpuMeter(threads.num_threads)  # did other processes take our cores while timed?
+    try:
+        output = _generate(llm, prompt, params, args, speculative, run)
+    except KeyboardInterrupt:
+        return _interrupted(run, args)
+    baseline, interrupted = None, False
     if args.compare:
-        baseline = llm.generate(
-            prompt, params, chat=args.chat, speculative=SpeculativeConfig(method="none")
-        )
+        try:
+            plain = SpeculativeConfig(method="none")
+            baseline = llm.generate(prompt, params, chat=args.chat, speculative=plain)
+        except KeyboardInterrupt:  # the speculative output is whole: report it
+            interrupted = True
+    share = meter.share()
     if args.json:
         record = _json_record(output, baseline)
         record["tree"] = str(speculative.tree) if speculative.tree else None
         record["backend"] = llm.target.backend
         record["dtype"] = str(llm.target.dtype).replace("torch.", "")
         record["exact"] = bool(getattr(llm.target, "exact", False))
+        record["threads"] = threads.num_threads
+        if baseline is not None:
+            record["cpu_share"] = round(share, 3)
+            record["busy"] = share < MIN_CPU_SHARE
         print(json.dumps(record))
     else:
         _print_metrics(output, baseline, params, speculative.tree)
+    if baseline is not None:
+        warn_if_busy(share, threads.num_threads)
+    if interrupted:
+        print("specdec: interrupted during the plain-decoding baseline", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 
+def _warm_up(llm: LLM, speculative: SpeculativeConfig, params: SamplingParams) -> None:
+    """Warm up the shapes a step can use: never more draft tokens than could be generated."""
+    width = speculative.tree.num_nodes if speculative.tree else speculative.num_speculative_tokens
+    width = min(width, params.max_new_tokens - 1, llm.target.max_context - 1)
+    llm.target.warmup((1, width + 1) if width > 0 else (1,))
+
+
+class _Run:
+    """What a generation produced so far, kept for an interrupted run's report."""
+
+    def __init__(self) -> None:
+        self.text, self.ids, self.metrics, self.streamed = [], [], None, False
+
+
+def _generate(llm, prompt, params, args, speculative, run: _Run) -> GenerationOutput:
+    """The speculative generation, streamed to standard output unless ``--json``."""
+    if args.demo_prompt and not args.json:
+        tree = f", tree {speculative.tree}" if speculative.tree else ""
+        print(f"prompt:\n{DEMO_PROMPT}\n\nspeculative output ({speculative.spec}{tree}):")
+    run.streamed = not args.json
+    output = None
+    for chunk in llm.stream(prompt, params, chat=args.chat):
+        run.text.append(chunk.text)
+        run.ids.extend(chunk.token_ids)
+        run.metrics = chunk.metrics.snapshot()  # what these chunks hold, for Ctrl-C
+        if run.streamed:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        output = chunk.output or output
+    if run.streamed:
+        sys.stdout.write("\n")
+    return output
+
+
+def _interrupted(run: _Run, args: argparse.Namespace) -> int:
+    """Ctrl-C during generation: a clean line, the metrics so far, exit 130."""
+    if run.streamed:
+        sys.stdout.write("\n")
+    partial = None
+    if run.metrics is not None:
+        partial = GenerationOutput("".join(run.text), run.ids, [], "abort", run.metrics)
+    if args.json and partial is not None:
+        record = partial.to_dict()
+        record["interrupted"] = True
+        print(json.dumps(record))
+    elif partial is not None and not args.json:
+        _print_metrics(partial, None, SamplingParams())
+    sys.stdout.flush()
+    print(f"specdec: interrupted after {len(run.ids)} tokens", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt: argv text, standard input (``-``, read as UTF-8 bytes) or the demo's.
+
+    Raises:
+        ValueError: none or two given, or text (the prompt, a stop string) that is not
+            valid UTF-8.
+    """
+    for i, stop in enumerate(args.stop):
+        check_text(stop, f"stop string {i}", from_argv=True)
     if args.demo_prompt:
         if args.prompt is not None:
             raise ValueError("give either PROMPT or --demo-prompt, not both")
         return DEMO_PROMPT
     if args.prompt is None:
         raise ValueError("give a PROMPT (or '-' to read standard input, or --demo-prompt)")
-    return sys.stdin.read() if args.prompt == "-" else args.prompt
-
-
-def _print_stream(llm: LLM, prompt: str, params: SamplingParams, chat) -> GenerationOutput:
-    output = None
-    for chunk in llm.stream(prompt, params, chat=chat):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-        output = chunk.output or output
-    sys.stdout.write("\n")
-    return output
+    if args.prompt == "-":
+        raw = getattr(sys.stdin, "buffer", None)  # bytes: decoded by our rule, not the locale's
+        text = (
+            check_text(sys.stdin.read(), "standard input")
+            if raw is None
+            else decode_utf8(raw.read(), "standard input")
+        )
+    else:
+        text = check_text(args.prompt, "the prompt", from_argv=True)
+    if not text.strip():
+        raise ValueError("prompt is empty" + (" (standard input)" if args.prompt == "-" else ""))
+    return text
 
 
 def _json_record(output: GenerationOutput, baseline: GenerationOutput | None) -> dict:

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
 
 from specdec import registry
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, check_backend, check_dtype
+from specdec.models.loading import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    check_backend,
+    check_dtype,
+    check_source,
+)
 
 
 def add_drafter_args(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +86,15 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     """
     drafter = args.drafter or ("draft-model" if args.draft_model else "ngram")
     name = registry.parse_spec(drafter)[0]
-    if args.draft_model and not registry.drafter_entry(name).needs_draft_model:
+    needs_draft = registry.drafter_entry(name).needs_draft_model
+    if args.draft_model and not needs_draft:
         raise ValueError(f"--draft-model is only used with --drafter draft-model, not {name}")
+    if needs_draft and not args.draft_model:
+        raise ValueError(
+            f"--drafter {name} needs a draft model: add --draft-model NAME_OR_PATH (a model "
+            "sharing the target's tokenizer, e.g. --draft-model smollm2-135m-instruct "
+            "--draft-dtype int8-dynamic)"
+        )
     return SpeculativeConfig(
         method=drafter,
         num_speculative_tokens=args.num_speculative_tokens,
@@ -125,6 +143,19 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         help="native backend: batch-invariant forwards, so greedy speculative output is "
         "bit-identical to plain decoding in any dtype (default: on)",
     )
+    add_threads_arg(parser)
+
+
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    """``--threads``."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads for PyTorch (default: OMP_NUM_THREADS if set, else every core "
+        "this process may use, fewer when other processes keep cores busy)",
+    )
 
 
 def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> SamplingParams:
@@ -164,3 +195,150 @@ def llm_from_args(args: argparse.Namespace, speculative: SpeculativeConfig, **kw
         exact=args.exact,
         **kwargs,
     )
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Check ``--model`` and ``--draft-model`` (paths, folders, embedded packages) without
+    loading anything, so a mistake is refused before the expensive part.
+
+    Raises:
+        FileNotFoundError, ValueError: the message names the path and what was expected.
+    """
+    check_source(args.model, "--model")
+    if getattr(args, "draft_model", None):
+        check_source(args.draft_model, "--draft-model")
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The CPU threads PyTorch runs on, and why.
+
+    Attributes:
+        num_threads: threads set (``torch.get_num_threads()`` after the choice).
+        cores: cores this process may run on.
+        load: the 1-minute load average when the choice was made (other processes).
+        reason: ``"--threads"``, ``"OMP_NUM_THREADS"``, ``"idle"`` or ``"busy"``.
+    """
+
+    num_threads: int
+    cores: int
+    load: float
+    reason: str
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def threads_for(usual: int, cores: int, load: float) -> int:
+    """PyTorch's usual thread count, lowered to the cores that other processes leave free:
+    ``cores`` minus the load average (rounded), at least 1.
+
+    PyTorch's OpenMP threads wait for each other at the end of every operation; when one
+    of them shares its core with another busy process, each small decoding step waits for
+    the descheduled thread (measured on 2 cores beside one busy process: two threads ran
+    10x slower than one), and a speedup printed then is fiction.
+
+    Args:
+        usual: PyTorch's own choice (one thread per physical core).
+        cores: cores this process may run on (logical).
+        load: the 1-minute load average.
+
+    Example:
+        >>> threads_for(2, 2, 0.1), threads_for(2, 2, 1.2), threads_for(2, 2, 3.0)
+        (2, 1, 1)
+        >>> threads_for(8, 16, 4.4), threads_for(8, 16, 10.0)
+        (8, 6)
+    """
+    return max(1, min(usual, cores - round(load)))
+
+
+def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice:
+    """Set PyTorch's thread count: ``--threads``, else ``OMP_NUM_THREADS`` (PyTorch read it
+    already), else (with ``adapt``) :func:`threads_for` the cores and the load average, with
+    a line on standard error when the machine is busy. ``adapt=False`` (a long-running
+    server, which a passing load at its start should not pin to fewer threads) keeps every
+    core.
+
+    Raises:
+        ValueError: ``--threads`` below 1.
+    """
+    import torch
+
+    cores = _cores()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    requested = getattr(args, "threads", None)
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--threads must be >= 1, got {requested}")
+        torch.set_num_threads(requested)
+        reason = "--threads"
+    elif os.environ.get("OMP_NUM_THREADS"):
+        reason = "OMP_NUM_THREADS"
+    else:
+        usual = torch.get_num_threads()
+        threads = threads_for(usual, cores, load) if adapt else usual
+        reason = "busy" if threads < usual else "idle"
+        torch.set_num_threads(threads)
+        if reason == "busy":
+            print(
+                f"specdec: other processes keep this machine busy (load average {load:.1f} on "
+                f"{cores} cores): running on {threads} thread(s) so timings stay meaningful "
+                "(--threads N to choose)",
+                file=sys.stderr,
+            )
+    return ThreadChoice(torch.get_num_threads(), cores, load, reason)
+
+
+#: Below this share of its threads' time on a CPU, a run was starved by other processes.
+MIN_CPU_SHARE = 0.75
+
+
+class CpuMeter:
+    """The share of wall time this process's threads ran on a CPU since :meth:`start`:
+    process CPU seconds / (wall seconds x threads). Near 1 while PyTorch computes on an idle
+    machine (its threads spin while they wait), well below 1 when other processes take
+    their cores."""
+
+    def __init__(self, num_threads: int) -> None:
+        self.num_threads = num_threads
+        self.start()
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), _cpu_seconds()
+
+    def share(self) -> float:
+        wall = time.perf_counter() - self._wall
+        if wall <= 0:
+            return 1.0
+        return (_cpu_seconds() - self._cpu) / (wall * self.num_threads)
+
+
+def warn_if_busy(share: float, num_threads: int) -> bool:
+    """After a timed comparison: warn on standard error when other processes took this
+    run's cores, as the ratio printed is then unreliable.
+
+    Args:
+        share: :meth:`CpuMeter.share` over the timed runs.
+        num_threads: the threads they ran on.
+
+    Returns:
+        whether it warned (``share`` < :data:`MIN_CPU_SHARE`).
+    """
+    if share >= MIN_CPU_SHARE:
+        return False
+    print(
+        f"specdec: warning: this run's {num_threads} thread(s) had a CPU only "
+        f"{share:.0%} of the time (other processes were busy), so the speedup above is "
+        "unreliable; rerun on an idle machine",
+        file=sys.stderr,
+    )
+    return True

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from specdec.trees.spec import TreeSpec
+from specdec.unicode import check_text
 
 #: ``SpeculativeConfig.method`` for the drafter object given to ``LLM(drafter=...)``.
 CUSTOM = "custom"
@@ -39,8 +40,9 @@ class SamplingParams:
             Tokens tied with the k-th logit are kept too.
         top_p: nucleus sampling: keep the smallest set of most probable tokens whose
             probability sums to at least ``top_p`` (float in (0, 1]; ``1`` disables).
-        max_new_tokens: upper bound on generated tokens (int, >= 1), never exceeded; the
-            model's context caps it further (nothing is allocated beyond the context).
+        max_new_tokens: upper bound on generated tokens (int, >= 1; default 256), never
+            exceeded; the model's context caps it further (nothing is allocated beyond the
+            context).
         seed: seed of the ``torch.Generator`` used for every random draw (drafts,
             acceptance tests, residual and bonus samples). Same seed, same output.
             ``None`` draws a fresh seed.
@@ -51,9 +53,13 @@ class SamplingParams:
         stop_token_ids: extra token ids that end generation (kept as the last output id,
             like EOS); at most 1024, each in the target's vocabulary.
         ignore_eos: keep generating past EOS / end-of-turn tokens (for benchmarks).
+        max_tokens: vLLM's and OpenAI's name for ``max_new_tokens``, accepted on
+            construction; the value is then read from ``max_new_tokens`` (this attribute is
+            ``None`` after construction, and does not take part in equality).
 
     Raises:
-        ValueError: on any out-of-range value.
+        ValueError: on any out-of-range value, both ``max_new_tokens`` and ``max_tokens``
+            given, or a stop string that is not valid Unicode.
 
     Temperature, top-k and top-p are applied identically to the target and to a draft
     model, so rejection sampling stays lossless with respect to the *processed* target
@@ -63,13 +69,15 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    max_new_tokens: int = 256
+    max_new_tokens: int = None  # type: ignore[assignment]  # None: max_tokens, else 256
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    max_tokens: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._resolve_max_tokens()
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -93,12 +101,24 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         self._check_stops()
 
+    def _resolve_max_tokens(self) -> None:
+        """``max_tokens`` (vLLM's name) into ``max_new_tokens``; both given is refused."""
+        if self.max_tokens is not None and self.max_new_tokens is not None:
+            raise ValueError(
+                "give max_new_tokens or max_tokens (its vLLM / OpenAI name), not both: got "
+                f"{self.max_new_tokens!r} and {self.max_tokens!r}"
+            )
+        value = self.max_new_tokens if self.max_new_tokens is not None else self.max_tokens
+        object.__setattr__(self, "max_new_tokens", 256 if value is None else value)
+        object.__setattr__(self, "max_tokens", None)
+
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        for s in self.stop:
+        for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            check_text(s, f"stop string {i}")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(
                     f"a stop string has at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
@@ -196,6 +216,9 @@ class SpeculativeConfig:
             object.__setattr__(
                 self, "options", registry.make_options(name, written or self.options)
             )
+            ready = getattr(self.options, "check_ready", None)  # needs without a model
+            if ready is not None:
+                ready()
             samples = entry.samples
         if self.tree is not None:
             object.__setattr__(self, "tree", TreeSpec.parse(self.tree))

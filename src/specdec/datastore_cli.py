@@ -3,7 +3,7 @@
 Corpus files:
 
 * any file but ``.jsonl`` (``.txt``, ``.md``, source code, ...): the whole file is one
-  document (UTF-8; a file with NUL bytes is refused as binary);
+  document (a file with NUL bytes is refused as binary);
 * ``.jsonl``: one JSON object per line, each giving one or more documents: ``"text"``
   (a string: one document), ``"turns"`` (a list of strings, e.g. Spec-Bench / MT-Bench
   questions), ``"messages"`` (a list of ``{"role", "content"}``) or ``"conversations"``
@@ -13,6 +13,11 @@ Corpus files:
   never across two of them. Blank lines are skipped.
 
 Documents are tokenized with the target's tokenizer (``--model``), without special tokens.
+
+Text rule: corpus files are read as UTF-8. A corpus is bulk text (source trees, dumps) in
+which a stray byte should not cost the whole build, so bytes that are not UTF-8, and lone
+surrogates from JSON escapes, are replaced by U+FFFD; the build says on standard error how
+many it replaced in which file. (Prompts are stricter: see :mod:`specdec.unicode`.)
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from specdec.models.loading import DEFAULT_MODEL
+from specdec.unicode import decode_lenient, replace_invalid
 
 #: Corpus files with this suffix hold JSON records; any other file is one text document.
 RECORDS_SUFFIX = ".jsonl"
@@ -110,6 +116,11 @@ def _checked_files(names: list[str]) -> list[Path]:
     """The corpus files, refused up front when missing or of an unknown kind."""
     paths = [Path(name).expanduser() for name in names]
     for path in paths:
+        if path.is_dir():
+            raise ValueError(
+                f"corpus path {path} is a folder; give the files in it, e.g. "
+                f"$(find {path} -name '*.md' -o -name '*.txt')"
+            )
         if not path.is_file():
             raise ValueError(f"corpus file not found: {path}")
         if path.suffix.lower() != RECORDS_SUFFIX:
@@ -126,20 +137,33 @@ def read_documents(path: Path) -> Iterator[str]:
         ValueError: a ``.jsonl`` line that is not JSON or has no text field (file:line).
         OSError: the file cannot be read.
     """
+    replaced = 0
     if path.suffix.lower() != RECORDS_SUFFIX:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text, replaced = decode_lenient(path.read_bytes())
         if text.strip():
             yield text
-        return
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
-            yield from (t for t in record_texts(record, f"{path}:{number}") if t.strip())
+    else:
+        with path.open("rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                line, count = decode_lenient(raw)
+                replaced += count
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
+                for text in record_texts(record, f"{path}:{number}"):
+                    text, count = replace_invalid(text)
+                    replaced += count
+                    if text.strip():
+                        yield text
+    if replaced:
+        print(
+            f"specdec: {path}: {replaced} characters that were not valid UTF-8 text "
+            "replaced by U+FFFD",
+            file=sys.stderr,
+        )
 
 
 def record_texts(record, where: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from specdec.tokenizer import Tokenizer
 from specdec.trees.builders import TreeBuilder, make_tree_builder
 
 Prompt = str | list[dict] | list[int]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,11 +60,21 @@ class GenerationOutput:
 
 @dataclass
 class GenerationChunk:
-    """A streamed piece: new text and ids; the last chunk also carries the full output."""
+    """A streamed piece: new text and ids; the last chunk also carries the full output.
+
+    Attributes:
+        text: text settled by this step (may be ``""`` while a stop string or a character
+            is incomplete).
+        token_ids: the step's new token ids.
+        output: the whole :class:`GenerationOutput`, on the last chunk only.
+        metrics: the generation's running :class:`SpecStats` (the same object every
+            chunk), so a caller that stops early (Ctrl-C) still has the counts so far.
+    """
 
     text: str
     token_ids: list[int]
     output: GenerationOutput | None = None
+    metrics: SpecStats | None = field(default=None, repr=False)
 
 
 class LLM:
@@ -230,7 +243,13 @@ class LLM:
         else:
             backend = self._backend
             if backend == "native" and str(self._draft_dtype).lower() == INT8_DYNAMIC:
-                backend = "auto"  # an int8 draft runs on transformers; the log says so
+                logger.warning(
+                    "the %s draft %s runs on transformers, although the backend is native: "
+                    "the native runtime has no int8 kernels (%s layers are torch's quantized "
+                    "modules); the target runs on %s",
+                    INT8_DYNAMIC, source, INT8_DYNAMIC, self.target.backend,
+                )  # fmt: skip
+                backend = "hf"
             draft = load(source, self._draft_dtype, self._device, backend, self._exact)
         check_vocab_compatible(self.target, draft)
         self._draft = draft
@@ -446,4 +465,4 @@ def _stream_text(tokenizer: Tokenizer, prompt_ids: list[int], steps, params: Sam
             output = GenerationOutput(
                 stream.text, stream.ids, prompt_ids, step.finish_reason, step.stats
             )
-        yield GenerationChunk(delta, list(step.new_token_ids), output)
+        yield GenerationChunk(delta, list(step.new_token_ids), output, step.stats)

@@ -10,6 +10,7 @@ Definitions (see docs in the architecture guide):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -56,6 +57,17 @@ class SpecStats:
     chosen_k_counts: list[int] = field(default_factory=list)
     num_steps_off: int = 0
     trace: list = field(default_factory=list, repr=False)
+
+    def snapshot(self) -> SpecStats:
+        """A copy that later steps do not change (counts and histograms copied; the trace
+        is the steps so far, shared)."""
+        return dataclasses.replace(
+            self,
+            accepted_per_position=list(self.accepted_per_position),
+            accepted_length_counts=list(self.accepted_length_counts),
+            chosen_k_counts=list(self.chosen_k_counts),
+            trace=self.trace[:],
+        )
 
     def record_choice(self, k: int) -> None:
         """Count one controller choice of ``k`` draft tokens (0 = speculation off)."""

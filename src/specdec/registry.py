@@ -7,7 +7,9 @@ CLI's ``--drafter`` choices, ``specdec bench --method`` and the server's per-req
 
 A drafter is named with a *spec string*: ``NAME`` or ``NAME:key=value,...``, e.g.
 ``ngram:min_n=1,max_n=3`` or ``suffix:max_depth=32,global_cache=false``; the options go to
-the drafter's options dataclass (frozen, validated in its ``__post_init__``).
+the drafter's options dataclass (frozen, validated in its ``__post_init__``). Each option
+may carry a one-line description (:func:`option`); :func:`option_docs` reads them for
+``specdec drafters``, ``specdec controllers`` and the README (:func:`options_markdown`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.drafters import options as opts
+from specdec.option import HELP
+from specdec.option import option as option  # re-exported for third-party options
 
 
 @dataclass(frozen=True)
@@ -98,9 +102,103 @@ def _check_options_class(name: str, cls: type) -> None:
     for f in dataclasses.fields(cls):
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ValueError(f"option {f.name!r} of {name!r} needs a default")
-        kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
-        if (kinds or [hints[f.name]])[0] not in _KIND_NAMES:
+        if _base_type(hints[f.name]) not in _KIND_NAMES:
             raise ValueError(f"option {f.name!r} of {name!r} must be an int, float, bool or str")
+        text = f.metadata.get(HELP, "")  # a description is optional
+        if not isinstance(text, str) or "\n" in text:
+            raise ValueError(f"the description of option {f.name!r} of {name!r} must be one line")
+
+
+def _base_type(hint: Any) -> Any:
+    """``int`` for ``int`` and for ``int | None``."""
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)]
+    return (kinds or [hint])[0]
+
+
+#: What :func:`option_docs` gives for an option registered without a description.
+NO_DESCRIPTION = "(no description)"
+
+
+@dataclass(frozen=True)
+class OptionDoc:
+    """One option of an options dataclass, as ``specdec drafters`` and the README show it.
+
+    Attributes:
+        name: the key in ``NAME:key=value``.
+        default: its default value.
+        kind: ``"int"``, ``"float"``, ``"bool"`` or ``"str"``.
+        help: its one-line description, or :data:`NO_DESCRIPTION`.
+    """
+
+    name: str
+    default: Any
+    kind: str
+    help: str
+
+    @property
+    def default_text(self) -> str:
+        """The default as a spec string writes it (``true``, ``0.5``; ``""`` when empty)."""
+        if isinstance(self.default, bool):
+            return str(self.default).lower()
+        return str(self.default) if self.default != "" else '""'
+
+
+def option_docs(options_cls: type) -> tuple[OptionDoc, ...]:
+    """The options of an options dataclass with their defaults and descriptions.
+
+    Args:
+        options_cls: a drafter's or controller's options dataclass (``entry.options``).
+
+    Returns:
+        one :class:`OptionDoc` per field, in declaration order.
+
+    Raises:
+        ValueError: ``options_cls`` is not a dataclass.
+    """
+    if not dataclasses.is_dataclass(options_cls):
+        raise ValueError(f"{options_cls!r} is not an options dataclass")
+    hints = typing.get_type_hints(options_cls)
+    return tuple(
+        OptionDoc(
+            f.name,
+            f.default if f.default is not dataclasses.MISSING else f.default_factory(),
+            _base_type(hints[f.name]).__name__,
+            f.metadata.get(HELP) or NO_DESCRIPTION,
+        )
+        for f in dataclasses.fields(options_cls)
+    )
+
+
+def options_markdown(kind: str) -> str:
+    """The options table of every registered drafter or controller, as in the README.
+
+    Args:
+        kind: ``"drafter"`` or ``"controller"``.
+
+    Returns:
+        a Markdown table with columns kind, option, default and description: a row per
+        option (the entry's name on its first), a "no options" row for an entry without
+        any; no trailing newline.
+
+    Raises:
+        ValueError: ``kind`` is neither.
+    """
+    tables = {"drafter": _DRAFTERS, "controller": _CONTROLLERS}
+    if kind not in tables:
+        raise ValueError(f"kind must be 'drafter' or 'controller', got {kind!r}")
+    rows = [f"| {kind} | option | default | description |", "|---|---|---|---|"]
+    for name, entry in tables[kind].items():
+        docs = option_docs(entry.options)
+        if not docs:
+            rows.append(_markdown_row(f"`{name}`", "", "", "no options"))
+        for i, doc in enumerate(docs):
+            label = f"`{name}`" if i == 0 else ""
+            rows.append(_markdown_row(label, f"`{doc.name}`", f"`{doc.default_text}`", doc.help))
+    return "\n".join(rows)
+
+
+def _markdown_row(*cells: str) -> str:
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
 def drafter_names() -> tuple[str, ...]:
@@ -162,7 +260,11 @@ def _make_options(kind: str, name: str, cls: type, values: Any) -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in known:
-            hint = f" (options: {', '.join(known)})" if known else " (it takes no options)"
+            hint = (
+                f" (options: {', '.join(known)}; `specdec {kind}s` describes them)"
+                if known
+                else " (it takes no options)"
+            )
             raise ValueError(f"{kind} {name!r} has no option {key!r}{hint}")
         kwargs[key] = _convert(f"{kind} {name!r}", key, value, hints[key])
     return cls(**kwargs)
@@ -170,8 +272,7 @@ def _make_options(kind: str, name: str, cls: type, values: Any) -> Any:
 
 def _convert(name: str, key: str, value: Any, hint: Any) -> Any:
     """A string option value as the field's type; other values are checked, not cast."""
-    kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
-    kind = kinds[0]
+    kind = _base_type(hint)
     if value is None and type(None) in typing.get_args(hint):
         return None
     if not isinstance(value, str):
@@ -251,11 +352,7 @@ def _layer_skip(context: DrafterContext, options: opts.LayerSkipOptions):
 def _retrieval(context: DrafterContext, options: opts.RetrievalOptions):
     from specdec.drafters.retrieval import Datastore, RetrievalDrafter
 
-    if not options.datastore:
-        raise ValueError(
-            "drafter 'retrieval' needs a datastore: retrieval:datastore=PATH, with PATH "
-            "built from your text by `specdec datastore build FILES... -o PATH --model TARGET`"
-        )
+    options.check_ready()  # SpeculativeConfig checked it; the file may have gone since
     return RetrievalDrafter(Datastore.load(options.datastore, context.tokenizer), options)
 
 

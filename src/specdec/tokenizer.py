@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from specdec.unicode import check_text
+
 #: End-of-turn markers of common chat templates; each one that the template uses and the
 #: tokenizer maps to a single token ends generation like EOS.
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
@@ -67,8 +69,10 @@ class Tokenizer:
             prompt token ids (list of int).
 
         Raises:
-            ValueError: messages given but the tokenizer has no chat template.
+            ValueError: messages given but the tokenizer has no chat template, or text that
+                is not valid Unicode (a lone surrogate; see :mod:`specdec.unicode`).
         """
+        _check_prompt_text(prompt)
         if chat is None:
             chat = self.has_chat_template
         if isinstance(prompt, list):
@@ -115,3 +119,19 @@ def _eos_token_ids(tokenizer) -> set[int]:
                 if token_ids and token_ids[0] is not None and token_ids[0] != unk:
                     ids.add(int(token_ids[0]))
     return ids
+
+
+def _check_prompt_text(prompt: str | list[dict]) -> None:
+    """Refuse a prompt or message text that is not valid Unicode (the tokenizer would fail
+    with a ``TypeError`` far from the cause)."""
+    if isinstance(prompt, str):
+        check_text(prompt, "the prompt")
+        return
+    for i, message in enumerate(prompt):
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        for j, part in enumerate(parts):
+            text = part.get("text") if isinstance(part, dict) else part
+            if isinstance(text, str):
+                where = f"messages[{i}].content" + (f"[{j}]" if isinstance(content, list) else "")
+                check_text(text, where)

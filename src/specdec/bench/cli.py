@@ -20,7 +20,13 @@ from specdec.bench.datasets import (
 from specdec.bench.harness import check_unique, run_benchmark
 from specdec.bench.methods import parse_methods
 from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
-from specdec.cli_common import add_sampling_args, llm_from_args, sampling_params
+from specdec.cli_common import (
+    add_sampling_args,
+    check_model_args,
+    choose_threads,
+    llm_from_args,
+    sampling_params,
+)
 from specdec.config import SpeculativeConfig
 from specdec.engine.engine import EngineConfig
 from specdec.llm import LLM
@@ -106,10 +112,13 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--serving",
         action="store_true",
-        help="instead of single generations: `specdec serve` in this process under 1, 2, 4, "
-        "8, 16, 32 concurrent streaming clients (32 Spec-Bench first turns, greedy), "
-        "speculation off vs on (the first specdec --method, default ngram:k=5), and the "
-        "in-process API at concurrency 1; writes serving.{json,md,png} with --out",
+        help="instead of single generations: start `specdec serve` in a subprocess on "
+        "loopback and measure it under 1, 2, 4, 8, 16, 32 concurrent streaming clients "
+        "(first turns of 6 --dataset prompts per group, at most 32; greedy), speculation "
+        "off vs on (the first specdec "
+        "--method, default ngram:k=5); then, after the server exits, the same prompts one "
+        "at a time through the in-process API (speculation on) to show the server's "
+        "overhead; writes serving.{json,md,png} with --out",
     )
     p.add_argument(
         "--controller",
@@ -165,6 +174,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     if args.repeat > 1:
         prompts = repeat_rounds(prompts, args.repeat)
+    check_model_args(args)
+    choose_threads(args)
     llm = LLM(
         args.model,
         speculative=SpeculativeConfig(method="none"),

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.unicode import check_text, decode_utf8
+
 #: Spec-Bench category -> the group it is reported under (as on the Spec-Bench leaderboard).
 SPEC_BENCH_GROUPS = {
     **{
@@ -91,15 +93,17 @@ def load_jsonl(
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a malformed line, or an id that an earlier line already used (the
-            message gives ``path:line``): benchmark records are matched by id.
+        ValueError: a malformed line, text that is not valid UTF-8 / Unicode, or an id
+            that an earlier line already used (the message gives ``path:line``):
+            benchmark records are matched by id.
     """
     path = Path(path)
     source = source or path.stem
     prompts = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # bytes: a decoding error names the file and line
+        for lineno, raw in enumerate(handle, start=1):
+            line = decode_utf8(raw, f"{path}:{lineno}")
             if not line.strip():
                 continue
             prompt = _parse_line(line, f"{path}:{lineno}", source, lineno, groups or {})
@@ -133,6 +137,8 @@ def _parse_line(
         raise ValueError(
             f"{where}: needs 'turns' (non-empty list of non-empty strings) or 'prompt'"
         )
+    for i, turn in enumerate(turns):
+        check_text(turn, f"{where}: turn {i}")
     category = str(record.get("category", "custom"))
     prompt_id = record.get("question_id", record.get("id", lineno))
     return BenchPrompt(

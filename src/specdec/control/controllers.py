@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from specdec.control.base import SequenceInfo, StepOutcome, StepView
 from specdec.control.cost import CostModel, CostPrior
+from specdec.option import option
 
 
 def _check(name: str, value, low: float, high: float, *, low_open=False, high_open=False):
@@ -145,10 +146,10 @@ class HeuristicOptions:
         decrease: subtracted after a step that rejected one.
     """
 
-    start: int = 0
-    min_k: int = 1
-    increase: int = 2
-    decrease: int = 1
+    start: int = option(0, "draft tokens of the first step (0: the configured k)")
+    min_k: int = option(1, "never fewer draft tokens than this (>= 0; 0 may switch it off)")
+    increase: int = option(2, "draft tokens added after a fully accepted draft (>= 0)")
+    decrease: int = option(1, "draft tokens removed after a step that rejected one (>= 0)")
 
     def __post_init__(self) -> None:
         for name in ("start", "min_k", "increase", "decrease"):
@@ -209,9 +210,13 @@ class ConfidenceOptions:
         shared: requests share one calibration (never for isolated requests).
     """
 
-    threshold: float = 0.5
-    calibrate: bool = True
-    shared: bool = True
+    threshold: float = option(
+        0.5, "stop drafting once the predicted chance of a rejection passes this, in (0, 1)"
+    )
+    calibrate: bool = option(
+        True, "learn acceptance from draft confidence online (10 bins); false: use it as is"
+    )
+    shared: bool = option(True, "requests share one calibration (isolated requests never do)")
 
     def __post_init__(self) -> None:
         _check("threshold", self.threshold, 0.0, 1.0, low_open=True, high_open=True)
@@ -334,15 +339,33 @@ class CostOptions:
             estimate shrinks; otherwise every request starts from ``prior``.
     """
 
-    prior: float = 0.3
-    deep_prior: float = 0.9
-    strength: float = 1.0
-    decay: float = 0.85
-    goodput_decay: float = 0.95
-    token_cost: float = 0.1
-    max_backoff: int = 64
-    probe_budget: float = 0.02
-    shared: bool = True
+    prior: float = option(0.3, "acceptance rate of a first draft token before evidence, in [0, 1]")
+    deep_prior: float = option(
+        0.9, "acceptance rate of a later token after accepted ones, before evidence, in [0, 1]"
+    )
+    strength: float = option(1.0, "weight of the priors, in pseudo-observations (> 0)")
+    decay: float = option(
+        0.85, "per-step forgetting of acceptance evidence, in (0, 1]; remembers ~1/(1-decay) steps"
+    )
+    goodput_decay: float = option(
+        0.95, "per-step forgetting of the measured goodput of whole proposals, in (0, 1]"
+    )
+    token_cost: float = option(
+        0.1,
+        "cost of a verified row relative to a plain step, before measurements and for "
+        "isolated requests (>= 0)",
+    )
+    max_backoff: int = option(
+        64,
+        "most off steps between one-token probes (the wait doubles after each rejected "
+        "probe; >= 1)",
+    )
+    probe_budget: float = option(
+        0.02, "probes cost at most this fraction of the time spent off, in (0, 1]"
+    )
+    shared: bool = option(
+        True, "requests (not isolated ones) learn a per-position acceptance profile together"
+    )
 
     def __post_init__(self) -> None:
         _check("prior", self.prior, 0.0, 1.0)
@@ -583,10 +606,18 @@ class BanditOptions:
         token_cost: as for ``cost`` (isolated requests and before measurements).
     """
 
-    exploration: float = 0.2
-    discount: float = 0.98
-    counterfactual: bool = True
-    token_cost: float = 0.1
+    exploration: float = option(
+        0.2, "UCB exploration scale c; rewards are speed over a plain step, about 0-3 (>= 0)"
+    )
+    discount: float = option(0.98, "per-step discount of the arms' statistics, in (0, 1]")
+    counterfactual: bool = option(
+        True, "also score shorter (and unproposed longer) lengths from each verification"
+    )
+    token_cost: float = option(
+        0.1,
+        "cost of a verified row relative to a plain step, before measurements and for "
+        "isolated requests (>= 0)",
+    )
 
     def __post_init__(self) -> None:
         _check("exploration", self.exploration, 0.0, math.inf, high_open=True)

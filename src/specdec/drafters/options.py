@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.option import option
 
 
 def _int(value) -> bool:
@@ -39,8 +42,8 @@ class NgramOptions:
             beyond the text's length are skipped).
     """
 
-    min_n: int = 2
-    max_n: int = 4
+    min_n: int = option(2, "shortest n-gram matched, in tokens (1 to max_n)")
+    max_n: int = option(4, "longest n-gram matched and tried first, in tokens (>= min_n)")
 
     def __post_init__(self) -> None:
         _check_int("min_n", self.min_n, 1)
@@ -65,11 +68,21 @@ class SuffixOptions:
             is evicted first (>= 1).
     """
 
-    max_depth: int = 24
-    max_spec_factor: float = 1.0
-    min_token_prob: float = 0.1
-    global_cache: bool = True
-    max_cached_requests: int = 256
+    max_depth: int = option(
+        24, "longest suffix stored, hence the longest match and draft, in tokens (2 to 256)"
+    )
+    max_spec_factor: float = option(
+        1.0, "a step drafts at most max_spec_factor * match length tokens (> 0)"
+    )
+    min_token_prob: float = option(
+        0.1, "end a draft path where its estimated probability falls below this (0 to 1)"
+    )
+    global_cache: bool = option(
+        True, "also match earlier requests' prompts and outputs (one tree for all sequences)"
+    )
+    max_cached_requests: int = option(
+        256, "earlier requests the global tree holds; least recently finished go first (>= 1)"
+    )
 
     def __post_init__(self) -> None:
         _check_int("max_depth", self.max_depth, 2, 256)
@@ -92,8 +105,10 @@ class RecyclingOptions:
             paper's "hot start"); ``false`` gives each sequence its own, starting empty.
     """
 
-    top_k: int = 8
-    shared: bool = True
+    top_k: int = option(8, "candidate next tokens kept per token in the table (1 to 64)")
+    shared: bool = option(
+        True, "one table for all sequences, kept across requests; false: one per sequence"
+    )
 
     def __post_init__(self) -> None:
         _check_int("top_k", self.top_k, 1, 64)
@@ -167,12 +182,20 @@ class LayerSkipOptions:
             the same seed gives the same sequence of skip sets.
     """
 
-    skip: str = ""
-    skip_ratio: float = 0.2
-    confidence: float = 0.3
-    search_steps: int = 8
-    search_rounds: int = 12
-    seed: int = 0
+    skip: str = option(
+        "", "fixed layers skipped while drafting, e.g. 4-11+14; empty: searched on the fly"
+    )
+    skip_ratio: float = option(
+        0.2, "fraction of layers skipped by the on-the-fly search, in [0, 1)"
+    )
+    confidence: float = option(
+        0.3, "end a chain draft before a token whose draft probability is below this; 0: off"
+    )
+    search_steps: int = option(8, "verification steps that score one candidate skip set (>= 1)")
+    search_rounds: int = option(
+        12, "candidate skip sets tried after the first before the best is kept (>= 0)"
+    )
+    seed: int = option(0, "seed of the skip-set search's random choices (>= 0)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.skip, str):
@@ -207,11 +230,17 @@ class RetrievalOptions:
             longest draft (1 to 256).
     """
 
-    datastore: str = ""
-    max_match: int = 16
-    min_match: int = 2
-    max_occurrences: int = 5000
-    continuation_length: int = 10
+    datastore: str = option(
+        "", "path of a `specdec datastore build` file for the target's tokenizer (required)"
+    )
+    max_match: int = option(16, "longest context suffix searched, in tokens (1 to 256)")
+    min_match: int = option(2, "shortest suffix that counts as a match, in tokens (1 to max_match)")
+    max_occurrences: int = option(
+        5000, "occurrences whose continuations form the draft trie; more are thinned (>= 1)"
+    )
+    continuation_length: int = option(
+        10, "tokens kept after each occurrence: the longest draft (1 to 256)"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.datastore, str):
@@ -224,6 +253,27 @@ class RetrievalOptions:
             )
         _check_int("max_occurrences", self.max_occurrences, 1)
         _check_int("continuation_length", self.continuation_length, 1, 256)
+
+    def check_ready(self) -> None:
+        """What building the drafter needs that can be checked without a model (called by
+        :class:`~specdec.config.SpeculativeConfig`): a datastore file that exists.
+
+        Raises:
+            ValueError: no datastore given, or the path is not a file.
+        """
+        if not self.datastore:
+            raise ValueError(
+                "drafter 'retrieval' needs a datastore: retrieval:datastore=PATH, with PATH "
+                "built from your text by `specdec datastore build FILES... -o PATH --model "
+                "TARGET`"
+            )
+        path = Path(self.datastore).expanduser()
+        if not path.is_file():
+            what = "a folder" if path.is_dir() else "not found"
+            raise ValueError(
+                f"retrieval datastore {path}: {what}; expected a .npz file written by "
+                "`specdec datastore build`"
+            )
 
 
 @dataclass(frozen=True)
@@ -240,9 +290,11 @@ class LookaheadOptions:
     Each verification also runs ``(N - 1) * W`` lookahead rows.
     """
 
-    window: int = 5
-    ngram: int = 4
-    candidates: int = 5
+    window: int = option(5, "W: columns of the lookahead window (1 to 64)")
+    ngram: int = option(4, "N: n-gram size; drafts and window rows are N - 1 tokens (2 to 16)")
+    candidates: int = option(
+        5, "G: most n-grams drafted per step (a chain takes the newest) (1 to 64)"
+    )
 
     def __post_init__(self) -> None:
         _check_int("window", self.window, 1, 64)

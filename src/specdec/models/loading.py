@@ -235,20 +235,77 @@ def with_backend(model: HFModel, backend: str, exact: bool = True) -> Backend:
         return model
 
 
+#: Files a Hugging Face model folder needs: its config and a tokenizer (any one of these).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_source(name_or_path: str, what: str = "model") -> str:
+    """Check, without loading anything, that ``name_or_path`` can name a model: an embedded
+    name whose package is installed, an existing ``.gguf`` file, a folder holding a Hugging
+    Face model (``config.json`` and tokenizer files), or else a hub id (checked on load).
+
+    Args:
+        name_or_path: what :func:`load` would be given.
+        what: the option or argument it came from, for messages (``"--model"``).
+
+    Returns:
+        ``"embedded"``, ``"gguf"``, ``"folder"`` or ``"hub"``.
+
+    Raises:
+        FileNotFoundError: a path that does not exist, or an embedded model whose package
+            is missing (the message names the path or the package).
+        ValueError: a path that exists but holds no model (the message names the path and
+            what was expected there).
+    """
+    name = str(name_or_path)
+    if name.lower() in EMBEDDED_MODELS:
+        embedded_gguf_path(name)
+        return "embedded"
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"{what}: GGUF file not found: {path}")
+        return "gguf"
+    if path.is_dir():
+        return _check_model_folder(path, what)
+    if path.exists():
+        raise ValueError(
+            f"{what}: {path} is a file but not a .gguf model; give a .gguf file or a Hugging "
+            "Face model folder (config.json, tokenizer files, weights)"
+        )
+    if _looks_local(name):
+        raise FileNotFoundError(f"{what}: model folder not found: {path}")
+    return "hub"
+
+
+def _check_model_folder(path: Path, what: str) -> str:
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        missing.append(f"tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    if missing:
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f"; did you mean the GGUF file {ggufs[0]}?" if ggufs else ""
+        raise ValueError(
+            f"{what}: folder {path} holds no Hugging Face model: {' and '.join(missing)} "
+            f"missing (expected config.json, tokenizer files and *.safetensors or *.bin "
+            f"weights){hint}"
+        )
+    return "folder"
+
+
 def _load_hf(name_or_path, dtype, device) -> HFModel:
     torch_dtype = parse_dtype(dtype)
     device = parse_device(device)
     name = str(name_or_path)
-    if name.lower() in EMBEDDED_MODELS:
+    kind = check_source(name)
+    if kind == "embedded":
         return _load_gguf(embedded_gguf_path(name), torch_dtype, device, name.lower())
-    if name.endswith(".gguf"):
+    if kind == "gguf":
         gguf = Path(name).expanduser()
-        if not gguf.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {gguf}")
         return _load_gguf(gguf, torch_dtype, device, gguf.name)
-    if _looks_local(name) and not Path(name).expanduser().exists():
-        raise FileNotFoundError(f"model directory not found: {name}")
-    if _looks_local(name) or Path(name).expanduser().exists():
+    if kind == "folder":
         return _from_pretrained(name, torch_dtype, device, name)
     return _from_hub(name, torch_dtype, device)
 

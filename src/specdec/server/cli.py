@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import threading
 import time
 
-from specdec.cli_common import add_drafter_args, llm_from_args, speculative_config
+from specdec.cli_common import (
+    add_drafter_args,
+    add_threads_arg,
+    check_model_args,
+    choose_threads,
+    llm_from_args,
+    speculative_config,
+)
 from specdec.models.loading import BACKENDS, DEFAULT_MODEL, check_backend, check_dtype
 
 logger = logging.getLogger(__name__)
@@ -39,6 +48,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
                    help="native backend: batch-invariant forwards (default: on)")  # fmt: skip
+    add_threads_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument(
@@ -62,21 +72,11 @@ def add_parser(sub) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from specdec.engine import EngineConfig
     from specdec.server.app import create_app
 
-    check_dtype(args.dtype)
-    check_backend(args.backend, args.dtype)
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_waiting < 1:
-        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    speculative = speculative_config(args)
-    config = EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_kv_tokens=args.max_kv_tokens,
-    )
+    speculative, config = _checked(args)
+    listener = bind(args.host, args.port)  # before the model loads: a busy port fails now
+    choose_threads(args, adapt=False)  # --threads or OMP_NUM_THREADS; else every core
     llm = llm_from_args(args, speculative, engine_config=config)
     app = create_app(
         llm, args.served_model_name or args.model, args.max_waiting, engine_thread=False
@@ -86,12 +86,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}/v1",
         flush=True,
     )
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=30)  # fmt: skip
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
     # HTTP on a thread, the model on the main thread (see AsyncEngine.run); SIGTERM and
     # SIGINT start uvicorn's graceful shutdown, whose end stops the engine loop.
-    http = threading.Thread(target=server.run, name="specdec-http", daemon=True)
+    http = threading.Thread(
+        target=server.run, kwargs={"sockets": [listener]}, name="specdec-http", daemon=True
+    )
 
     def stop(signum, frame):
         server.should_exit = True
@@ -101,9 +102,60 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     http.start()
     while not server.started:
         if not http.is_alive():
-            raise OSError(f"could not serve on {args.host}:{args.port} (address in use?)")
+            raise OSError(f"could not serve on {args.host}:{args.port}")
         time.sleep(0.05)
     app.state.engine.run()
     http.join(60)
     print("specdec: server stopped", flush=True)
     return 0
+
+
+def _checked(args: argparse.Namespace):
+    """Every option checked before anything loads: the speculative settings and the
+    engine's limits.
+
+    Raises:
+        ValueError: the message names the option.
+    """
+    from specdec.engine import EngineConfig
+
+    check_dtype(args.dtype)
+    check_backend(args.backend, args.dtype)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    speculative = speculative_config(args)
+    check_model_args(args)
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_kv_tokens=args.max_kv_tokens,
+    )
+    return speculative, config
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6), handed to uvicorn, so the
+    address is taken before the model loads and nobody can take it in between.
+
+    Raises:
+        OSError: the address is in use or cannot be bound (the message names it).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise OSError(f"cannot serve on {host}:{port}: unknown host ({error.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        in_use = error.errno == errno.EADDRINUSE
+        reason = "the address is in use (another server?)" if in_use else error.strerror
+        raise OSError(f"cannot serve on {host}:{port}: {reason}") from None
+    sock.set_inheritable(True)
+    return sock

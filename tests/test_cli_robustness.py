@@ -1,0 +1,400 @@
+"""What a new user hands the command line by mistake or by accident: text that is not
+UTF-8, Ctrl-C, resources that are missing or taken, a busy machine. Each is one clear line
+(exit 2), or for Ctrl-C exit 130 with what was generated so far, and each mistake that can
+be seen without the model is refused before the model loads."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import specdec.cli as cli
+import specdec.cli_common as cli_common
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+
+PROMPT = "w20 w9 w11"
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """Exit status (argparse's own refusals exit through ``SystemExit``), stdout, stderr."""
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as stop:
+        code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2, err
+    assert err.startswith("specdec: error:") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if a model would load: the mistake must be caught before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the mistake was refused")
+
+    monkeypatch.setattr(cli, "llm_from_args", refuse)
+    monkeypatch.setattr("specdec.server.cli.llm_from_args", refuse)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir) -> LLM:
+    return LLM(tiny_model_dir)
+
+
+@pytest.fixture
+def shared_llm(monkeypatch, tiny_llm):
+    """``generate`` runs on one LLM built once (so property tests stay fast)."""
+    monkeypatch.setattr(cli, "llm_from_args", lambda args, speculative, **kw: tiny_llm)
+    return tiny_llm
+
+
+def stdin_bytes(monkeypatch, data: bytes) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+
+# ------------------------------------------------------------------- text that is not UTF-8
+
+
+def test_argv_prompt_with_a_byte_that_is_not_utf8(capsys, tiny_model_dir, no_loading):
+    prompt = os.fsdecode(b"caf\xe9 hi")  # what Python makes of such argv bytes
+    code, out, err = run_cli(capsys, "generate", prompt, "--model", tiny_model_dir)
+    assert_one_line_error(code, err, "the prompt is not valid UTF-8", "byte 0xe9", "iconv")
+    assert out == ""
+
+
+def test_stdin_with_a_byte_that_is_not_utf8(capsys, tiny_model_dir, no_loading, monkeypatch):
+    stdin_bytes(monkeypatch, b"caf\xe9 hi\n")
+    code, _, err = run_cli(capsys, "generate", "-", "--model", tiny_model_dir)
+    assert_one_line_error(code, err, "standard input is not valid UTF-8", "offset 3")
+
+
+def test_stdin_utf8_with_a_byte_order_mark(capsys, shared_llm, monkeypatch, tiny_model_dir):
+    stdin_bytes(monkeypatch, b"\xef\xbb\xbf" + PROMPT.encode())
+    code, out, _ = run_cli(capsys, "generate", "-", "--model", tiny_model_dir, "--json")
+    reference = shared_llm.generate(PROMPT)
+    assert code == 0 and json.loads(out)["token_ids"] == reference.token_ids
+
+
+def test_stop_string_that_is_not_utf8(capsys, tiny_model_dir, no_loading):
+    stop = os.fsdecode(b"\xff")
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--stop", stop)
+    assert_one_line_error(code, err, "stop string 0 is not valid UTF-8", "byte 0xff")
+
+
+def test_python_callers_get_a_value_error(tiny_llm):
+    with pytest.raises(ValueError, match="the prompt is not valid Unicode: lone surrogate"):
+        tiny_llm.generate("caf\udcff hi")
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content is not valid"):
+        tiny_llm.tokenizer.encode(
+            [{"role": "user", "content": "hi"}, {"role": "user", "content": "\ud800"}]
+        )
+    with pytest.raises(ValueError, match="stop string 1"):
+        SamplingParams(stop=("ok", "\udcff"))
+
+
+def test_dataset_file_that_is_not_utf8_names_file_and_line(tmp_path):
+    from specdec.bench.datasets import load_jsonl
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"prompts\.jsonl:2 is not valid UTF-8: byte 0xe9"):
+        load_jsonl(path)
+    path.write_text('{"prompt": "fine"}\n{"prompt": "caf\\udcff"}\n')
+    with pytest.raises(ValueError, match=r"prompts\.jsonl:2: turn 0 is not valid Unicode"):
+        load_jsonl(path)
+
+
+def test_corpus_bytes_are_replaced_and_counted(tmp_path, capsys):
+    from specdec.datastore_cli import read_documents
+
+    text = tmp_path / "a.txt"
+    text.write_bytes(b"caf\xe9 and \xef\xbf\xbd kept")
+    records = tmp_path / "b.jsonl"
+    records.write_bytes(b'{"text": "x\\udcff y"}\n{"text": "\xff ok"}\n')
+    assert list(read_documents(text)) == ["caf\ufffd and \ufffd kept"]
+    assert list(read_documents(records)) == ["x\ufffd y", "\ufffd ok"]
+    err = capsys.readouterr().err
+    assert f"{text}: 1 characters" in err and f"{records}: 2 characters" in err
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.binary(max_size=40), via_stdin=st.booleans())
+def test_any_bytes_as_the_prompt(capsys, monkeypatch, shared_llm, tiny_model_dir, data, via_stdin):
+    """Arbitrary bytes on argv or standard input: a generation (exit 0) or one line (exit
+    2), never a traceback; valid UTF-8 that is not blank always generates."""
+    if via_stdin:
+        stdin_bytes(monkeypatch, data)
+        prompt = "-"
+    else:
+        data = data.replace(b"\0", b"")  # argv cannot hold NUL bytes
+        prompt = os.fsdecode(data)
+    argv = ["generate", "--model", tiny_model_dir, "--max-new-tokens", "3", "--json", "--"]
+    argv.append(prompt)  # after "--": a prompt that starts with "-" is still the prompt
+    code, out, err = run_cli(capsys, *argv)
+    assert code in (0, 2) and "Traceback" not in err
+    try:
+        text = data.decode("utf-8-sig" if via_stdin else "utf-8")
+    except UnicodeDecodeError:
+        assert_one_line_error(code, err, "not valid UTF-8")
+        return
+    if code == 2:
+        assert_one_line_error(code, err)
+        assert "empty" in err or not text.strip() or "context" in err
+    else:
+        assert len(json.loads(out)["token_ids"]) <= 3
+
+
+# ------------------------------------------------------------------- Ctrl-C
+
+
+def _interrupt_after(monkeypatch, llm: LLM, num_chunks: int) -> None:
+    """``llm.stream`` yields ``num_chunks`` chunks, then Ctrl-C arrives."""
+    stream = llm.stream
+
+    def interrupted(*args, **kwargs):
+        for i, chunk in enumerate(stream(*args, **kwargs)):
+            if i == num_chunks:
+                raise KeyboardInterrupt
+            yield chunk
+
+    monkeypatch.setattr(llm, "stream", interrupted)
+
+
+def test_ctrl_c_during_generation_prints_what_was_made(
+    capsys, monkeypatch, shared_llm, tiny_model_dir
+):
+    _interrupt_after(monkeypatch, shared_llm, 3)
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir)
+    assert code == 130 and "Traceback" not in err
+    assert err.strip().startswith("specdec: interrupted after") and err.count("\n") == 1
+    lines = out.splitlines()
+    assert "finish reason            abort" in lines  # partial metrics follow the text
+    assert lines[0] != "" and not lines[0].startswith("-")  # the partial text, then a newline
+    steps = next(line for line in lines if line.startswith("tokens / steps"))
+    assert steps.split()[-1] == "3"
+
+
+def test_ctrl_c_with_json_prints_partial_metrics(capsys, monkeypatch, shared_llm, tiny_model_dir):
+    full = shared_llm.generate(PROMPT, SamplingParams(max_new_tokens=20))
+    _interrupt_after(monkeypatch, shared_llm, 2)
+    argv = ["generate", PROMPT, "--model", tiny_model_dir, "--json", "--max-new-tokens", "20"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 130
+    record = json.loads(out)
+    assert record["interrupted"] is True and record["finish_reason"] == "abort"
+    assert record["token_ids"] == full.token_ids[: len(record["token_ids"])]
+    assert record["metrics"]["num_steps"] == 2
+    assert record["metrics"]["num_output_tokens"] == len(record["token_ids"]) > 0
+    assert "interrupted after" in err
+
+
+def test_ctrl_c_while_loading(capsys, monkeypatch, tiny_model_dir):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "llm_from_args", interrupted)
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir)
+    assert code == 130 and err.strip() == "specdec: interrupted" and out == ""
+
+
+# ------------------------------------------------------------------- checked before loading
+
+
+def test_busy_port_is_refused_before_loading(capsys, tiny_model_dir, no_loading):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        code, out, err = run_cli(capsys, "serve", "--model", tiny_model_dir, "--port", port)
+    assert_one_line_error(code, err, f"cannot serve on 127.0.0.1:{port}", "in use")
+    assert "serving" not in out
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_draft_model_drafter_without_a_draft(capsys, tiny_model_dir, no_loading, command):
+    args = [PROMPT] if command == "generate" else []
+    code, _, err = run_cli(
+        capsys, command, *args, "--model", tiny_model_dir, "--drafter", "draft-model"
+    )
+    assert_one_line_error(code, err, "needs a draft model", "--draft-model")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_folder_without_a_model(capsys, tmp_path, no_loading, command):
+    (tmp_path / "notes.txt").write_text("not a model")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "w5 w6"}\n')
+    args = {"generate": [PROMPT], "serve": [], "bench": ["--dataset", str(data)]}[command]
+    code, _, err = run_cli(capsys, command, *args, "--model", str(tmp_path))
+    assert_one_line_error(code, err, f"--model: folder {tmp_path} holds no", "config.json")
+
+
+def test_file_that_is_not_a_model(capsys, tmp_path, no_loading):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 8)
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(path))
+    assert_one_line_error(code, err, f"{path} is a file but not a .gguf model")
+
+
+def test_draft_model_folder_is_checked_too(capsys, tmp_path, tiny_model_dir, no_loading):
+    code, _, err = run_cli(
+        capsys, "generate", PROMPT, "--model", tiny_model_dir, "--draft-model", str(tmp_path)
+    )
+    assert_one_line_error(code, err, "--draft-model: folder", "config.json")
+
+
+def test_datastore_build_of_a_folder(capsys, tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    out = tmp_path / "store.npz"
+    code, _, err = run_cli(capsys, "datastore", "build", str(tmp_path), "-o", str(out))
+    assert_one_line_error(code, err, f"corpus path {tmp_path} is a folder", "find")
+
+
+# ------------------------------------------------------------------- a busy machine
+
+
+@pytest.mark.parametrize(
+    ("load", "env", "flag", "threads", "reason"),
+    [
+        (0.2, None, None, 2, "idle"),
+        (1.3, None, None, 1, "busy"),
+        (7.0, None, None, 1, "busy"),
+        (1.3, "2", None, None, "OMP_NUM_THREADS"),
+        (1.3, None, 2, 2, "--threads"),
+    ],
+)
+def test_thread_choice(monkeypatch, capsys, load, env, flag, threads, reason):
+    import argparse
+
+    import torch
+
+    monkeypatch.setattr(cli_common, "_cores", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: state["threads"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: state.update(threads=n))
+    state = {"threads": 2}  # PyTorch's usual count on this 2-core machine
+    before = 2
+    choice = cli_common.choose_threads(argparse.Namespace(threads=flag))
+    assert choice.reason == reason
+    assert choice.num_threads == (before if threads is None else threads)
+    err = capsys.readouterr().err
+    assert ("busy" in err) == (reason == "busy")
+
+
+def test_threads_below_one_are_refused(capsys, tiny_model_dir, no_loading):
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--threads", "0")
+    assert_one_line_error(code, err, "--threads must be >= 1")
+
+
+def test_starved_run_is_flagged(monkeypatch, capsys):
+    clock = {"wall": 0.0, "cpu": 0.0}
+    monkeypatch.setattr(cli_common.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(cli_common, "_cpu_seconds", lambda: clock["cpu"])
+    meter = cli_common.CpuMeter(num_threads=2)
+    clock.update(wall=10.0, cpu=19.0)  # both threads on a CPU 95% of the time
+    assert meter.share() == pytest.approx(0.95)
+    assert not cli_common.warn_if_busy(meter.share(), 2)
+    clock.update(wall=20.0, cpu=24.0)  # 24 s of CPU in 20 s on 2 threads: 60%
+    assert cli_common.warn_if_busy(meter.share(), 2)
+    assert "unreliable" in capsys.readouterr().err
+
+
+def test_busy_warning_comes_after_the_metrics(capsys, monkeypatch, shared_llm, tiny_model_dir):
+    monkeypatch.setattr(cli_common.CpuMeter, "share", lambda self: 0.3)
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--compare")
+    assert code == 0 and "speedup" in out and "30% of the time" in err
+
+
+def test_ctrl_c_during_the_baseline_keeps_the_speculative_output(
+    capsys, monkeypatch, shared_llm, tiny_model_dir
+):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shared_llm, "generate", interrupted)  # the baseline's call
+    argv = ["generate", PROMPT, "--model", tiny_model_dir, "--compare", "--json"]
+    code, out, err = run_cli(capsys, *argv)
+    record = json.loads(out)
+    assert code == 130 and record["finish_reason"] != "abort" and "baseline" not in record
+    assert "interrupted during the plain-decoding baseline" in err
+
+
+def test_compare_reports_cpu_share(capsys, shared_llm, tiny_model_dir):
+    code, out, _ = run_cli(
+        capsys, "generate", PROMPT, "--model", tiny_model_dir, "--json", "--compare"
+    )
+    record = json.loads(out)
+    assert code == 0 and record["cpu_share"] > 0 and isinstance(record["busy"], bool)
+    assert record["threads"] >= 1
+
+
+# ------------------------------------------------------------------- max_tokens
+
+
+def test_max_tokens_is_max_new_tokens():
+    assert SamplingParams(max_tokens=7) == SamplingParams(max_new_tokens=7)
+    assert SamplingParams(max_tokens=7).max_new_tokens == 7
+    assert SamplingParams().max_new_tokens == 256
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(max_tokens=7, max_new_tokens=7)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("retrieval", "needs a datastore"),
+        ("retrieval:datastore=/no/such/store.npz", "/no/such/store.npz: not found"),
+    ],
+)
+def test_retrieval_without_a_datastore_file_before_loading(
+    capsys, tiny_model_dir, no_loading, spec, fragment
+):
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--drafter", spec)
+    assert code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_retrieval_datastore_that_is_a_folder(tmp_path):
+    from specdec import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="a folder; expected a .npz file"):
+        SpeculativeConfig(method=f"retrieval:datastore={tmp_path}")
+
+
+def test_serve_keeps_every_core_whatever_the_load(monkeypatch, capsys):
+    import argparse
+
+    import torch
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    usual = torch.get_num_threads()
+    choice = cli_common.choose_threads(argparse.Namespace(threads=None), adapt=False)
+    assert choice.num_threads == usual and choice.reason == "idle"
+    assert capsys.readouterr().err == ""
