@@ -296,3 +296,30 @@ def test_llm_is_safe_from_several_threads(target, near_draft):
             pool.map(lambda job: [t for c in llm.stream(*job) for t in c.token_ids], jobs)
         )
     assert got == expected and streamed == expected
+
+
+def test_transformers_forward_batch_is_one_forward_per_sequence(target):
+    """The ragged batch is part of the backend protocol: transformers runs it as a loop, so
+    each item's logits are what its own forward gives (causal and tree items alike)."""
+    from specdec.models.base import BatchItem
+    from specdec.trees import ROOT, TokenTree
+
+    prompts = [_prompt(1, 9), _prompt(2, 5)]
+    tree = TokenTree.build([ROOT, ROOT, 0], [5, 6, 7])
+    caches, alone = [], []
+    for prompt in prompts:
+        cache = target.new_cache(32)
+        target.forward(prompt, cache)
+        caches.append(cache)
+        solo = target.new_cache(32)
+        target.forward(prompt, solo)
+        alone.append(solo)
+    positions = caches[1].num_tokens + tree.position_offsets()
+    items = [
+        BatchItem([3, 4, 5], caches[0], num_logits=2),
+        BatchItem([8, *tree.token_ids], caches[1], positions, tree.attention_mask()),
+    ]
+    out = target.forward_batch(items)
+    torch.testing.assert_close(out[0], target.forward([3, 4, 5], alone[0], num_logits=2))
+    torch.testing.assert_close(out[1], target.forward_tree(8, tree, alone[1]))
+    assert [c.num_tokens for c in caches] == [c.num_tokens for c in alone]

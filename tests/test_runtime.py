@@ -21,9 +21,9 @@ from transformers import (
 
 from conftest import make_tokenizer
 from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.models.base import BatchItem
 from specdec.models.hf import HFModel
 from specdec.models.native import NativeModel
-from specdec.runtime.model import BatchItem
 from specdec.runtime.weights import UnsupportedModel
 from specdec.trees import ROOT, TokenTree
 

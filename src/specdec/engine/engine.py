@@ -14,8 +14,8 @@ One :meth:`Engine.step`:
    step; at most its k, capped by its remaining budget; for a tree, the most depth), then
    its own drafter state proposes a chain or a token tree of that size.
 3. **one forward**: prompt chunks and verification inputs of every sequence, a ragged
-   batch (``forward_batch`` on the native backend; one forward per sequence on a backend
-   without it).
+   batch (``forward_batch`` of the backend protocol: one pass on the native backend, one
+   forward per sequence on transformers).
 4. **verify and commit** per sequence: greedy match, lossless rejection sampling, or tree
    verification; the cache is truncated or compacted (cursor rule); stops apply.
 
@@ -67,7 +67,7 @@ from specdec.drafters.base import (
 from specdec.engine.commit import StepOutput, finish_step, verify
 from specdec.engine.sequence import Sequence, SequenceStatus
 from specdec.engine.stops import StopChecker
-from specdec.models.base import Backend
+from specdec.models.base import Backend, BatchItem
 from specdec.trees.builders import TreeBuilder, TreeProposal
 from specdec.trees.tree import TokenTree
 from specdec.verify.tree import verify_tree
@@ -130,7 +130,7 @@ class Engine:
     """Continuous-batching speculative decoding over one target model.
 
     Args:
-        target: the target backend (batched forwards when it has ``forward_batch``).
+        target: the target backend (its ``forward_batch`` runs each step's rows).
         config: scheduler limits (default :class:`EngineConfig`).
         cost_model: the online :class:`~specdec.control.cost.CostModel` the engine feeds
             with every verification forward's time and every draft's time, and that
@@ -547,21 +547,10 @@ class Engine:
         return draft
 
     def _forward(self, items) -> list[torch.Tensor]:
-        target = self.target
-        if hasattr(target, "forward_batch"):
-            from specdec.runtime.model import BatchItem
-
-            batch = [BatchItem(ids, seq.cache, pos, mask, n) for seq, ids, pos, mask, n in items]
-            return target.forward_batch(batch)
-        outputs = []
-        for seq, ids, pos, mask, n in items:
-            if mask is None:  # causal: the protocol's plain call
-                outputs.append(target.forward(ids, seq.cache, num_logits=n))
-            else:
-                outputs.append(
-                    target.forward(ids, seq.cache, num_logits=n, positions=pos, tree_mask=mask)
-                )
-        return outputs
+        """One ragged forward through the backend protocol (the native runtime computes it
+        in one pass; transformers as a loop)."""
+        batch = [BatchItem(ids, seq.cache, pos, mask, n) for seq, ids, pos, mask, n in items]
+        return self.target.forward_batch(batch)
 
     def _commit(
         self,

@@ -28,6 +28,28 @@ class KVCacheLike(Protocol):
         """Keep positions before ``start``, then exactly ``indices`` (a tree's path)."""
 
 
+@dataclass
+class BatchItem:
+    """One sequence's part of a ragged forward (:meth:`Backend.forward_batch`).
+
+    Attributes:
+        token_ids: ``[T]`` new tokens (T >= 1).
+        cache: the sequence's cache; the tokens go to slots ``cache.num_tokens ..`` and the
+            cursor moves past them.
+        positions: ``[T]`` absolute positions (default: the slots, i.e. causal order).
+        tree_mask: ``[T, S]`` bool (S >= T): which of the last ``S`` slots (the ``S - T``
+            tree tokens already cached, then these T) each row sees, besides every slot
+            before them; ``None`` = causal.
+        num_logits: logits for only the last ``num_logits`` rows (0 = all).
+    """
+
+    token_ids: Sequence[int] | torch.Tensor
+    cache: KVCacheLike
+    positions: Sequence[int] | torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    num_logits: int = 0
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A causal LM as specdec drives it (target or draft).
@@ -59,6 +81,10 @@ class Backend(Protocol):
         tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append ``token_ids`` after the cursor; ``[T or num_logits, V]`` float32 logits."""
+
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+        """One forward over a ragged batch of sequences (each with its own cache); per
+        item, ``[T or num_logits, V]`` float32 logits, equal to its own :meth:`forward`."""
 
     def forward_tree(self, root_token: int, tree: TokenTree, cache: KVCacheLike) -> torch.Tensor:
         """The pending token plus every node of ``tree`` with tree attention."""
@@ -93,6 +119,29 @@ class ForwardOutput:
 
 class BackendBase:
     """What every backend derives from :meth:`Backend.forward` the same way."""
+
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[torch.Tensor]:
+        """A ragged batch as one :meth:`forward` per sequence (a backend that computes
+        the batch in one pass, like the native runtime, overrides this).
+
+        Returns:
+            per item, ``[T or num_logits, vocab_size]`` float32 logits.
+        """
+        outputs = []
+        for item in items:
+            if item.positions is None and item.tree_mask is None:  # the plain causal call
+                outputs.append(self.forward(item.token_ids, item.cache, item.num_logits))
+            else:
+                outputs.append(
+                    self.forward(
+                        item.token_ids,
+                        item.cache,
+                        item.num_logits,
+                        positions=item.positions,
+                        tree_mask=item.tree_mask,
+                    )
+                )
+        return outputs
 
     def forward_tree(self, root_token: int, tree: TokenTree, cache) -> torch.Tensor:
         """Tree attention pass: the pending (root) token plus every node of ``tree``.

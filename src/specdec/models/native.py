@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.models.base import BackendBase, ForwardOutput
+from specdec.models.base import BackendBase, BatchItem, ForwardOutput
 from specdec.models.hf import HFModel
 from specdec.runtime.cache import NativeKVCache
 from specdec.runtime.linear import KernelChoice
-from specdec.runtime.model import BatchItem, NativeDecoder
+from specdec.runtime.model import NativeDecoder
 from specdec.runtime.weights import extract_weights
 
 

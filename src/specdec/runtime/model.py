@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.models.base import ForwardOutput
+from specdec.models.base import BatchItem, ForwardOutput
 from specdec.runtime.attention import (
     Visibility,
     attention_exact,
@@ -27,28 +27,6 @@ from specdec.runtime.attention import (
 from specdec.runtime.cache import NativeKVCache
 from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
 from specdec.runtime.weights import ModelWeights
-
-
-@dataclass
-class BatchItem:
-    """One sequence's part of a ragged forward.
-
-    Attributes:
-        token_ids: ``[T]`` new tokens (T >= 1).
-        cache: the sequence's :class:`NativeKVCache`; the tokens go to slots
-            ``cache.num_tokens ..`` and the cursor moves past them.
-        positions: ``[T]`` absolute positions (default: the slots, i.e. causal order).
-        tree_mask: ``[T, S]`` bool (S >= T): which of the last ``S`` slots (the ``S - T``
-            tree tokens already cached, then these T) each row sees, besides every slot
-            before them; ``None`` = causal.
-        num_logits: logits for only the last ``num_logits`` rows (0 = all).
-    """
-
-    token_ids: Sequence[int] | torch.Tensor
-    cache: NativeKVCache
-    positions: Sequence[int] | torch.Tensor | None = None
-    tree_mask: torch.Tensor | None = None
-    num_logits: int = 0
 
 
 class NativeDecoder:
