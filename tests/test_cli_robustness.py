@@ -203,6 +203,7 @@ def test_ctrl_c_with_json_prints_partial_metrics(capsys, monkeypatch, shared_llm
     assert code == 130
     record = json.loads(out)
     assert record["interrupted"] is True and record["finish_reason"] == "abort"
+    assert {"tree", "backend", "dtype", "exact", "threads"} <= record.keys()
     assert record["token_ids"] == full.token_ids[: len(record["token_ids"])]
     assert record["metrics"]["num_steps"] == 2
     assert record["metrics"]["num_output_tokens"] == len(record["token_ids"]) > 0
@@ -341,6 +342,7 @@ def test_ctrl_c_during_the_baseline_keeps_the_speculative_output(
     code, out, err = run_cli(capsys, *argv)
     record = json.loads(out)
     assert code == 130 and record["finish_reason"] != "abort" and "baseline" not in record
+    assert record["interrupted"] == "baseline" and "backend" in record
     assert "interrupted during the plain-decoding baseline" in err
 
 
@@ -397,4 +399,66 @@ def test_serve_keeps_every_core_whatever_the_load(monkeypatch, capsys):
     usual = torch.get_num_threads()
     choice = cli_common.choose_threads(argparse.Namespace(threads=None), adapt=False)
     assert choice.num_threads == usual and choice.reason == "idle"
-    assert capsys.readouterr().err == ""
+    if usual > 1:
+        assert "restart with --threads" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_python_imports_the_cli(monkeypatch, capsys):
+    """The command's entry point imports the CLI (PyTorch: seconds) inside its own
+    handler, and ``import specdec`` itself imports nothing heavy."""
+    import builtins
+    import subprocess
+
+    import specdec.entry as entry
+
+    real_import = builtins.__import__
+
+    def interrupted(name, *args, **kwargs):
+        if name == "specdec.cli":
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    monkeypatch.delitem(sys.modules, "specdec.cli")
+    assert entry.main() == 130
+    assert capsys.readouterr().err.strip() == "specdec: interrupted"
+    check = "import sys, specdec; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_folder_without_weights_is_refused_before_loading(capsys, tmp_path, no_loading):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(tmp_path))
+    assert_one_line_error(code, err, "weights (*.safetensors or *.bin)")
+
+
+def test_folder_with_broken_files_is_one_line(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(tmp_path))
+    assert_one_line_error(code, err, f"cannot load the model in folder {tmp_path}")
+
+
+def test_file_named_gguf_that_is_not_one(capsys, tmp_path, no_loading):
+    path = tmp_path / "model.gguf"
+    path.write_text("hello")
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", str(path))
+    assert_one_line_error(code, err, "is not a GGUF file")
+
+
+def test_retrieval_datastore_that_is_not_one(capsys, tmp_path, tiny_model_dir, no_loading):
+    path = tmp_path / "README.md"
+    path.write_text("# not a datastore")
+    spec = f"retrieval:datastore={path}"
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--drafter", spec)
+    assert code == 2 and "not a datastore file" in err and "Traceback" not in err
+
+
+def test_tree_errors_name_the_tree():
+    from specdec import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=r"tree 'dynamic:top_k=100': top_k is at most 64"):
+        SpeculativeConfig(tree="dynamic:top_k=100")

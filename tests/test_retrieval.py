@@ -456,6 +456,7 @@ def test_cli_store_drafts_for_generate(capsys, tmp_path, model_dir):
         ("a.bin", ["a.bin", "-o", "s.npz"], "looks binary (NUL bytes)"),
         ("a.txt", ["a.txt", "-o", "missing-dir/s.npz"], "does not exist"),
         ("a.txt", ["a.txt", "-o", "."], "is a directory"),
+        ("a.txt", ["a.txt", "-o", "s.txt"], "name it *.npz"),
         ("empty.txt", ["empty.txt", "-o", "s.npz"], "the corpus is empty"),
         ("bad.jsonl", ["bad.jsonl", "-o", "s.npz"], "bad.jsonl:2: not JSON"),
         ("odd.jsonl", ["odd.jsonl", "-o", "s.npz"], "odd.jsonl:1: expected an object"),

@@ -583,3 +583,12 @@ def test_fuzzed_requests_get_200_or_a_json_4xx_and_lose_nothing(server, llm, cap
     wait_until(lambda: not engine.engine.has_unfinished(), "the engine still holds requests")
     assert engine.engine.num_kv_tokens_used == 0
     assert not caplog.records, caplog.text
+
+
+def test_an_empty_body_says_so(server):
+    url, _ = server
+    response = _http().post(
+        f"{url}/v1/chat/completions", content=b"", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "the request body is empty; send a JSON object"

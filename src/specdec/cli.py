@@ -47,9 +47,8 @@ EXIT_INTERRUPTED = 130
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 refused, 130 interrupted)."""
     _printable_output()
-    parser = _build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = _build_parser().parse_args(argv)
         logging.basicConfig(level=logging.WARNING, format="specdec: %(message)s")
         _quiet_transformers()
         return args.func(args)
@@ -189,12 +188,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     threads = choose_threads(args)
     llm = llm_from_args(args, speculative)
     _warm_up(llm, speculative, params)
+    meta = {  # what every --json record carries, an interrupted one too
+        "tree": str(speculative.tree) if speculative.tree else None,
+        "backend": llm.target.backend,
+        "dtype": str(llm.target.dtype).replace("torch.", ""),
+        "exact": bool(getattr(llm.target, "exact", False)),
+        "threads": threads.num_threads,
+    }
     run = _Run()
     meter = CpuMeter(threads.num_threads)  # did other processes take our cores while timed?
     try:
         output = _generate(llm, prompt, params, args, speculative, run)
     except KeyboardInterrupt:
-        return _interrupted(run, args)
+        return _interrupted(run, args, meta)
     baseline, interrupted = None, False
     if args.compare:
         try:
@@ -204,15 +210,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             interrupted = True
     share = meter.share()
     if args.json:
-        record = _json_record(output, baseline)
-        record["tree"] = str(speculative.tree) if speculative.tree else None
-        record["backend"] = llm.target.backend
-        record["dtype"] = str(llm.target.dtype).replace("torch.", "")
-        record["exact"] = bool(getattr(llm.target, "exact", False))
-        record["threads"] = threads.num_threads
+        record = {**_json_record(output, baseline), **meta}
         if baseline is not None:
             record["cpu_share"] = round(share, 3)
             record["busy"] = share < MIN_CPU_SHARE
+        if interrupted:
+            record["interrupted"] = "baseline"  # the speculative output above is whole
         print(json.dumps(record))
     else:
         _print_metrics(output, baseline, params, speculative.tree)
@@ -258,7 +261,7 @@ def _generate(llm, prompt, params, args, speculative, run: _Run) -> GenerationOu
     return output
 
 
-def _interrupted(run: _Run, args: argparse.Namespace) -> int:
+def _interrupted(run: _Run, args: argparse.Namespace, meta: dict) -> int:
     """Ctrl-C during generation: a clean line, the metrics so far, exit 130."""
     if run.streamed:
         sys.stdout.write("\n")
@@ -266,8 +269,7 @@ def _interrupted(run: _Run, args: argparse.Namespace) -> int:
     if run.metrics is not None:
         partial = GenerationOutput("".join(run.text), run.ids, [], "abort", run.metrics)
     if args.json and partial is not None:
-        record = partial.to_dict()
-        record["interrupted"] = True
+        record = {**partial.to_dict(), **meta, "interrupted": True}
         print(json.dumps(record))
     elif partial is not None and not args.json:
         _print_metrics(partial, None, SamplingParams())

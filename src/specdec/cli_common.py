@@ -146,15 +146,20 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
     add_threads_arg(parser)
 
 
-def add_threads_arg(parser: argparse.ArgumentParser) -> None:
-    """``--threads``."""
+def add_threads_arg(parser: argparse.ArgumentParser, adapt: bool = True) -> None:
+    """``--threads`` (``adapt``: the default lowers the count on a busy machine, see
+    :func:`choose_threads`)."""
+    default = (
+        "PyTorch's one per core, fewer when other processes keep cores busy"
+        if adapt
+        else "PyTorch's one per core; a warning says when other processes keep cores busy"
+    )
     parser.add_argument(
         "--threads",
         type=int,
         default=None,
         metavar="N",
-        help="CPU threads for PyTorch (default: OMP_NUM_THREADS if set, else every core "
-        "this process may use, fewer when other processes keep cores busy)",
+        help=f"CPU threads for PyTorch (default: OMP_NUM_THREADS if set, else {default})",
     )
 
 
@@ -285,9 +290,17 @@ def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice
         reason = "OMP_NUM_THREADS"
     else:
         usual = torch.get_num_threads()
-        threads = threads_for(usual, cores, load) if adapt else usual
+        fewer = threads_for(usual, cores, load)
+        threads = fewer if adapt else usual
         reason = "busy" if threads < usual else "idle"
         torch.set_num_threads(threads)
+        if fewer < usual and not adapt:
+            print(
+                f"specdec: warning: other processes keep this machine busy (load average "
+                f"{load:.1f} on {cores} cores) and {usual} threads wait for each other there; "
+                f"if it is slow, restart with --threads {fewer}",
+                file=sys.stderr,
+            )
         if reason == "busy":
             print(
                 f"specdec: other processes keep this machine busy (load average {load:.1f} on "

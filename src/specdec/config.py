@@ -221,7 +221,10 @@ class SpeculativeConfig:
                 ready()
             samples = entry.samples
         if self.tree is not None:
-            object.__setattr__(self, "tree", TreeSpec.parse(self.tree))
+            try:
+                object.__setattr__(self, "tree", TreeSpec.parse(self.tree))
+            except ValueError as error:
+                raise ValueError(f"tree {self.tree!r}: {error}") from None
             if name == "none":
                 raise ValueError("a token tree needs a drafter (method 'none' has none)")
             if self.tree.draw != "top" and not samples:

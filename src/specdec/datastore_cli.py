@@ -107,6 +107,8 @@ def _checked_output(text: str) -> Path:
     output = Path(text).expanduser()
     if output.is_dir():
         raise ValueError(f"output {output} is a directory; give a file, e.g. {output}/store.npz")
+    if output.suffix != ".npz":
+        raise ValueError(f"output {output}: a datastore is a NumPy .npz archive; name it *.npz")
     if not output.parent.is_dir():
         raise ValueError(f"cannot write {output}: directory {output.parent} does not exist")
     return output
@@ -119,7 +121,7 @@ def _checked_files(names: list[str]) -> list[Path]:
         if path.is_dir():
             raise ValueError(
                 f"corpus path {path} is a folder; give the files in it, e.g. "
-                f"$(find {path} -name '*.md' -o -name '*.txt')"
+                f"$(find {path} -type f -name '*.txt')"
             )
         if not path.is_file():
             raise ValueError(f"corpus file not found: {path}")

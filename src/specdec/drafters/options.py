@@ -268,8 +268,12 @@ class RetrievalOptions:
                 "TARGET`"
             )
         path = Path(self.datastore).expanduser()
-        if not path.is_file():
-            what = "a folder" if path.is_dir() else "not found"
+        what = "a folder" if path.is_dir() else "not found" if not path.is_file() else None
+        if what is None:
+            with path.open("rb") as handle:
+                if handle.read(4) != b"PK\x03\x04":  # .npz files are zip archives
+                    what = "not a datastore file"
+        if what is not None:
             raise ValueError(
                 f"retrieval datastore {path}: {what}; expected a .npz file written by "
                 "`specdec datastore build`"

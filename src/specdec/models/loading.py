@@ -265,6 +265,9 @@ def check_source(name_or_path: str, what: str = "model") -> str:
     if name.endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"{what}: GGUF file not found: {path}")
+        with path.open("rb") as handle:
+            if handle.read(4) != b"GGUF":
+                raise ValueError(f"{what}: {path} is not a GGUF file (no GGUF magic bytes)")
         return "gguf"
     if path.is_dir():
         return _check_model_folder(path, what)
@@ -278,12 +281,18 @@ def check_source(name_or_path: str, what: str = "model") -> str:
     return "hub"
 
 
+#: Weight files a Hugging Face model folder may hold (any one pattern).
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
 def _check_model_folder(path: Path, what: str) -> str:
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         missing.append(f"tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    if not any(next(path.glob(pattern), None) for pattern in _WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
     if missing:
         ggufs = sorted(path.glob("*.gguf"))
         hint = f"; did you mean the GGUF file {ggufs[0]}?" if ggufs else ""
@@ -306,8 +315,21 @@ def _load_hf(name_or_path, dtype, device) -> HFModel:
         gguf = Path(name).expanduser()
         return _load_gguf(gguf, torch_dtype, device, gguf.name)
     if kind == "folder":
-        return _from_pretrained(name, torch_dtype, device, name)
+        return _from_folder(name, torch_dtype, device)
     return _from_hub(name, torch_dtype, device)
+
+
+def _from_folder(name: str, dtype: torch.dtype, device) -> HFModel:
+    """A local model folder; whatever transformers raises for files it cannot read (a
+    ``KeyError`` for a tokenizer.json without its keys, ...) becomes one ``ValueError``
+    naming the folder."""
+    try:
+        return _from_pretrained(name, dtype, device, name)
+    except (ValueError, OSError, KeyError, TypeError, AttributeError, IndexError) as error:
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        raise ValueError(
+            f"cannot load the model in folder {name}: {type(error).__name__}: {reason}"
+        ) from error
 
 
 def _from_hub(name: str, dtype: torch.dtype, device) -> HFModel:

@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
                    help="native backend: batch-invariant forwards (default: on)")  # fmt: skip
-    add_threads_arg(p)
+    add_threads_arg(p, adapt=False)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument(

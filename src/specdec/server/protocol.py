@@ -441,6 +441,8 @@ def describe_errors(errors: list[dict], body) -> tuple[str, str | None]:
     prefix), ``param`` the first one's field (``"messages[0].role"``)."""
     parts, params = [], []
     for e in errors:
+        if e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",):
+            return "the request body is empty; send a JSON object", None
         if e.get("type") == "json_invalid":
             loc = e.get("loc", ())
             where = f" at character {loc[1]}" if len(loc) > 1 else ""
