@@ -268,10 +268,9 @@ def _interrupted(run: _Run, args: argparse.Namespace, meta: dict) -> int:
     partial = None
     if run.metrics is not None:
         partial = GenerationOutput("".join(run.text), run.ids, [], "abort", run.metrics)
-    if args.json and partial is not None:
-        record = {**partial.to_dict(), **meta, "interrupted": True}
-        print(json.dumps(record))
-    elif partial is not None and not args.json:
+    if partial is not None and args.json:
+        print(json.dumps({**partial.to_dict(), **meta, "interrupted": True}))
+    elif partial is not None:
         _print_metrics(partial, None, SamplingParams())
     sys.stdout.flush()
     print(f"specdec: interrupted after {len(run.ids)} tokens", file=sys.stderr)

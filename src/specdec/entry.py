@@ -13,16 +13,11 @@ import sys
 def main() -> int:
     """Import the CLI and run it; returns its exit status (130 after Ctrl-C)."""
     try:
-        from specdec.cli import EXIT_INTERRUPTED
         from specdec.cli import main as cli_main
     except KeyboardInterrupt:
         print("\nspecdec: interrupted", file=sys.stderr)
-        return 130
-    try:
-        return cli_main()
-    except KeyboardInterrupt:  # between the import and the CLI's own handler
-        print("\nspecdec: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 130  # as specdec.cli.EXIT_INTERRUPTED, which cannot be imported yet
+    return cli_main()  # which handles Ctrl-C from here on
 
 
 if __name__ == "__main__":

@@ -138,9 +138,7 @@ class OptionDoc:
     @property
     def default_text(self) -> str:
         """The default as a spec string writes it (``true``, ``0.5``; ``""`` when empty)."""
-        if isinstance(self.default, bool):
-            return str(self.default).lower()
-        return str(self.default) if self.default != "" else '""'
+        return _value_text(self.default) if self.default != "" else '""'
 
 
 def option_docs(options_cls: type) -> tuple[OptionDoc, ...]:
@@ -295,6 +293,11 @@ def _convert(name: str, key: str, value: Any, hint: Any) -> Any:
         ) from None
 
 
+def _value_text(value: Any) -> str:
+    """An option value as a spec string writes it (``true``, ``0.5``, ``suffix``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def options_string(options: Any) -> str:
     """The options that differ from their defaults, as ``key=value,...`` (``""`` if none)."""
     defaults = type(options)()
@@ -302,8 +305,7 @@ def options_string(options: Any) -> str:
     for f in dataclasses.fields(options):
         value = getattr(options, f.name)
         if value != getattr(defaults, f.name):
-            text = str(value).lower() if isinstance(value, bool) else str(value)
-            items.append(f"{f.name}={text}")
+            items.append(f"{f.name}={_value_text(value)}")
     return ",".join(items)
 
 
@@ -352,7 +354,6 @@ def _layer_skip(context: DrafterContext, options: opts.LayerSkipOptions):
 def _retrieval(context: DrafterContext, options: opts.RetrievalOptions):
     from specdec.drafters.retrieval import Datastore, RetrievalDrafter
 
-    options.check_ready()  # SpeculativeConfig checked it; the file may have gone since
     return RetrievalDrafter(Datastore.load(options.datastore, context.tokenizer), options)
 
 
