@@ -129,6 +129,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from specdec.datastore_cli import add_parser as add_datastore_parser
 
     add_datastore_parser(sub)
+    from specdec.training.cli import add_parser as add_train_parser
+
+    add_train_parser(sub)
     drafters = sub.add_parser(
         "drafters",
         help="list the drafters and their options",

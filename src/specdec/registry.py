@@ -351,6 +351,33 @@ def _layer_skip(context: DrafterContext, options: opts.LayerSkipOptions):
     return LayerSkipDrafter(context.target, options)
 
 
+def _head(context: DrafterContext, kind: str, path: str):
+    from specdec.heads.format import load_head, shipped_head_path
+
+    view = context.target.head_view()
+    if not path:
+        shipped = shipped_head_path(view.name, kind)
+        if shipped is None:
+            raise ValueError(
+                f"no {kind} head is shipped for {view.name}: pass {kind}:head=PATH, a head "
+                f"trained with `specdec train-head --kind {kind} --model {view.name}`"
+            )
+        path = str(shipped)
+    return load_head(path, view, kind)
+
+
+def _eagle(context: DrafterContext, options: opts.EagleOptions):
+    from specdec.drafters.eagle import EagleDrafter
+
+    return EagleDrafter(context.target, _head(context, "eagle", options.head), options)
+
+
+def _medusa(context: DrafterContext, options: opts.MedusaOptions):
+    from specdec.drafters.medusa import MedusaDrafter
+
+    return MedusaDrafter(context.target, _head(context, "medusa", options.head), options)
+
+
 def _retrieval(context: DrafterContext, options: opts.RetrievalOptions):
     from specdec.drafters.retrieval import Datastore, RetrievalDrafter
 
@@ -405,6 +432,20 @@ for _entry in (
         opts.LayerSkipOptions,
         _layer_skip,
         "self-speculative: the target minus some layers drafts (Draft & Verify, SWIFT)",
+        samples=True,
+    ),
+    DrafterEntry(
+        "eagle",
+        opts.EagleOptions,
+        _eagle,
+        "EAGLE-3: a trained one-layer head drafts from the target's hidden states",
+        samples=True,
+    ),
+    DrafterEntry(
+        "medusa",
+        opts.MedusaOptions,
+        _medusa,
+        "Medusa: trained heads on the target's last hidden state guess further tokens",
         samples=True,
     ),
 ):

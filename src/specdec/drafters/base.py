@@ -71,6 +71,10 @@ class VerificationFeedback:
             before any stop truncation.
         aux_logits: ``[m, V]`` float32 logits of the step's :class:`AuxRows` (``None``
             without them).
+        hidden: ``[n, len(captures) * hidden_size]`` (the target's dtype) for drafters
+            that declare ``captures``: the target's hidden states of every verified row
+            (same rows as ``target_logits``; see
+            :attr:`specdec.models.base.ForwardOutput.captured`); ``None`` otherwise.
     """
 
     input_ids: list[int]
@@ -79,6 +83,7 @@ class VerificationFeedback:
     accepted_rows: list[int]
     output_token_ids: list[int]
     aux_logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     @property
     def num_drafted(self) -> int:
@@ -133,6 +138,14 @@ class Drafter(Protocol):
     * ``max_aux_rows`` (int, default 0): after drafting, the engine asks the sequence's
       ``aux_rows(token_ids)`` for up to this many :class:`AuxRows` to run in the same
       forward (Lookahead decoding); the scheduler counts them in the token budget.
+    * ``captures`` (tuple of ints, default empty): hidden-state indices of the target
+      its sequences read (draft heads such as EAGLE and Medusa; indices as in
+      :attr:`specdec.models.base.ForwardOutput.captured`). The engine captures them in
+      every forward of the sequence: after each prompt chunk it calls the sequence's
+      ``observe_prefill(start, hidden)`` (``hidden`` ``[T, len(captures) * hidden_size]``
+      for the tokens ``start .. start + T`` of the sequence; every token but the pending
+      one is prefilled, again after a readmission), and every verification's rows reach
+      ``observe(feedback)`` in :attr:`VerificationFeedback.hidden`.
     * ``confidence_stop``: its sequences' ``propose`` also takes ``stop_drafting=fn``
       and calls ``fn(position, confidence)`` with the top probability of the draft
       distribution before keeping each token, stopping when it returns True (so a
@@ -158,9 +171,16 @@ class DrafterBase:
     #: its sequences' ``propose`` takes ``stop_drafting=fn`` and asks ``fn(position,
     #: confidence)`` before keeping each draft token, ending the draft when it returns True
     confidence_stop: bool = False
+    #: hidden-state indices of the target its sequences read (``observe_prefill`` and
+    #: :attr:`VerificationFeedback.hidden`)
+    captures: tuple[int, ...] = ()
 
     def observe(self, feedback: VerificationFeedback) -> None:
         """Learn from a verification (default: nothing)."""
+
+    def observe_prefill(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's captured hidden states of prompt tokens ``start ..`` (default:
+        nothing; see ``captures``)."""
 
     def close(self) -> None:
         """Release per-sequence state (default: nothing)."""
@@ -194,6 +214,11 @@ def check_drafter(drafter: object) -> None:
     aux = getattr(drafter, "max_aux_rows", 0)
     if isinstance(aux, bool) or not isinstance(aux, int) or aux < 0:
         raise ValueError(f"{type(drafter).__name__}.max_aux_rows must be an integer >= 0")
+    captures = getattr(drafter, "captures", ())
+    if not isinstance(captures, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in captures
+    ):
+        raise ValueError(f"{type(drafter).__name__}.captures must be a tuple of integers >= 0")
 
 
 class NoDrafter(DrafterBase):

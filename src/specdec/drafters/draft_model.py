@@ -265,6 +265,11 @@ class CachedTreeSession(ABC):
     def _run(self, tokens: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
         """``[len(tokens), V]`` logits of the nodes forwarded with ``mask``."""
 
+    def _run_nodes(self, nodes: list[int], positions: list[int], mask: torch.Tensor):
+        """``[len(nodes), V]`` logits of new nodes (default: :meth:`_run` on their tokens;
+        a head that reads its parents' outputs overrides this)."""
+        return self._run([self.tokens[n] for n in nodes], positions, mask)
+
     def add(self, parent: int, token: int) -> int:
         self.parents.append(parent)
         self.tokens.append(int(token))
@@ -277,7 +282,7 @@ class CachedTreeSession(ABC):
             num_cached = len(self.slot)
             mask = new_nodes_mask(new, self.parents, self.slot)
             positions = [self.base - 1 + self.depths[n] for n in new]
-            logits = self._run([self.tokens[n] for n in new], positions, mask)
+            logits = self._run_nodes(new, positions, mask)
             for row, node in enumerate(new):
                 self.slot[node] = num_cached + row
                 self.logits[node] = logits[row]

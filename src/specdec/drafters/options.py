@@ -304,3 +304,58 @@ class LookaheadOptions:
         _check_int("window", self.window, 1, 64)
         _check_int("ngram", self.ngram, 2, 16)
         _check_int("candidates", self.candidates, 1, 64)
+
+
+def _check_head_options(drafter: str, head: str, confidence: float) -> None:
+    ok = isinstance(confidence, (int, float)) and not isinstance(confidence, bool)
+    if not ok or not 0.0 <= confidence < 1.0:
+        raise ValueError(f"confidence must be a number in [0, 1), got {confidence!r}")
+    if not isinstance(head, str):
+        raise ValueError(f"head must be a path (a string), got {head!r}")
+    if head:
+        path = Path(head).expanduser()
+        if not path.is_dir() or not (path / "config.json").is_file():
+            what = "not found" if not path.exists() else "not a head folder (no config.json)"
+            raise ValueError(
+                f"{drafter} head {path}: {what}; a head is a folder written by `specdec "
+                f"train-head --kind {drafter}`"
+            )
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    """EAGLE drafting with a trained head (EAGLE-3, arXiv:2503.01840); see
+    :mod:`specdec.drafters.eagle`.
+
+    Attributes:
+        head: folder of a head trained for the target by ``specdec train-head --kind
+            eagle``; ``""`` (default) uses the head shipped for the embedded model.
+        confidence: stop a chain draft before a token whose draft probability is below
+            this, in [0, 1) (``0``, the default, never stops early; EAGLE-2's trees use
+            the head's confidences instead).
+    """
+
+    head: str = option("", "head folder from specdec train-head; empty: the shipped head")
+    confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
+
+    def __post_init__(self) -> None:
+        _check_head_options("eagle", self.head, self.confidence)
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    """Medusa drafting with trained heads (arXiv:2401.10774); see
+    :mod:`specdec.drafters.medusa`.
+
+    Attributes:
+        head: folder of heads trained for the target by ``specdec train-head --kind
+            medusa``; ``""`` (default) uses the heads shipped for the embedded model.
+        confidence: stop a chain draft before a token whose draft probability is below
+            this, in [0, 1) (``0``: never).
+    """
+
+    head: str = option("", "head folder from specdec train-head; empty: the shipped head")
+    confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
+
+    def __post_init__(self) -> None:
+        _check_head_options("medusa", self.head, self.confidence)

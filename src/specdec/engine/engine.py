@@ -67,7 +67,7 @@ from specdec.drafters.base import (
 from specdec.engine.commit import StepOutput, finish_step, verify
 from specdec.engine.sequence import Sequence, SequenceStatus
 from specdec.engine.stops import StopChecker
-from specdec.models.base import Backend, BatchItem
+from specdec.models.base import Backend, BatchItem, check_capture
 from specdec.trees.builders import TreeBuilder, TreeProposal
 from specdec.trees.tree import TokenTree
 from specdec.verify.tree import verify_tree
@@ -231,6 +231,9 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; with its largest verification "
                 f"({largest}) it needs more than max_kv_tokens={cfg.max_kv_tokens}"
             )
+        captures = tuple(getattr(drafter, "captures", ()))
+        if captures:
+            check_capture(captures, getattr(target, "num_layers", max(captures)))
         max_k = tree_builder.max_depth if tree_builder is not None else num_speculative_tokens
         info = SequenceInfo(
             request_id=request_id,
@@ -254,8 +257,9 @@ class Engine:
             generator=generator or torch.Generator(device=target.device),
             max_total=min(len(prompt_ids) + params.max_new_tokens, target.max_context, kv_room),
             arrival=next(self._arrivals),
-            observes=bool(getattr(drafter, "observes", False)),
+            observes=bool(getattr(drafter, "observes", False)) or bool(captures),
             max_aux_rows=getattr(drafter, "max_aux_rows", 0),
+            captures=captures,
             control=(controller or FixedController()).start(info),
             control_info=info,
         )
@@ -307,20 +311,25 @@ class Engine:
             items.append(_verification_input(seq, draft, aux))
         rows = sum(len(item[1]) for item in items)
         t_forward = time.perf_counter()
-        logits = self._forward(items)
+        logits, captured = self._forward(items)
         forward_s = time.perf_counter() - t_forward
         if not chunks:  # verification-only forwards define the verification cost
             self.cost_model.observe_forward(rows, forward_s)
-        for (seq, _, end), _ in zip(chunks, logits, strict=False):
+        for (seq, start, end), hidden in zip(chunks, captured, strict=False):
+            if hidden is not None:  # a draft head reads the prompt's hidden states
+                t0 = time.perf_counter()
+                seq.drafter_state.observe_prefill(start, hidden)
+                seq.stats.draft_s += time.perf_counter() - t0
             seq.num_prefilled = end
             seq.stats.prefill_s += forward_s
             if seq.num_to_prefill == 0:
                 seq.status = SequenceStatus.RUNNING
         outputs = []
-        for seq, k, (draft, aux), seq_logits in zip(
-            verified, plans, drafts, logits[len(chunks) :], strict=True
+        for seq, k, (draft, aux), seq_logits, hidden in zip(
+            verified, plans, drafts, logits[len(chunks) :], captured[len(chunks) :], strict=True
         ):
-            outputs.append((seq, self._commit(seq, k, draft, aux, seq_logits, forward_s, rows)))
+            step = self._commit(seq, k, draft, aux, seq_logits, forward_s, rows, hidden)
+            outputs.append((seq, step))
         elapsed = time.perf_counter() - t_step
         for seq in {id(s): s for s in [*verified, *(c[0] for c in chunks)]}.values():
             seq.stats.elapsed_s += elapsed
@@ -546,11 +555,30 @@ class Engine:
             )
         return draft
 
-    def _forward(self, items) -> list[torch.Tensor]:
+    def _forward(self, items) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One ragged forward through the backend protocol (the native runtime computes it
-        in one pass; transformers as a loop)."""
+        in one pass; transformers as a loop).
+
+        Returns:
+            per item, its logits and, for a sequence whose drafter reads hidden states,
+            ``[T, len(seq.captures) * hidden_size]`` of every row (else ``None``).
+        """
         batch = [BatchItem(ids, seq.cache, pos, mask, n) for seq, ids, pos, mask, n in items]
-        return self.target.forward_batch(batch)
+        wanted = sorted({i for seq, *_ in items for i in seq.captures})
+        if not wanted:
+            return self.target.forward_batch(batch), [None] * len(items)
+        outputs = self.target.forward_batch_full(batch, capture=wanted)
+        captured: list[torch.Tensor | None] = []
+        for (seq, *_), out in zip(items, outputs, strict=True):
+            if not seq.captures:
+                captured.append(None)
+            elif list(seq.captures) == wanted:
+                captured.append(out.captured)
+            else:  # another sequence's head reads other layers: keep this one's
+                size = out.captured.shape[-1] // len(wanted)
+                parts = out.captured.split(size, dim=-1)
+                captured.append(torch.cat([parts[wanted.index(i)] for i in seq.captures], -1))
+        return [out.logits for out in outputs], captured
 
     def _commit(
         self,
@@ -561,6 +589,7 @@ class Engine:
         logits: torch.Tensor,
         forward_s: float,
         rows: int,
+        hidden: torch.Tensor | None = None,
     ) -> StepOutput:
         t0 = time.perf_counter()
         position = len(seq.tokens) - len(seq.prompt_ids)
@@ -569,6 +598,7 @@ class Engine:
         aux_logits = None
         if aux is not None:  # the last rows; dropped from the cache with the rejected
             logits, aux_logits = logits[: -len(aux)], logits[-len(aux) :]
+            hidden = None if hidden is None else hidden[: -len(aux)]
         if isinstance(draft, TreeProposal):
             tree = draft.tree
             result = verify_tree(tree, logits, params, seq.generator)
@@ -585,6 +615,7 @@ class Engine:
             t_observe = time.perf_counter()
             feedback = _feedback(seq.tokens[-1], draft, logits, result)
             feedback.aux_logits = aux_logits
+            feedback.hidden = hidden
             seq.drafter_state.observe(feedback)
             stats.draft_s += time.perf_counter() - t_observe
         self._control_observe(seq, k, draft, result, position, forward_s, rows)

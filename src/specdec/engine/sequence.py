@@ -58,6 +58,9 @@ class Sequence:
         observes: the drafter declared ``observes`` (its state gets every verification's
             :class:`~specdec.drafters.base.VerificationFeedback`).
         max_aux_rows: most auxiliary rows its drafter adds to a verification.
+        captures: hidden-state indices its drafter reads (a draft head): the engine
+            captures them in every forward of this sequence, hands the prompt's to the
+            drafter state's ``observe_prefill`` and each verification's in the feedback.
         num_preemptions: times its cache was dropped to make room (then recomputed).
         control: its speculation controller state (see :mod:`specdec.control`), made from
             ``control_info``.
@@ -76,6 +79,7 @@ class Sequence:
     arrival: int
     observes: bool = False
     max_aux_rows: int = 0
+    captures: tuple[int, ...] = ()
     tokens: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
     drafter_state: SequenceDrafter | None = None

@@ -97,9 +97,21 @@ class Backend(Protocol):
         positions: Sequence[int] | torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         layers: Sequence[int] | None = None,
+        capture: Sequence[int] = (),
     ) -> ForwardOutput:
         """:meth:`forward` plus hidden states; ``layers`` (a subset of the decoder layers,
-        for early exit / layer skip sharing the cache) only on the native backend."""
+        for early exit / layer skip sharing the cache) only on the native backend;
+        ``capture``: hidden-state indices to return for every row (see
+        :attr:`ForwardOutput.captured`)."""
+
+    def forward_batch_full(
+        self, items: Sequence[BatchItem], capture: Sequence[int] = ()
+    ) -> list[ForwardOutput]:
+        """:meth:`forward_batch` with hidden states: per item a :class:`ForwardOutput`
+        whose ``captured`` holds the ``capture`` indices for every row."""
+
+    def head_view(self) -> HeadView:
+        """What a draft head reads of the model: its shape, token embedding and LM head."""
 
 
 @dataclass
@@ -110,11 +122,94 @@ class ForwardOutput:
         logits: ``[n, vocab_size]`` float32.
         hidden: ``[n, hidden_size]`` in the model dtype: the final-normed hidden states the
             LM head reads (transformers' last ``hidden_states``; the features draft heads
-            such as EAGLE are trained on).
+            such as EAGLE are trained on), for the ``n`` rows that have logits.
+        captured: ``[T, len(capture) * hidden_size]`` in the model dtype, for **every**
+            row of the forward (``T`` tokens, whatever ``num_logits``): the hidden states
+            named by ``capture``, concatenated in that order; ``None`` without ``capture``.
+            Indices follow transformers' ``hidden_states``: ``0`` is the token embedding,
+            ``i`` the input of decoder layer ``i`` (the residual stream after layer
+            ``i - 1``), ``num_layers`` the final-normed state. EAGLE-3 (Li et al. 2025,
+            arXiv:2503.01840, Sec. 3.2) fuses a low, a middle and a high one; EAGLE-1/2
+            and Medusa read ``num_layers``.
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    captured: torch.Tensor | None = None
+
+
+@dataclass
+class HeadView:
+    """A target as a draft head sees it (:meth:`Backend.head_view`).
+
+    Attributes:
+        name: the model's name.
+        num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size:
+            its shape.
+        vocab_size: width of its logits.
+        rms_eps: its RMSNorm epsilon.
+        rope_theta: its rotary base (a head's own attention uses the same rotation).
+        embed: ``[vocab_size, hidden_size]`` token embedding (shared, not copied).
+        lm_head: ``[vocab_size, hidden_size]`` LM head (the embedding when tied).
+        norm: ``[hidden_size]`` the final RMSNorm weight.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    norm: torch.Tensor
+
+
+def check_capture(capture: Sequence[int], num_layers: int) -> list[int]:
+    """Validate hidden-state indices (``0 .. num_layers``, see
+    :attr:`ForwardOutput.captured`).
+
+    Raises:
+        ValueError: an index outside ``[0, num_layers]``.
+    """
+    out = [int(i) for i in capture]
+    bad = [i for i in out if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(
+            f"hidden-state indices {bad} are outside 0..{num_layers} (0 = embedding, "
+            f"{num_layers} = final-normed)"
+        )
+    return out
+
+
+def head_view_from_config(name: str, module, num_layers: int) -> HeadView:
+    """A :class:`HeadView` of a transformers causal LM (Llama-family config names)."""
+    config = module.config
+    heads = int(config.num_attention_heads)
+    hidden = int(config.hidden_size)
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    inner = module.model if hasattr(module, "model") else module
+    return HeadView(
+        name=name,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
+        intermediate_size=int(config.intermediate_size),
+        vocab_size=int(module.get_output_embeddings().weight.shape[0]),
+        rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        embed=module.get_input_embeddings().weight.detach(),
+        lm_head=module.get_output_embeddings().weight.detach(),
+        norm=inner.norm.weight.detach(),
+    )
 
 
 class BackendBase:
@@ -142,6 +237,28 @@ class BackendBase:
                     )
                 )
         return outputs
+
+    def forward_batch_full(
+        self, items: Sequence[BatchItem], capture: Sequence[int] = ()
+    ) -> list[ForwardOutput]:
+        """A ragged batch as one :meth:`forward_full` per sequence (the native runtime
+        overrides this with one pass).
+
+        Returns:
+            per item, a :class:`ForwardOutput` with ``captured`` ``[T, len(capture) *
+            hidden_size]`` for every row (``None`` when ``capture`` is empty).
+        """
+        return [
+            self.forward_full(
+                item.token_ids,
+                item.cache,
+                item.num_logits,
+                item.positions,
+                item.tree_mask,
+                capture=capture,
+            )  # fmt: skip
+            for item in items
+        ]
 
     def forward_tree(self, root_token: int, tree: TokenTree, cache) -> torch.Tensor:
         """Tree attention pass: the pending (root) token plus every node of ``tree``.

@@ -8,7 +8,13 @@ from collections.abc import Sequence
 import torch
 
 from specdec.kv_cache import KVCache
-from specdec.models.base import BackendBase, ForwardOutput
+from specdec.models.base import (
+    BackendBase,
+    ForwardOutput,
+    HeadView,
+    check_capture,
+    head_view_from_config,
+)
 from specdec.tokenizer import Tokenizer, model_eos_token_ids
 from specdec.trees.tree import tree_attention_bias
 
@@ -98,8 +104,9 @@ class HFModel(BackendBase):
         return self._forward(token_ids, cache, num_logits, positions, tree_mask, False)[0]
 
     @torch.inference_mode()
-    def _forward(self, token_ids, cache, num_logits, positions, tree_mask, hidden: bool):
-        """``(logits, final-normed hidden states or None)`` (see :meth:`forward`)."""
+    def _forward(self, token_ids, cache, num_logits, positions, tree_mask, hidden, capture=()):
+        """``(logits, final-normed hidden states or None, captured or None)`` (see
+        :meth:`forward` and :meth:`forward_full`)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).view(1, -1)
         num_new = ids.shape[1]
         start = cache.num_tokens
@@ -135,8 +142,10 @@ class HFModel(BackendBase):
         )
         logits = out.logits[0].float()
         if not hidden:
-            return logits, None
-        return logits, out.hidden_states[-1][0, num_new - logits.shape[0] :]
+            return logits, None, None
+        states = out.hidden_states
+        captured = torch.cat([states[i][0] for i in capture], -1) if capture else None
+        return logits, states[-1][0, num_new - logits.shape[0] :], captured
 
     def forward_full(
         self,
@@ -146,19 +155,27 @@ class HFModel(BackendBase):
         positions: Sequence[int] | torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         layers: Sequence[int] | None = None,
+        capture: Sequence[int] = (),
     ) -> ForwardOutput:
         """:meth:`forward` with the final-normed hidden states the LM head reads
-        (transformers' last ``hidden_states``), ``[n, hidden_size]``.
+        (transformers' last ``hidden_states``), ``[n, hidden_size]``, and the
+        ``capture`` indices of ``hidden_states`` for every row (see
+        :attr:`~specdec.models.base.ForwardOutput.captured`).
 
         Raises:
             ValueError: ``layers`` given (running a subset of the layers needs the native
-                backend).
+                backend), or a capture index outside ``0..num_layers``.
         """
         if layers is not None:
             raise ValueError("running a subset of the layers needs the native backend")
+        capture = check_capture(capture, self.num_layers)
         return ForwardOutput(
-            *self._forward(token_ids, cache, num_logits, positions, tree_mask, True)
+            *self._forward(token_ids, cache, num_logits, positions, tree_mask, True, capture)
         )
+
+    def head_view(self) -> HeadView:
+        """The shape, embedding, LM head and final norm a draft head reads (shared)."""
+        return head_view_from_config(self.name, self.model, self.num_layers)
 
 
 def _max_context(config, tokenizer) -> int:

@@ -7,7 +7,13 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.models.base import BackendBase, BatchItem, ForwardOutput
+from specdec.models.base import (
+    BackendBase,
+    BatchItem,
+    ForwardOutput,
+    HeadView,
+    head_view_from_config,
+)
 from specdec.models.hf import HFModel
 from specdec.runtime.cache import NativeKVCache
 from specdec.runtime.linear import KernelChoice
@@ -92,12 +98,28 @@ class NativeModel(BackendBase):
         positions: Sequence[int] | torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         layers: Sequence[int] | None = None,
+        capture: Sequence[int] = (),
     ) -> ForwardOutput:
         """:meth:`forward` with the hidden states, optionally over a subset of the layers
-        (early exit / layer skip sharing this cache); see
-        :meth:`specdec.runtime.model.NativeDecoder.forward_full`."""
+        (early exit / layer skip sharing this cache) or capturing hidden states of every
+        row; see :meth:`specdec.runtime.model.NativeDecoder.forward_full`."""
         item = BatchItem(token_ids, cache, positions, tree_mask, num_logits)
-        return self.decoder.forward_full([item], layers=layers)[0]
+        return self.decoder.forward_full([item], layers=layers, capture=capture)[0]
+
+    def forward_batch_full(
+        self, items: Sequence[BatchItem], capture: Sequence[int] = ()
+    ) -> list[ForwardOutput]:
+        """:meth:`forward_batch` with hidden states, in one pass (see
+        :attr:`~specdec.models.base.ForwardOutput.captured`)."""
+        return self.decoder.forward_full(items, capture=capture)
+
+    def head_view(self) -> HeadView:
+        """The shape, embedding, LM head and final norm a draft head reads (the weights
+        the runtime runs, shared)."""
+        view = head_view_from_config(self.name, self.hf.model, self.num_layers)
+        w = self.decoder.weights
+        view.embed, view.lm_head, view.norm = w.embed, w.lm_head, w.norm
+        return view
 
     def forward_batch(
         self, items: Sequence[BatchItem], exact: bool | None = None

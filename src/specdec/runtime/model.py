@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.models.base import BatchItem, ForwardOutput
+from specdec.models.base import BatchItem, ForwardOutput, check_capture
 from specdec.runtime.attention import (
     Visibility,
     attention_exact,
@@ -93,6 +93,7 @@ class NativeDecoder:
         items: Sequence[BatchItem],
         exact: bool | None = None,
         layers: Sequence[int] | None = None,
+        capture: Sequence[int] = (),
     ) -> list[ForwardOutput]:
         """One forward over a ragged batch, with hidden states.
 
@@ -106,24 +107,43 @@ class NativeDecoder:
                 the run layers write the new tokens' keys and values; the cursor moves
                 past the tokens all the same, so a drafting pass is rolled back with
                 ``truncate`` before the full forward verifies (and rewrites) them.
+            capture: hidden-state indices to return for every row (``0`` = embedding,
+                ``i`` = input of layer ``i``, ``num_layers`` = final-normed; see
+                :attr:`~specdec.models.base.ForwardOutput.captured`); all layers only.
 
         Returns:
-            per item, a :class:`ForwardOutput`: ``logits`` ``[n, vocab_size]`` float32
-            and ``hidden`` ``[n, hidden_size]`` (the model dtype), n = ``num_logits`` or T.
+            per item, a :class:`ForwardOutput`: ``logits`` ``[n, vocab_size]`` float32,
+            ``hidden`` ``[n, hidden_size]`` (the model dtype), n = ``num_logits`` or T, and
+            ``captured`` ``[T, len(capture) * hidden_size]`` (``None`` without ``capture``).
 
         Raises:
-            ValueError: empty tokens, positions / tree_mask of the wrong shape, or layers
-                out of range or not increasing.
+            ValueError: empty tokens, positions / tree_mask of the wrong shape, layers
+                out of range or not increasing, capture indices outside ``0..num_layers``
+                or given with ``layers``.
         """
         exact = self.exact if exact is None else exact
         order = self._layer_order(layers)
+        capture = check_capture(capture, len(self.layers))
+        if capture and layers is not None:
+            raise ValueError("capture needs every layer (layers=None)")
+        wanted = set(capture)
+        kept: dict[int, torch.Tensor] = {}
         plans = [self._plan(item) for item in items]
         ids = torch.cat([p.ids for p in plans])
         positions = torch.cat([p.positions for p in plans])
         cos, sin = self._rotary(positions)
         x = self.weights.embed.index_select(0, ids)
         for index in order:
+            if index in wanted:
+                kept[index] = x
             x = self._layer(index, self.layers[index], x, cos, sin, plans, exact)
+        if len(self.layers) in wanted:
+            kept[len(self.layers)] = _rms_norm(x, self.weights.norm, self.config.rms_eps)
+        captured = (
+            torch.cat([kept[i] for i in capture], dim=-1).split([p.length for p in plans])
+            if capture
+            else [None] * len(plans)
+        )
         rows, offset = [], 0
         for p in plans:  # the last num_logits rows of each sequence
             rows.append(torch.arange(offset + p.length - p.num_logits, offset + p.length))
@@ -134,8 +154,8 @@ class NativeDecoder:
         logits = self.lm_head(hidden, exact).float()
         sizes = [p.num_logits for p in plans]
         return [
-            ForwardOutput(lg, h)
-            for lg, h in zip(logits.split(sizes), hidden.split(sizes), strict=True)
+            ForwardOutput(lg, h, c)
+            for lg, h, c in zip(logits.split(sizes), hidden.split(sizes), captured, strict=True)
         ]
 
     def _layer_order(self, layers: Sequence[int] | None) -> Sequence[int]:

@@ -1,0 +1,311 @@
+"""Draft heads as PyTorch modules: EAGLE-3's one-layer draft decoder and Medusa's heads.
+
+Both read the target's hidden states (:attr:`specdec.models.base.ForwardOutput.captured`)
+and predict over a *draft vocabulary*: the ``draft_vocab_size`` most frequent target tokens
+of the training answers (FR-Spec, Zhao et al. 2025, arXiv:2502.14856; EAGLE-3's
+``d2t`` map). ``vocab_map[i]`` is the target id of draft token ``i``; a target token
+outside the map has draft probability 0, which verification handles like any other
+draft distribution, so output stays lossless.
+
+* :class:`EagleHead` (EAGLE-3, Li et al. 2025, arXiv:2503.01840, Sec. 3 and Fig. 6; EAGLE,
+  Li et al. 2024, arXiv:2401.15077, Sec. 4.1): the target's hidden states of ``C`` layers
+  (low, middle, high) are fused by ``fc`` (``[C * D] -> [D]``) into a feature ``f``. Row
+  ``j`` of the draft decoder reads ``f_j`` (the target's state after token ``j``) and the
+  embedding of token ``j + 1``: ``x = [norm(embed(t_{j+1})), norm(f_j)]`` (``[2D]``), one
+  Llama decoder layer whose q/k/v read ``x`` and whose residual is ``f_j``; its output
+  ``h_j`` predicts token ``j + 2`` through ``lm_head(norm(h_j))``. Drafting further, ``h_j``
+  replaces the target's feature for the next row (EAGLE-3's training-time test trains
+  exactly this reuse). The token embedding is the target's (frozen, not stored).
+* :class:`MedusaHead` (Medusa, Cai et al. 2024, arXiv:2401.10774, Sec. 2.1.1): ``K``
+  residual blocks ``h_k = f + SiLU(W_k f)`` on the target's final-normed state ``f`` of the
+  last verified token; head ``k`` predicts the token ``k + 2`` positions ahead. Here the
+  heads share one trimmed LM head (Medusa gives each head a copy of the target's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("eagle", "medusa")
+
+
+@dataclass
+class HeadConfig:
+    """A head's architecture and the target it belongs to (``config.json`` of a head).
+
+    Attributes:
+        kind: ``"eagle"`` or ``"medusa"``.
+        target_name: the target's name when the head was trained.
+        target_fingerprint: :func:`specdec.heads.format.target_fingerprint` of it.
+        num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
+            vocab_size, rms_eps, rope_theta: the target's shape (the head's attention
+            and MLP copy it).
+        capture: hidden-state indices the head reads (see
+            :attr:`~specdec.models.base.ForwardOutput.captured`).
+        draft_vocab_size: size of the draft vocabulary (``vocab_map``'s length).
+        medusa_heads: number of Medusa heads (``kind == "medusa"``).
+        training: a summary of how it was trained (free-form, for reports).
+        format_version: the on-disk format (1).
+    """
+
+    kind: str
+    target_name: str
+    target_fingerprint: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float
+    capture: list[int]
+    draft_vocab_size: int
+    medusa_heads: int = 0
+    training: dict = field(default_factory=dict)
+    format_version: int = 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_target(
+        cls, kind: str, view, fingerprint: str, capture, draft_vocab_size: int, medusa_heads=0
+    ) -> HeadConfig:
+        """A config matching a target's :class:`~specdec.models.base.HeadView`."""
+        return cls(
+            kind=kind,
+            target_name=view.name,
+            target_fingerprint=fingerprint,
+            num_layers=view.num_layers,
+            hidden_size=view.hidden_size,
+            num_heads=view.num_heads,
+            num_kv_heads=view.num_kv_heads,
+            head_dim=view.head_dim,
+            intermediate_size=view.intermediate_size,
+            vocab_size=view.vocab_size,
+            rms_eps=view.rms_eps,
+            rope_theta=view.rope_theta,
+            capture=[int(i) for i in capture],
+            draft_vocab_size=int(draft_vocab_size),
+            medusa_heads=int(medusa_heads),
+        )
+
+
+def default_capture(kind: str, num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers (the outputs of layers 1, L/2 - 1 and L - 4,
+    as SpecForge picks them), or the final-normed state for Medusa.
+
+    Example:
+        >>> default_capture("eagle", 30), default_capture("medusa", 30)
+        ([2, 15, 27], [30])
+    """
+    if kind == "medusa" or num_layers < 4:
+        return [num_layers]
+    return [2, num_layers // 2, num_layers - 3]
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class EagleHead(nn.Module):
+    """EAGLE-3's draft decoder layer (see the module docstring).
+
+    Args:
+        config: the head's :class:`HeadConfig` (``kind == "eagle"``).
+
+    Buffers:
+        vocab_map: ``[draft_vocab_size]`` int64 target ids of the draft vocabulary.
+
+    The token embedding is bound with :meth:`bind` (the target's, never trained).
+    """
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        c = config
+        d, hd = c.hidden_size, c.head_dim
+        self.config = c
+        self.fc = nn.Linear(len(c.capture) * d, d, bias=False) if len(c.capture) > 1 else None
+        self.embed_norm = _RMSNorm(d, c.rms_eps)
+        self.feature_norm = _RMSNorm(d, c.rms_eps)
+        self.q = nn.Linear(2 * d, c.num_heads * hd, bias=False)
+        self.k = nn.Linear(2 * d, c.num_kv_heads * hd, bias=False)
+        self.v = nn.Linear(2 * d, c.num_kv_heads * hd, bias=False)
+        self.o = nn.Linear(c.num_heads * hd, d, bias=False)
+        self.mlp_norm = _RMSNorm(d, c.rms_eps)
+        self.gate = nn.Linear(d, c.intermediate_size, bias=False)
+        self.up = nn.Linear(d, c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, d, bias=False)
+        self.norm = _RMSNorm(d, c.rms_eps)
+        self.lm_head = nn.Linear(d, c.draft_vocab_size, bias=False)
+        self.register_buffer("vocab_map", torch.arange(c.draft_vocab_size), persistent=True)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.embed: torch.Tensor | None = None
+
+    def bind(self, embed: torch.Tensor) -> EagleHead:
+        """Use the target's ``[vocab_size, hidden_size]`` token embedding."""
+        if tuple(embed.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(
+                f"embedding {tuple(embed.shape)} does not match the head's target "
+                f"({self.config.vocab_size}, {self.config.hidden_size})"
+            )
+        self.embed = embed
+        return self
+
+    def fuse(self, captured: torch.Tensor) -> torch.Tensor:
+        """``[N, C * D]`` captured target states -> ``[N, D]`` features."""
+        return captured if self.fc is None else self.fc(captured)
+
+    def rotary(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def step(
+        self,
+        features: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+        mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One pass of the draft layer over ``N`` rows (optionally a leading batch
+        dimension ``B`` on every argument but ``positions`` and ``mask``).
+
+        Args:
+            features: ``[(B,) N, D]`` fused target features or the head's own outputs.
+            token_ids: ``[(B,) N]`` the token each row reads (the one after its feature's).
+            positions: ``[N]`` rotary positions.
+            past_k, past_v: ``[(B,) P, G, d]`` keys and values of earlier rows (or ``None``).
+            mask: ``[N, P + N]`` bool, True where a row sees a key (``None``: causal over
+                the new rows, every past row visible).
+
+        Returns:
+            ``(h [(B,) N, D], k [(B,) N, G, d], v [(B,) N, G, d])``: outputs and the new
+            keys/values.
+        """
+        c = self.config
+        lead = features.shape[:-1]  # (B,) N
+        n = lead[-1]
+        e = F.embedding(token_ids, self.embed).to(features.dtype)
+        x = torch.cat([self.embed_norm(e), self.feature_norm(features)], dim=-1)
+        q = self.q(x).view(*lead, c.num_heads, c.head_dim)
+        k = self.k(x).view(*lead, c.num_kv_heads, c.head_dim)
+        v = self.v(x).view(*lead, c.num_kv_heads, c.head_dim)
+        cos, sin = self.rotary(positions, q.dtype)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=-3)
+        values = v if past_v is None else torch.cat([past_v, v], dim=-3)
+        p = keys.shape[-3] - n
+        if mask is None:
+            mask = torch.ones(n, p + n, dtype=torch.bool, device=features.device)
+            mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=features.device).tril()
+        groups = c.num_heads // c.num_kv_heads
+        attn = F.scaled_dot_product_attention(
+            q.transpose(-3, -2),
+            keys.transpose(-3, -2).repeat_interleave(groups, -3),
+            values.transpose(-3, -2).repeat_interleave(groups, -3),
+            attn_mask=mask,
+        )
+        h = features + self.o(attn.transpose(-3, -2).reshape(*lead, -1))
+        y = self.mlp_norm(h)
+        h = h + self.down(F.silu(self.gate(y)) * self.up(y))
+        return h, k, v
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[N, D]`` outputs -> ``[N, draft_vocab_size]`` draft logits."""
+        return self.lm_head(self.norm(h))
+
+
+class MedusaHead(nn.Module):
+    """Medusa's residual heads over one shared trimmed LM head (see the module docstring).
+
+    Args:
+        config: the head's :class:`HeadConfig` (``kind == "medusa"``).
+    """
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        c = config
+        d = c.hidden_size
+        self.config = c
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(c.medusa_heads))
+        self.norm = _RMSNorm(d, c.rms_eps)
+        self.lm_head = nn.Linear(d, c.draft_vocab_size, bias=False)
+        self.register_buffer("vocab_map", torch.arange(c.draft_vocab_size), persistent=True)
+        for block in self.blocks:  # start as the identity (Medusa, Sec. 2.1.1)
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+
+    def bind(self, embed: torch.Tensor) -> MedusaHead:
+        """Nothing to bind (Medusa reads no embedding); for symmetry with EAGLE."""
+        return self
+
+    def forward(self, features: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """``[N, D]`` final-normed target states -> ``[N, K, draft_vocab_size]`` logits of
+        the first ``heads`` heads (default all)."""
+        blocks = self.blocks[: heads or len(self.blocks)]
+        hs = torch.stack([features + F.silu(b(features)) for b in blocks], dim=-2)
+        return self.lm_head(self.norm(hs))
+
+
+def spread_logits(draft_logits: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int):
+    """``[N, V']`` draft-vocabulary logits -> ``[N, vocab_size]`` float32 target-vocabulary
+    logits, ``-inf`` outside the draft vocabulary (draft probability 0 there, whatever the
+    sampling transform).
+
+    Example:
+        >>> spread_logits(torch.tensor([[1.0, 2.0]]), torch.tensor([3, 0]), 4).tolist()
+        [[2.0, -inf, -inf, 1.0]]
+    """
+    out = torch.full((draft_logits.shape[0], vocab_size), float("-inf"), device=draft_logits.device)
+    out[:, vocab_map] = draft_logits.float()
+    return out
+
+
+def make_head(config: HeadConfig) -> EagleHead | MedusaHead:
+    """An untrained head of ``config.kind``.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    if config.kind == "eagle":
+        return EagleHead(config)
+    if config.kind == "medusa":
+        return MedusaHead(config)
+    raise ValueError(f"unknown head kind {config.kind!r}; known: {', '.join(KINDS)}")
+
+
+def init_from_target(head: EagleHead | MedusaHead, view) -> None:
+    """Start a head from the target's weights: the LM head rows of the draft vocabulary
+    and the final norm (EAGLE and Medusa both start from the target's LM head)."""
+    with torch.no_grad():
+        rows = view.lm_head.index_select(0, head.vocab_map.to(view.lm_head.device))
+        head.lm_head.weight.copy_(rows.float())
+        head.norm.weight.copy_(view.norm.float())
+        if isinstance(head, EagleHead):
+            std = 1.0 / math.sqrt(head.config.hidden_size)
+            for lin in (head.q, head.k, head.v, head.gate, head.up):
+                nn.init.normal_(lin.weight, std=std)
+            for lin in (head.o, head.down):
+                nn.init.normal_(lin.weight, std=std / 4)

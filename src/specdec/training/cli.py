@@ -1,0 +1,164 @@
+"""``specdec train-head``: train an EAGLE or Medusa head for a target on this machine.
+
+One command does every stage of :mod:`specdec.training.pipeline` into ``--out``; run it
+again to continue an interrupted run. Its defaults are those of the head shipped for the
+embedded model.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.models.loading import DEFAULT_MODEL
+
+
+def add_parser(sub) -> None:
+    """Add ``train-head`` to the CLI's subcommands."""
+    from specdec.training.pipeline import HeadRecipe
+    from specdec.training.train import TrainConfig
+
+    recipe, tc = HeadRecipe(), TrainConfig()
+    p = sub.add_parser(
+        "train-head",
+        help="train an EAGLE or Medusa draft head for a target (CPU is enough)",
+        description="Train a draft head against a target: prompts from offline corpora and "
+        "from the target itself (Magpie), the target's own greedy answers, its hidden "
+        "states, then the head (EAGLE-3 with training-time test, or Medusa). Every stage "
+        "is kept under OUT/work and resumed by running the same command again. Writes "
+        "OUT/config.json and OUT/head.safetensors (use with --drafter eagle:head=OUT), "
+        "OUT/report.json and OUT/training.png. Needs: pip install chitchat-dataset "
+        "chatterbot-corpus (make train-setup).",
+    )
+    p.add_argument("--kind", choices=("eagle", "medusa"), default="eagle", help="head type")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default: {DEFAULT_MODEL})")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write the head to")
+    p.add_argument(
+        "--backend", choices=("native", "hf"), default="native",
+        help="runs the target (default: native)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+        help="the target's dtype for answers and features (default: bfloat16)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-prompts", type=int, default=recipe.num_prompts, metavar="N",
+        help=f"prompts the target answers (default: {recipe.num_prompts})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-new-tokens", type=int, default=recipe.max_new_tokens, metavar="N",
+        help=f"longest answer (default: {recipe.max_new_tokens})",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps", type=int, default=tc.steps, metavar="N",
+        help=f"optimizer steps (default: {tc.steps})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-minutes", type=float, default=tc.max_minutes, metavar="M",
+        help="stop training after M minutes (default: no limit); the report says so",
+    )  # fmt: skip
+    p.add_argument("--lr", type=float, default=tc.lr, help=f"peak learning rate (default: {tc.lr})")
+    p.add_argument(
+        "--batch-tokens", type=int, default=tc.batch_tokens, metavar="N",
+        help=f"padded tokens per optimizer step (default: {tc.batch_tokens})",
+    )  # fmt: skip
+    p.add_argument(
+        "--ttt-steps", type=int, default=tc.ttt_steps, metavar="N",
+        help=f"EAGLE training-time-test depth (default: {tc.ttt_steps})",
+    )  # fmt: skip
+    p.add_argument(
+        "--medusa-heads", type=int, default=recipe.medusa_heads, metavar="K",
+        help=f"Medusa heads (default: {recipe.medusa_heads})",
+    )  # fmt: skip
+    p.add_argument(
+        "--layers",
+        default=None,
+        metavar="I,J,K",
+        help="hidden-state indices the head reads (default: EAGLE-3's low, middle and high "
+        "layers; Medusa: the last)",
+    )
+    p.add_argument(
+        "--work", default=None, metavar="DIR",
+        help="folder for data, features and checkpoints (default: OUT/work); give heads of "
+        "both kinds the same one to build the data once",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=recipe.seed, help="seed of every random choice")
+    from specdec.cli_common import add_threads_arg
+
+    add_threads_arg(p, adapt=False)
+    p.set_defaults(func=_cmd_train)
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def recipe_from_args(args: argparse.Namespace):
+    """The :class:`HeadRecipe` of the command line (checked before any model loads).
+
+    Raises:
+        ValueError: a count below 1, a negative time, or malformed ``--layers``.
+    """
+    from specdec.training.pipeline import HeadRecipe
+    from specdec.training.train import TrainConfig
+
+    for name in ("num_prompts", "max_new_tokens", "steps", "batch_tokens", "ttt_steps",
+                 "medusa_heads"):  # fmt: skip
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    _positive("--max-minutes", args.max_minutes, allow_zero=True)
+    _positive("--lr", args.lr)
+    capture = None
+    if args.layers:
+        try:
+            capture = [int(x) for x in args.layers.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--layers must be integers like 2,15,27, got {args.layers!r}"
+            ) from None
+    train = TrainConfig(
+        steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, ttt_steps=args.ttt_steps,
+        max_minutes=args.max_minutes, seed=args.seed, warmup=min(100, max(1, args.steps // 10)),
+    )  # fmt: skip
+    return HeadRecipe(
+        kind=args.kind, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        capture=capture, medusa_heads=args.medusa_heads, seed=args.seed, train=train,
+    )  # fmt: skip
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec.cli_common import choose_threads
+
+    recipe = recipe_from_args(args)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder")
+    if not out.parent.is_dir():
+        raise ValueError(f"cannot write {out}: folder {out.parent} does not exist")
+    from specdec.training.data import _package_dir
+
+    for package in ("chitchat_dataset", "chatterbot_corpus"):
+        _package_dir(package)  # a missing corpus fails before the model loads
+    choose_threads(args, adapt=False)
+    from specdec import LLM
+    from specdec.models import load
+    from specdec.training.pipeline import train_head
+
+    target = load(args.model, args.dtype, "cpu", args.backend)
+    if recipe.capture is not None:
+        from specdec.models.base import check_capture
+
+        check_capture(recipe.capture, target.num_layers)
+    llm = LLM(target)
+    report = train_head(target, llm, out, recipe, args.work)
+    held = report["held_out"]
+    rates = ", ".join(f"{a:.2f}" for a in held["acceptance"])
+    print(
+        f"wrote {out}: {report['kind']} head, {report['vocabulary']['size']}-token draft "
+        f"vocabulary ({report['vocabulary']['coverage']:.1%} coverage); held-out "
+        f"acceptance per position {rates} (tau {held['tau']:.2f}); "
+        f"{report['wall_s'] / 60:.1f} min. Use it: specdec generate --backend native "
+        f"--drafter {report['kind']}:head={out}"
+    )
+    return 0

@@ -1,0 +1,288 @@
+"""``specdec train-head``: from nothing to a head folder, resumable at every stage.
+
+Stages, each kept under ``OUT/work/`` and skipped when already done (so an interrupted run
+continues where it stopped with the same command):
+
+1. ``prompts.jsonl``: prompts from the offline sources (:mod:`specdec.training.data`).
+2. ``data.jsonl``: the target's greedy answers (appended batch by batch).
+3. ``contamination.json``: the word 8-gram check of every prompt and answer against every
+   Spec-Bench turn and HumanEval prompt; overlapping conversations are dropped before
+   training (the report counts what remains: 0 shared 8-grams).
+4. ``features-LAYERS.pt``: the target's captured hidden states and greedy labels.
+5. ``checkpoint-KIND.pt``: training (:mod:`specdec.training.train`), saved every 100 steps.
+6. ``OUT/config.json`` + ``OUT/head.safetensors`` (the head), ``OUT/report.json`` and
+   ``OUT/training.png`` (loss and acceptance per position).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.heads.format import save_head, target_fingerprint
+from specdec.heads.modules import HeadConfig, default_capture, init_from_target, make_head
+from specdec.training import data as D
+from specdec.training.train import (
+    Features,
+    TrainConfig,
+    choose_vocabulary,
+    extract_features,
+    train,
+)
+
+
+@dataclass
+class HeadRecipe:
+    """Everything ``train-head`` needs besides the target (defaults: the shipped head's).
+
+    Attributes:
+        kind: ``"eagle"`` or ``"medusa"``.
+        num_prompts: prompts to answer (self-distillation).
+        magpie_share: share of them the target writes itself.
+        max_new_tokens: longest answer.
+        capture: hidden-state indices (default: :func:`default_capture`).
+        vocab_sizes: candidate draft-vocabulary sizes; the smallest covering ``coverage``
+            of the answer tokens is chosen.
+        coverage: see ``vocab_sizes``.
+        medusa_heads: Medusa's number of heads.
+        held_out: share of conversations kept out of training for the report.
+        seed: of every random choice.
+        train: the optimizer settings.
+    """
+
+    kind: str = "eagle"
+    num_prompts: int = 800
+    magpie_share: float = 0.2
+    max_new_tokens: int = 160
+    capture: list[int] | None = None
+    vocab_sizes: tuple[int, ...] = (2048, 4096, 8192, 12288, 16384)
+    coverage: float = 0.97
+    medusa_heads: int = 4
+    held_out: float = 0.05
+    seed: int = 0
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def _say(message: str) -> None:
+    import sys
+
+    print(f"specdec train-head: {message}", file=sys.stderr, flush=True)
+
+
+def _bar(total: int, desc: str, unit: str):
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None)
+
+
+def build_data(llm, work: Path, recipe: HeadRecipe) -> list[D.Example]:
+    """Stages 1-2: prompts and the target's answers (resumed from ``work``)."""
+    prompts_path, data_path = work / "prompts.jsonl", work / "data.jsonl"
+    if prompts_path.exists():
+        prompts = D.read_jsonl(prompts_path)[: recipe.num_prompts]
+    else:
+        _say(f"gathering {recipe.num_prompts} prompts ({recipe.magpie_share:.0%} Magpie)")
+        with _bar(int(recipe.num_prompts * recipe.magpie_share), "magpie prompts", "prompt") as bar:
+            prompts = D.gather_prompts(
+                llm, recipe.num_prompts, recipe.seed, recipe.magpie_share, progress=bar.update
+            )
+        D.write_jsonl(prompts_path, prompts)
+    done = D.read_jsonl(data_path) if data_path.exists() else []
+    if len(done) < len(prompts):
+        D.write_jsonl(data_path, done)  # drop a torn last line
+        todo = prompts[len(done) :]
+        with _bar(len(prompts), "answers", "answer") as bar:
+            bar.update(len(done))
+            for _ in D.self_distill(
+                llm, todo, recipe.max_new_tokens,
+                on_batch=lambda b: (D.write_jsonl(data_path, b, "a"), bar.update(len(b))),
+            ):  # fmt: skip
+                pass
+        done = D.read_jsonl(data_path)
+    return done
+
+
+def check_data(examples: list[D.Example], work: Path) -> tuple[list[D.Example], dict]:
+    """Stage 3: drop conversations sharing a word 8-gram with the test sets, then prove
+    the rest shares none (the report written to ``work/contamination.json``)."""
+    from specdec.training.contamination import benchmark_items, check_contamination
+
+    items = benchmark_items()
+    kept, dropped = D.filter_contaminated(examples, items)
+    report = check_contamination((f"{e.prompt}\n{e.answer}" for e in kept), items)
+    result = {
+        "n": report.n,
+        "conversations_checked": len(examples),
+        "conversations_dropped": dropped,
+        "conversations_kept": len(kept),
+        "test_items": report.num_test_items,
+        "test_ngrams": report.num_test_ngrams,
+        "overlapping_test_items": len(report.contaminated),
+        "shared_ngrams_after_filter": sum(report.contaminated.values()),
+    }
+    (work / "contamination.json").write_text(json.dumps(result, indent=2) + "\n")
+    return kept, result
+
+
+def build_features(target, examples, capture, work: Path) -> Features:
+    """Stage 4 (cached in ``work/features.pt`` for the same capture)."""
+    path = work / f"features-{'-'.join(str(i) for i in capture)}.pt"
+    if path.exists():
+        saved = torch.load(path, weights_only=False)
+        if saved["capture"] == list(capture) and saved["count"] == len(examples):
+            return saved["features"]
+    convs = [(e.prompt_ids, e.answer_ids) for e in examples]
+    with _bar(len(convs), "target features", "conv") as bar:
+        features = extract_features(target, convs, capture, progress=bar.update)
+    torch.save({"capture": list(capture), "count": len(examples), "features": features}, path)
+    return features
+
+
+def plot(history: list[dict], evaluation: dict, path: Path, kind: str) -> None:
+    """Training loss and acceptance per draft position (training windows and held out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [h["step"] for h in history]
+    left.plot(steps, [h["loss"] for h in history])
+    left.set_xlabel("optimizer step")
+    left.set_ylabel("training loss (weighted cross-entropy)")
+    left.set_title(f"{kind} head: loss")
+    positions = len(evaluation["acceptance"])
+    for s in range(positions):
+        right.plot(steps, [h["acceptance"][s] for h in history], label=f"position {s + 1}")
+    right.set_xlabel("optimizer step")
+    right.set_ylabel("acceptance (given earlier positions accepted)")
+    right.set_ylim(0, 1)
+    held = ", ".join(f"{a:.2f}" for a in evaluation["acceptance"])
+    right.set_title(f"held out: {held}; tau {evaluation['tau']:.2f}")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train_head(
+    target, llm, out: str | Path, recipe: HeadRecipe, work: str | Path | None = None
+) -> dict:
+    """Run every stage for ``target`` (loaded; ``llm`` generates with it) into ``out``;
+    intermediate files go to ``work`` (default ``out/work``; heads of both kinds may
+    share one, so the data is built once).
+
+    Returns:
+        the training report (also written to ``out/report.json``).
+
+    Raises:
+        ValueError: nothing left to train on.
+    """
+    out = Path(out)
+    work = Path(work) if work is not None else out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    view = target.head_view()
+    capture = recipe.capture or default_capture(recipe.kind, view.num_layers)
+
+    examples = build_data(llm, work, recipe)
+    timings["data_s"] = time.perf_counter() - t0
+    examples, contamination = check_data(examples, work)
+    if not examples:
+        raise ValueError("no training conversations left")
+    t1 = time.perf_counter()
+    features = build_features(target, examples, capture, work)
+    timings["features_s"] = time.perf_counter() - t1
+
+    rng = random.Random(recipe.seed)
+    order = list(range(len(features)))
+    rng.shuffle(order)
+    n_held = max(1, int(len(order) * recipe.held_out))
+    held_out, train_set = features.subset(order[:n_held]), features.subset(order[n_held:])
+    vocab_map, vocab_report = choose_vocabulary(
+        train_set.answer_labels(), view.vocab_size, recipe.vocab_sizes, recipe.coverage
+    )
+    vocab_report["draft_cost"] = vocab_report["size"] / view.vocab_size
+    held_labels = held_out.answer_labels()
+    vocab_report["held_out_coverage"] = float(torch.isin(held_labels, vocab_map).float().mean())
+
+    config = HeadConfig.for_target(
+        recipe.kind, view, target_fingerprint(view), capture, len(vocab_map), recipe.medusa_heads
+    )
+    torch.manual_seed(recipe.seed)
+    head = make_head(config)
+    head.vocab_map.copy_(vocab_map)
+    init_from_target(head, view)
+    head.bind(view.embed.float())
+    _say(
+        f"training a {recipe.kind} head: {len(train_set)} conversations "
+        f"({train_set.num_tokens} tokens), draft vocabulary {len(vocab_map)} "
+        f"({vocab_report['coverage']:.1%} of answer tokens)"
+    )
+    t2 = time.perf_counter()
+    with _bar(recipe.train.steps, "training", "step") as bar:
+
+        def progress(n, loss):
+            bar.update(n)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+        result = train(
+            head, train_set, held_out, recipe.train, str(work / f"checkpoint-{recipe.kind}.pt"),
+            progress=progress,
+        )  # fmt: skip
+    timings["train_s"] = time.perf_counter() - t2
+    sources: dict[str, int] = {}
+    for e in examples:
+        sources[e.source] = sources.get(e.source, 0) + 1
+    answer_tokens = sum(len(e.answer_ids or []) for e in examples)
+    prompt_tokens = sum(len(e.prompt_ids or []) for e in examples)
+    report = {
+        "kind": recipe.kind,
+        "target": view.name,
+        "target_fingerprint": config.target_fingerprint,
+        "capture": capture,
+        "recipe": {k: v for k, v in asdict(recipe).items() if k != "train"},
+        "train_config": asdict(recipe.train),
+        "sources": {
+            name: {"conversations": n, "licence": D.SOURCE_LICENCES.get(name, "")}
+            for name, n in sorted(sources.items())
+        },
+        "tokens": {
+            "prompt": prompt_tokens,
+            "answer": answer_tokens,
+            "train_conversations": len(train_set),
+            "held_out_conversations": len(held_out),
+        },
+        "contamination": contamination,
+        "vocabulary": vocab_report,
+        "training": {k: v for k, v in result.items() if k not in ("history", "eval")},
+        "held_out": result["eval"],
+        "history": result["history"],
+        "timings": timings,
+        "wall_s": time.perf_counter() - t0,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+        },
+    }
+    head.config.training = {
+        "held_out_acceptance": result["eval"]["acceptance"],
+        "held_out_tau": result["eval"]["tau"],
+        "steps": result["steps"],
+        "conversations": len(train_set),
+    }
+    save_head(head, out)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(result["history"], result["eval"], out / "training.png", recipe.kind)
+    return report
