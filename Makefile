@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
 .PHONY: setup demo test lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
-	datastore
+	datastore train-setup train-heads bench-heads
 
 setup: $(STAMP)
 
@@ -100,3 +100,20 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
+
+# Draft heads for the embedded model (issue 19): the corpora (no dependencies of their own),
+# then the documented command that made the shipped heads; both share out/heads/work.
+train-setup: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps 'chitchat-dataset>=0.9' 'chatterbot-corpus>=1.3'
+
+train-heads: train-setup
+	$(VENV)/bin/specdec train-head --kind eagle --out out/heads/eagle --work out/heads/work \
+		--max-minutes 25
+	$(VENV)/bin/specdec train-head --kind medusa --out out/heads/medusa --work out/heads/work \
+		--max-minutes 8 --draft-vocab 4096
+
+# Draft heads on Spec-Bench beside the best training-free drafters (benchmarks/heads_cpu).
+HEAD_METHODS := eagle:k=4 medusa:k=3 suffix:k=24 ngram:k=10
+bench-heads: $(STAMP)
+	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category 10 \
+		--max-new-tokens 96 $(addprefix --method ,$(HEAD_METHODS)) --out benchmarks/heads_cpu

@@ -140,3 +140,22 @@ def test_bfloat16_batch_equals_plain_decoding_of_each_prompt():
     for prompt, out in zip(BATCH_PROMPTS, batch, strict=True):
         plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
         assert out.token_ids == plain.token_ids, prompt
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shipped_heads_are_lossless_and_accepted(dtype):
+    """The heads shipped for the embedded model load with no options on both dtypes (the
+    fingerprint ignores the dtype), keep greedy output exactly (native exact mode), in
+    chains and EAGLE-2 trees, and their drafts are accepted."""
+    llm = LLM(backend="native", dtype=dtype, speculative=SpeculativeConfig(method="none"))
+    prompt = "Write a short story about a cat who learns to play the piano."
+    params = SamplingParams(max_new_tokens=40)
+    plain = llm.generate(prompt, params).token_ids
+    for spec in (
+        SpeculativeConfig(method="eagle", num_speculative_tokens=4),
+        SpeculativeConfig(method="eagle", tree="dynamic:top_k=3,depth=4,budget=8"),
+        SpeculativeConfig(method="medusa", num_speculative_tokens=3),
+    ):
+        out = llm.generate(prompt, params, speculative=spec)
+        assert out.token_ids == plain, spec.method
+        assert out.metrics.num_accepted_tokens > 0, spec.method

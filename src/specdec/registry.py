@@ -356,7 +356,7 @@ def _head(context: DrafterContext, kind: str, path: str):
 
     view = context.target.head_view()
     if not path:
-        shipped = shipped_head_path(view.name, kind)
+        shipped = shipped_head_path(view, kind)
         if shipped is None:
             raise ValueError(
                 f"no {kind} head is shipped for {view.name}: pass {kind}:head=PATH, a head "

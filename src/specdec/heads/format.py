@@ -20,8 +20,11 @@ from specdec.heads.modules import KINDS, EagleHead, HeadConfig, MedusaHead, make
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "head.safetensors"
 
-#: Heads shipped inside the package, by embedded model name and kind.
-SHIPPED = {("smollm2-135m-instruct", "eagle"): "smollm2-135m-instruct-eagle"}
+#: Heads shipped inside the package (``heads/data/FOLDER``), by kind.
+SHIPPED = {
+    "eagle": ("smollm2-135m-instruct-eagle",),
+    "medusa": ("smollm2-135m-instruct-medusa",),
+}
 
 
 def target_fingerprint(view) -> str:
@@ -43,13 +46,20 @@ def target_fingerprint(view) -> str:
     return digest.hexdigest()[:16]
 
 
-def shipped_head_path(model_name: str, kind: str) -> Path | None:
-    """The packaged head for an embedded model, or ``None`` when none is shipped."""
-    folder = SHIPPED.get((model_name.lower(), kind))
-    if folder is None:
-        return None
-    path = Path(__file__).parent / "data" / folder
-    return path if (path / CONFIG_FILE).is_file() else None
+def shipped_head_path(view, kind: str) -> Path | None:
+    """The packaged ``kind`` head trained for this target (matched by weights
+    fingerprint, so the embedded model loaded by name or from its file both find it), or
+    ``None`` when none is shipped."""
+    fingerprint = None
+    for folder in SHIPPED.get(kind, ()):
+        path = Path(__file__).parent / "data" / folder
+        if not (path / CONFIG_FILE).is_file():
+            continue
+        config = read_config(path)
+        fingerprint = fingerprint or target_fingerprint(view)
+        if config.target_fingerprint == fingerprint:
+            return path
+    return None
 
 
 def save_head(head: EagleHead | MedusaHead, folder: str | Path, dtype=torch.bfloat16) -> Path:
@@ -119,7 +129,9 @@ def load_head(
     folder: str | Path, view, kind: str | None = None, dtype: torch.dtype | None = None
 ) -> EagleHead | MedusaHead:
     """Load a head for the target ``view`` (:class:`~specdec.models.base.HeadView`),
-    bound to its embedding, in ``dtype`` (default: the embedding's), in eval mode.
+    bound to its embedding, in ``dtype``, in eval mode. The default is float32 on CPU
+    (PyTorch's one-row bfloat16 products run 2-3x slower there than float32 ones for the
+    head's shapes, measured on this project's CPU) and the embedding's dtype elsewhere.
 
     Raises:
         ValueError: not a head folder, a head of another ``kind``, or one trained for
@@ -141,7 +153,9 @@ def load_head(
         raise ValueError(
             f"head {folder}: {WEIGHTS_FILE} does not match its config ({first})"
         ) from None
-    head = head.to(dtype or view.embed.dtype).eval()
+    if dtype is None:
+        dtype = torch.float32 if view.embed.device.type == "cpu" else view.embed.dtype
+    head = head.to(dtype).eval()
     if isinstance(head, EagleHead):
         head.inv_freq = head.inv_freq.float()  # rotary angles stay float32
     return head.bind(view.embed)

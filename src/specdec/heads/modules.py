@@ -118,7 +118,8 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # the weight in the input's dtype: under bf16 autocast the fused kernel needs it
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

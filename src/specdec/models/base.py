@@ -187,14 +187,24 @@ def check_capture(capture: Sequence[int], num_layers: int) -> list[int]:
 
 
 def head_view_from_config(name: str, module, num_layers: int) -> HeadView:
-    """A :class:`HeadView` of a transformers causal LM (Llama-family config names)."""
+    """A :class:`HeadView` of a transformers causal LM (Llama-family config names).
+
+    Raises:
+        ValueError: the model is not Llama-like (no final ``norm``, no
+            ``intermediate_size``), which draft heads need.
+    """
     config = module.config
+    inner = getattr(module, "model", module)
+    if not hasattr(inner, "norm") or not hasattr(config, "intermediate_size"):
+        raise ValueError(
+            f"draft heads need a Llama-family target (Llama, Mistral, Qwen2, Qwen3); "
+            f"{name} is a {getattr(config, 'model_type', type(module).__name__)}"
+        )
     heads = int(config.num_attention_heads)
     hidden = int(config.hidden_size)
     theta = getattr(config, "rope_theta", None)
     if theta is None:
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    inner = module.model if hasattr(module, "model") else module
     return HeadView(
         name=name,
         num_layers=num_layers,

@@ -77,6 +77,15 @@ def add_parser(sub) -> None:
         "layers; Medusa: the last)",
     )
     p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draft vocabulary size (default: the smallest of "
+        f"{', '.join(str(v) for v in recipe.vocab_sizes)} covering "
+        f"{recipe.coverage * 100:.0f}%% of the answer tokens)",
+    )
+    p.add_argument(
         "--work", default=None, metavar="DIR",
         help="folder for data, features and checkpoints (default: OUT/work); give heads of "
         "both kinds the same one to build the data once",
@@ -105,6 +114,8 @@ def recipe_from_args(args: argparse.Namespace):
     for name in ("num_prompts", "max_new_tokens", "steps", "batch_tokens", "ttt_steps",
                  "medusa_heads"):  # fmt: skip
         _positive("--" + name.replace("_", "-"), getattr(args, name))
+    if args.draft_vocab is not None:
+        _positive("--draft-vocab", args.draft_vocab)
     _positive("--max-minutes", args.max_minutes, allow_zero=True)
     _positive("--lr", args.lr)
     capture = None
@@ -119,10 +130,13 @@ def recipe_from_args(args: argparse.Namespace):
         steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, ttt_steps=args.ttt_steps,
         max_minutes=args.max_minutes, seed=args.seed, warmup=min(100, max(1, args.steps // 10)),
     )  # fmt: skip
-    return HeadRecipe(
+    recipe = HeadRecipe(
         kind=args.kind, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         capture=capture, medusa_heads=args.medusa_heads, seed=args.seed, train=train,
     )  # fmt: skip
+    if args.draft_vocab is not None:
+        recipe.vocab_sizes = (args.draft_vocab,)
+    return recipe
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

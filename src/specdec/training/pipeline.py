@@ -225,7 +225,7 @@ def train_head(
     init_from_target(head, view)
     head.bind(view.embed.float())
     _say(
-        f"training a {recipe.kind} head: {len(train_set)} conversations "
+        f"training the {recipe.kind} head: {len(train_set)} conversations "
         f"({train_set.num_tokens} tokens), draft vocabulary {len(vocab_map)} "
         f"({vocab_report['coverage']:.1%} of answer tokens)"
     )

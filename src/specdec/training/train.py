@@ -460,10 +460,15 @@ def train(
     loss_fn = eagle_loss if isinstance(head, EagleHead) else medusa_loss
     steps_per_pos = config.ttt_steps if isinstance(head, EagleHead) else head.config.medusa_heads
 
-    def lr_at(step: int) -> float:
+    def lr_at(step: int, elapsed: float = 0.0) -> float:
+        """Linear warm-up, then cosine decay to 10% over the run: the run's end is
+        ``steps``, or ``max_minutes`` when that comes first (the schedule follows
+        whichever is further along, so a time-limited run still anneals)."""
         if step < config.warmup:
             return config.lr * (step + 1) / config.warmup
         t = (step - config.warmup) / max(1, config.steps - config.warmup)
+        if config.max_minutes:
+            t = max(t, elapsed / (60 * config.max_minutes))
         return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
     batches = batches_by_length(train_set, config.batch_tokens, gen)
@@ -477,8 +482,9 @@ def train(
         indices = batches[state["position"]]
         state["position"] += 1
         batch = make_batch(train_set, indices, index)
+        lr = lr_at(state["step"], time.perf_counter() - start_time)
         for group in opt.param_groups:
-            group["lr"] = lr_at(state["step"])
+            group["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
             loss, stats = loss_fn(head, batch, steps_per_pos)
         opt.zero_grad(set_to_none=True)
@@ -486,9 +492,10 @@ def train(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         state["step"] += 1
-        window.append((float(loss.detach()), stats))
+        value = float(loss.detach())
+        window.append((value, stats))
         if progress is not None:
-            progress(1, float(loss))
+            progress(1, value)
         elapsed = time.perf_counter() - start_time
         done = state["step"] >= config.steps or (
             config.max_minutes and elapsed > 60 * config.max_minutes
@@ -503,7 +510,7 @@ def train(
                 "step": state["step"],
                 "loss": sum(w[0] for w in window) / len(window),
                 "acceptance": rates,
-                "lr": lr_at(state["step"] - 1),
+                "lr": lr,
                 "seconds": elapsed,
             }
             state["history"].append(entry)
