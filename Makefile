@@ -114,6 +114,7 @@ train-heads: train-setup
 
 # Draft heads on Spec-Bench beside the best training-free drafters (benchmarks/heads_cpu).
 HEAD_METHODS := eagle:k=4 medusa:k=3 suffix:k=24 ngram:k=10
+HEADS_LIMIT ?= 10
 bench-heads: $(STAMP)
-	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category 10 \
+	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category $(HEADS_LIMIT) \
 		--max-new-tokens 96 $(addprefix --method ,$(HEAD_METHODS)) --out benchmarks/heads_cpu
