@@ -35,7 +35,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import DrafterBase, DraftProposal, VerificationFeedback
 from specdec.drafters.draft_model import CachedTreeSession
-from specdec.heads.modules import spread_logits
+from specdec.drafters.head import HeadDrafterBase
 from specdec.sampling import logits_to_probs, sample
 from specdec.trees.builders import Expansion
 
@@ -75,7 +75,7 @@ class HeadCache:
         self.num_rows = min(self.num_rows, num_rows)
 
 
-class EagleDrafter(DrafterBase):
+class EagleDrafter(HeadDrafterBase):
     """Drafts with a trained EAGLE head (see the module docstring).
 
     Args:
@@ -92,21 +92,8 @@ class EagleDrafter(DrafterBase):
     observes = True
     confidence_stop = True
 
-    def __init__(self, target, head, options) -> None:
-        self.target = target
-        self.head = head
-        self.options = options
-        self.captures = tuple(head.config.capture)
-        self.vocab_size = target.vocab_size
-        self.vocab_map = head.vocab_map.to(torch.long)
-
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> EagleSequence:
         return EagleSequence(self, params)
-
-    def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """``[N, V']`` draft-vocabulary logits -> ``[N, V]`` float32 target-vocabulary
-        logits, ``-inf`` outside the draft vocabulary (:func:`spread_logits`)."""
-        return spread_logits(draft_logits, self.vocab_map, self.vocab_size)
 
 
 class EagleSequence(DrafterBase):

@@ -25,13 +25,13 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import DrafterBase, DraftProposal, VerificationFeedback
 from specdec.drafters.draft_model import expansions_from_logits
-from specdec.heads.modules import spread_logits
+from specdec.drafters.head import HeadDrafterBase
 from specdec.sampling import logits_to_probs, sample
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
 
 
-class MedusaDrafter(DrafterBase):
+class MedusaDrafter(HeadDrafterBase):
     """Drafts with trained Medusa heads (see the module docstring).
 
     Args:
@@ -45,21 +45,11 @@ class MedusaDrafter(DrafterBase):
     confidence_stop = True
 
     def __init__(self, target, head, options) -> None:
-        self.target = target
-        self.head = head
-        self.options = options
-        self.captures = tuple(head.config.capture)
+        super().__init__(target, head, options)
         self.num_heads = head.config.medusa_heads
-        self.vocab_size = target.vocab_size
-        self.vocab_map = head.vocab_map.to(torch.long)
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> MedusaSequence:
         return MedusaSequence(self, params)
-
-    def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """``[N, V']`` draft-vocabulary logits -> ``[N, V]`` float32 target-vocabulary
-        logits, ``-inf`` outside the draft vocabulary (:func:`spread_logits`)."""
-        return spread_logits(draft_logits, self.vocab_map, self.vocab_size)
 
 
 class MedusaSequence(DrafterBase):
