@@ -248,7 +248,7 @@ class CachedTreeSession(ABC):
     position ``base - 1 + d`` and sees the sequence, its forwarded ancestors and itself).
 
     Subclasses set ``base`` (cached tokens, the root included) and ``params``, put the
-    root's logits in ``logits[ROOT]``, and implement :meth:`_run`.
+    root's logits in ``logits[ROOT]``, and implement :meth:`_run_nodes`.
     """
 
     base: int
@@ -262,13 +262,9 @@ class CachedTreeSession(ABC):
         self.logits: dict[int, torch.Tensor] = {ROOT: root_logits}
 
     @abstractmethod
-    def _run(self, tokens: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
-        """``[len(tokens), V]`` logits of the nodes forwarded with ``mask``."""
-
     def _run_nodes(self, nodes: list[int], positions: list[int], mask: torch.Tensor):
-        """``[len(nodes), V]`` logits of new nodes (default: :meth:`_run` on their tokens;
-        a head that reads its parents' outputs overrides this)."""
-        return self._run([self.tokens[n] for n in nodes], positions, mask)
+        """``[len(nodes), V]`` logits of the new nodes (ids; their tokens are
+        ``self.tokens[n]``) forwarded with ``mask`` at ``positions``."""
 
     def add(self, parent: int, token: int) -> int:
         self.parents.append(parent)
@@ -319,7 +315,8 @@ class DraftModelTreeSession(CachedTreeSession):
         d = self.sequence
         return align_draft_logits(logits, d.num_real_tokens, d.target_vocab_size)
 
-    def _run(self, tokens: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
+    def _run_nodes(self, nodes: list[int], positions: list[int], mask: torch.Tensor):
+        tokens = [self.tokens[n] for n in nodes]
         logits = self.draft.forward(tokens, self.cache, positions=positions, tree_mask=mask)
         return self._align(logits)
 

@@ -287,8 +287,5 @@ class EagleTreeSession(CachedTreeSession):
             return [Expansion([], [], None) for _ in nodes]
         return super().expand(nodes, width)
 
-    def _run(self, tokens, positions, mask):  # pragma: no cover - _run_nodes is used
-        raise NotImplementedError
-
     def close(self) -> None:
         self.cache.truncate(self.committed)

@@ -459,9 +459,13 @@ class LayerSkipTreeSession(CachedTreeSession):
         self.base = cache.num_tokens  # == len(token_ids)
         self._init_tree(out.logits[0])
 
-    def _run(self, tokens: list[int], positions: list[int], mask: torch.Tensor) -> torch.Tensor:
+    def _run_nodes(self, nodes: list[int], positions: list[int], mask: torch.Tensor):
         out = self.target.forward_full(
-            tokens, self.cache, positions=positions, tree_mask=mask, layers=self.layers
+            [self.tokens[n] for n in nodes],
+            self.cache,
+            positions=positions,
+            tree_mask=mask,
+            layers=self.layers,
         )
         return out.logits
 
