@@ -48,10 +48,10 @@ ARCHS = {
 }
 
 
-def tiny_hf(arch: str, seed: int = 0, dtype=torch.float32) -> HFModel:
+def tiny_hf(arch: str, seed: int = 0, dtype=torch.float32, **overrides) -> HFModel:
     config_cls, model_cls, extra = ARCHS[arch]
     tokenizer = make_tokenizer()
-    config = config_cls(vocab_size=len(tokenizer), **COMMON, **extra)
+    config = config_cls(vocab_size=len(tokenizer), **COMMON, **{**extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     if arch == "qwen2":  # random biases (transformers initialises them to zero)
@@ -182,10 +182,21 @@ def test_ragged_batch_equals_separate_forwards(pair):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_exact_mode_is_batch_invariant(dtype):
+@pytest.mark.parametrize(
+    "attention, head_dim",
+    [("kernel", 8), ("kernel", 64), ("reference", 8)],
+    ids=["kernel-d8", "kernel-d64", "reference-d8"],
+)
+def test_exact_mode_is_batch_invariant(dtype, attention, head_dim):
     """A row's logits: the same bits decoded alone, as row i of a chain of 1..64 rows, as a
-    tree node, and next to other sequences."""
-    native = NativeModel(tiny_hf("llama", dtype=dtype), exact=True)
+    tree node, and next to other sequences; with the compiled attention kernel (both of its
+    code paths: head_dim 64 takes the AVX-512 one where the CPU has it) and with the
+    PyTorch reference the runtime falls back to."""
+    native = NativeModel(tiny_hf("llama", dtype=dtype, head_dim=head_dim), exact=True)
+    if attention == "reference":
+        native.decoder.use_kernel = False
+    else:
+        assert native.decoder.use_kernel, "the attention kernel did not build"
     seq = [1, *[(7 * i) % 29 + 3 for i in range(80)]]
     cache = native.new_cache(128)
     native.forward(seq[:10], cache)

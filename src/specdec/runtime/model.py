@@ -25,8 +25,13 @@ from specdec.runtime.attention import (
     visibility_mask,
 )
 from specdec.runtime.cache import NativeKVCache
+from specdec.runtime.kernels import kernel_available, ragged_attention, store_kv
 from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
 from specdec.runtime.weights import ModelWeights
+
+#: Fast mode: a sequence with at most this many new rows (after its prefill) goes through
+#: the attention kernel; longer chunks through one ``scaled_dot_product_attention``.
+KERNEL_ROWS = 64
 
 
 class NativeDecoder:
@@ -69,6 +74,7 @@ class NativeDecoder:
         self.dtype = weights.embed.dtype
         self.device = weights.embed.device
         self._cos = self._sin = torch.empty(0)
+        self.use_kernel = kernel_available(self.device)
 
     def new_cache(self, capacity: int) -> NativeKVCache:
         """An empty cache for one sequence (``capacity`` slots; grows if needed)."""
@@ -204,28 +210,84 @@ class NativeDecoder:
         qk = _rotate(qk, cos, sin)  # queries and keys in one go
         q = qk[:, :h]
         kv_new = torch.cat([qk[:, h:], v.view(-1, g, d)], dim=1).view(-1, 2, g, d)
+        kernel = self._kernel_rows(plans, exact)
+        if kernel is not None:  # every sequence's new keys and values in one call
+            kv_new = kv_new.contiguous()
+            store_kv(kv_new, kernel.caches, index, kernel.store_seq, kernel.store_slot)
+            attn = torch.empty((q.shape[0], h * d), dtype=q.dtype, device=q.device)
+            if kernel.rows:  # the kernel's rows of every sequence in one call
+                ragged_attention(
+                    q.contiguous(), kernel.caches, index, kernel.row_seq, kernel.row_n,
+                    kernel.row_off, kernel.slots, self.scale, attn,
+                )  # fmt: skip
+        else:
+            row = 0
+            for p in plans:  # the new keys and values into each sequence's cache
+                p.item.cache.kv[index][:, :, p.start : p.start + p.length] = kv_new[
+                    row : row + p.length
+                ].permute(1, 2, 0, 3)
+                row += p.length
         outputs, row = [], 0
         for p in plans:
-            kv = p.item.cache.kv[index]  # [2, G, C, d]
-            keys, values = kv[0], kv[1]
             end = row + p.length
-            kv[:, :, p.start : p.start + p.length] = kv_new[row:end].permute(1, 2, 0, 3)
+            if kernel is not None and p.kernel:
+                row = end
+                continue
+            kv = p.item.cache.kv[index]
             if exact and not p.prefill:
-                groups = p.attention(exact)
-                outputs.append(attention_exact(q[row:end], keys, values, groups, self.scale))
+                result = attention_exact(q[row:end], kv[0], kv[1], p.attention(exact), self.scale)
             else:
                 filled = p.start + p.length
-                mask = p.attention(exact)
-                outputs.append(
-                    attention_fast(
-                        q[row:end], keys[:, :filled], values[:, :filled], mask, self.scale
-                    )
+                result = attention_fast(
+                    q[row:end], kv[0, :, :filled], kv[1, :, :filled], p.attention(exact), self.scale
                 )
+            if kernel is None:
+                outputs.append(result)
+            else:
+                attn[row:end] = result
             row = end
-        attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        if kernel is None:
+            attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         x = x + layer["o"](attn, exact)
         gate, up = layer["gate_up"](_rms_norm(x, w.mlp_norm, cfg.rms_eps), exact).chunk(2, dim=-1)
         return x + layer["down"](F.silu(gate) * up, exact)
+
+    def _kernel_rows(self, plans, exact: bool) -> _KernelRows | None:
+        """What the kernels need about this forward's rows, built once (kept on the first
+        plan); ``None`` without the kernels. Attention rows: in exact mode every row after
+        a sequence's prefill (the kernel is batch-invariant by construction); in fast mode
+        those of sequences with at most :data:`KERNEL_ROWS` new rows (longer chunks are
+        faster as one ``scaled_dot_product_attention``)."""
+        if not self.use_kernel:
+            return None
+        first = plans[0]
+        if first.kernel_rows is None:
+            seq, slot, row_seq, n, off, slots, used = [], [], [], [], [], [], 0
+            for s, p in enumerate(plans):
+                p.kernel = not p.prefill and (exact or p.length <= KERNEL_ROWS)
+                seq += [s] * p.length
+                slot += range(p.start, p.start + p.length)
+                for v in p.visible:
+                    row_seq.append(s if p.kernel else -1)
+                    if isinstance(v, int):
+                        n.append(v)
+                        off.append(-1)
+                    else:
+                        n.append(v.numel())
+                        off.append(used)
+                        slots.append(v.cpu())
+                        used += v.numel()
+            first.kernel_rows = _KernelRows(
+                [p.item.cache.kv for p in plans],
+                torch.tensor(seq, dtype=torch.long),
+                torch.tensor(slot, dtype=torch.long),
+                any(p.kernel for p in plans),
+                torch.tensor(row_seq, dtype=torch.long),
+                torch.tensor(n, dtype=torch.long),
+                torch.tensor(off, dtype=torch.long),
+                torch.cat(slots) if slots else torch.empty(0, dtype=torch.long),
+            )
+        return first.kernel_rows
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, d]`` for the positions (a table grown on demand, as transformers
@@ -245,6 +307,20 @@ class NativeDecoder:
 
 
 @dataclass
+class _KernelRows:
+    """One forward's rows for :mod:`specdec.runtime.kernels` (see their arguments)."""
+
+    caches: list[torch.Tensor]
+    store_seq: torch.Tensor
+    store_slot: torch.Tensor
+    rows: bool  # any row's attention runs in the kernel
+    row_seq: torch.Tensor
+    row_n: torch.Tensor
+    row_off: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass
 class _Plan:
     item: BatchItem
     ids: torch.Tensor
@@ -254,6 +330,8 @@ class _Plan:
     length: int
     num_logits: int
     _attention: object = None
+    kernel: bool = False
+    kernel_rows: _KernelRows | None = None
 
     @property
     def prefill(self) -> bool:
