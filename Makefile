@@ -113,7 +113,7 @@ train-heads: train-setup
 		--max-minutes 8 --draft-vocab 4096
 
 # Draft heads on Spec-Bench beside the best training-free drafters (benchmarks/heads_cpu).
-HEAD_METHODS := eagle:k=4 medusa:k=3 suffix:k=24 ngram:k=10
+HEAD_METHODS := eagle:k=4 eagle@dynamic:top_k=4,depth=6,budget=16 medusa:k=3 suffix:k=24 ngram:k=10
 HEADS_LIMIT ?= 10
 bench-heads: $(STAMP)
 	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category $(HEADS_LIMIT) \

@@ -45,6 +45,11 @@ def add_parser(sub) -> None:
         help=f"prompts the target answers (default: {recipe.num_prompts})",
     )  # fmt: skip
     p.add_argument(
+        "--magpie-share", type=float, default=recipe.magpie_share, metavar="F",
+        help="share of the prompts the target writes itself, Magpie-style (default: "
+        f"{recipe.magpie_share})",
+    )  # fmt: skip
+    p.add_argument(
         "--max-new-tokens", type=int, default=recipe.max_new_tokens, metavar="N",
         help=f"longest answer (default: {recipe.max_new_tokens})",
     )  # fmt: skip
@@ -118,6 +123,8 @@ def recipe_from_args(args: argparse.Namespace):
         _positive("--draft-vocab", args.draft_vocab)
     _positive("--max-minutes", args.max_minutes, allow_zero=True)
     _positive("--lr", args.lr)
+    if not 0.0 <= args.magpie_share <= 1.0:
+        raise ValueError(f"--magpie-share must be in [0, 1], got {args.magpie_share}")
     capture = None
     if args.layers:
         try:
@@ -132,7 +139,8 @@ def recipe_from_args(args: argparse.Namespace):
     )  # fmt: skip
     recipe = HeadRecipe(
         kind=args.kind, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-        capture=capture, medusa_heads=args.medusa_heads, seed=args.seed, train=train,
+        magpie_share=args.magpie_share, capture=capture, medusa_heads=args.medusa_heads,
+        seed=args.seed, train=train,
     )  # fmt: skip
     if args.draft_vocab is not None:
         recipe.vocab_sizes = (args.draft_vocab,)

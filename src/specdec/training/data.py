@@ -247,7 +247,7 @@ def self_distill(
     llm,
     examples: list[Example],
     max_new_tokens: int,
-    batch_size: int = 32,
+    batch_size: int = 64,
     on_batch: Callable[[list[Example]], None] | None = None,
 ) -> Iterator[Example]:
     """The target's greedy answers to ``examples``' prompts, in batches (the batched

@@ -58,8 +58,8 @@ class HeadRecipe:
     """
 
     kind: str = "eagle"
-    num_prompts: int = 800
-    magpie_share: float = 0.2
+    num_prompts: int = 2400
+    magpie_share: float = 0.5
     max_new_tokens: int = 160
     capture: list[int] | None = None
     vocab_sizes: tuple[int, ...] = (2048, 4096, 8192, 12288, 16384)

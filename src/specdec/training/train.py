@@ -391,7 +391,7 @@ class TrainConfig:
     """
 
     steps: int = 2000
-    batch_tokens: int = 4096
+    batch_tokens: int = 2048
     lr: float = 1e-3
     warmup: int = 100
     weight_decay: float = 0.0
