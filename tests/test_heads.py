@@ -422,6 +422,7 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path):
         (["--draft-vocab", "0"], "--draft-vocab must be > 0"),
         (["--max-minutes", "-1"], "--max-minutes must be >= 0"),
         (["--magpie-share", "1.5"], "--magpie-share must be in [0, 1]"),
+        (["--out", ""], "--out is empty"),
     ],
 )
 def test_train_head_refuses_bad_options_before_loading(tmp_path, capsys, extra, message):

@@ -121,7 +121,7 @@ def check_target(config: HeadConfig, view, where: str = "the head") -> None:
             f"{where} was trained for {config.target_name} (vocabulary, width, layers "
             f"{shape}, weights {config.target_fingerprint}), not for {view.name} ({theirs}, "
             f"weights {target_fingerprint(view)}); train one with: specdec train-head "
-            f"--model {view.name}"
+            f"--kind {config.kind} --model {view.name}"
         )
 
 

@@ -42,8 +42,14 @@ def _load():
         from torch.utils.cpp_extension import load
 
         digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+        name = f"specdec_attention_{digest}"
+        if not _built(name):
+            logger.warning(
+                "compiling specdec's attention kernel (first use on this machine only, about "
+                "a minute)"
+            )
         _module = load(
-            name=f"specdec_attention_{digest}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp"],
@@ -57,6 +63,23 @@ def _load():
         )
         _module = None
     return _module
+
+
+def _built(name: str) -> bool:
+    """Whether the extension ``name`` is already compiled (torch's build folder)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(name, verbose=False))
+    except Exception:  # a private helper of torch: if it moves, just say nothing
+        return True
+    return any(folder.glob(f"{name}*.so"))
+
+
+def _last_line(exc: Exception) -> str:
+    """The last non-empty line of a build error (the compiler's own message)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def kernel_available(device: torch.device | str = "cpu") -> bool:

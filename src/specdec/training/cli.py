@@ -153,6 +153,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from specdec.cli_common import choose_threads
 
     recipe = recipe_from_args(args)
+    if not args.out.strip():
+        raise ValueError("--out is empty; give a folder to write the head to")
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder")
