@@ -139,10 +139,11 @@ class NativeDecoder:
         positions = torch.cat([p.positions for p in plans])
         cos, sin = self._rotary(positions)
         x = self.weights.embed.index_select(0, ids)
+        kernel = self._kernel_rows(plans, exact)
         for index in order:
             if index in wanted:
                 kept[index] = x
-            x = self._layer(index, self.layers[index], x, cos, sin, plans, exact)
+            x = self._layer(index, self.layers[index], x, cos, sin, plans, exact, kernel)
         if len(self.layers) in wanted:
             kept[len(self.layers)] = _rms_norm(x, self.weights.norm, self.config.rms_eps)
         captured = (
@@ -195,7 +196,7 @@ class NativeDecoder:
         n = t if item.num_logits <= 0 else min(item.num_logits, t)
         return _Plan(item, ids, positions, visible, start, t, n)
 
-    def _layer(self, index, layer, x, cos, sin, plans, exact):
+    def _layer(self, index, layer, x, cos, sin, plans, exact, kernel):
         cfg = self.config
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = self.weights.layers[index]
@@ -210,7 +211,6 @@ class NativeDecoder:
         qk = _rotate(qk, cos, sin)  # queries and keys in one go
         q = qk[:, :h]
         kv_new = torch.cat([qk[:, h:], v.view(-1, g, d)], dim=1).view(-1, 2, g, d)
-        kernel = self._kernel_rows(plans, exact)
         if kernel is not None:  # every sequence's new keys and values in one call
             kv_new = kv_new.contiguous()
             store_kv(kv_new, kernel.caches, index, kernel.store_seq, kernel.store_slot)
@@ -253,41 +253,38 @@ class NativeDecoder:
         return x + layer["down"](F.silu(gate) * up, exact)
 
     def _kernel_rows(self, plans, exact: bool) -> _KernelRows | None:
-        """What the kernels need about this forward's rows, built once (kept on the first
-        plan); ``None`` without the kernels. Attention rows: in exact mode every row after
+        """What the kernels need about this forward's rows (built once per forward, for
+        every layer); ``None`` without the kernels. Attention rows: in exact mode every row after
         a sequence's prefill (the kernel is batch-invariant by construction); in fast mode
         those of sequences with at most :data:`KERNEL_ROWS` new rows (longer chunks are
         faster as one ``scaled_dot_product_attention``)."""
         if not self.use_kernel:
             return None
-        first = plans[0]
-        if first.kernel_rows is None:
-            seq, slot, row_seq, n, off, slots, used = [], [], [], [], [], [], 0
-            for s, p in enumerate(plans):
-                p.kernel = not p.prefill and (exact or p.length <= KERNEL_ROWS)
-                seq += [s] * p.length
-                slot += range(p.start, p.start + p.length)
-                for v in p.visible:
-                    row_seq.append(s if p.kernel else -1)
-                    if isinstance(v, int):
-                        n.append(v)
-                        off.append(-1)
-                    else:
-                        n.append(v.numel())
-                        off.append(used)
-                        slots.append(v.cpu())
-                        used += v.numel()
-            first.kernel_rows = _KernelRows(
-                [p.item.cache.kv for p in plans],
-                torch.tensor(seq, dtype=torch.long),
-                torch.tensor(slot, dtype=torch.long),
-                any(p.kernel for p in plans),
-                torch.tensor(row_seq, dtype=torch.long),
-                torch.tensor(n, dtype=torch.long),
-                torch.tensor(off, dtype=torch.long),
-                torch.cat(slots) if slots else torch.empty(0, dtype=torch.long),
-            )
-        return first.kernel_rows
+        seq, slot, row_seq, n, off, slots, used = [], [], [], [], [], [], 0
+        for s, p in enumerate(plans):
+            p.kernel = not p.prefill and (exact or p.length <= KERNEL_ROWS)
+            seq += [s] * p.length
+            slot += range(p.start, p.start + p.length)
+            for v in p.visible:
+                row_seq.append(s if p.kernel else -1)
+                if isinstance(v, int):
+                    n.append(v)
+                    off.append(-1)
+                else:
+                    n.append(v.numel())
+                    off.append(used)
+                    slots.append(v.cpu())
+                    used += v.numel()
+        return _KernelRows(
+            [p.item.cache.kv for p in plans],
+            torch.tensor(seq, dtype=torch.long),
+            torch.tensor(slot, dtype=torch.long),
+            any(p.kernel for p in plans),
+            torch.tensor(row_seq, dtype=torch.long),
+            torch.tensor(n, dtype=torch.long),
+            torch.tensor(off, dtype=torch.long),
+            torch.cat(slots) if slots else torch.empty(0, dtype=torch.long),
+        )
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, 1, d]`` for the positions (a table grown on demand, as transformers
@@ -331,7 +328,6 @@ class _Plan:
     num_logits: int
     _attention: object = None
     kernel: bool = False
-    kernel_rows: _KernelRows | None = None
 
     @property
     def prefill(self) -> bool:
