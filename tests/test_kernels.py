@@ -1,7 +1,8 @@
 """The native runtime's compiled kernels (``specdec.runtime.kernels``) against the PyTorch
 reference: ragged attention over several sequences' KV caches (prefix rows, token tree
-rows, both code paths: AVX-512 for head_dim 64/128, portable otherwise), batch
-invariance bit for bit, the KV store, and clear errors."""
+rows, both code paths: AVX-512 for head_dim 64/128, portable otherwise), the fused layer
+ops (RMSNorm with the residual sum, rotary with the KV store, SiLU x up; lane-sized and
+odd widths), batch invariance bit for bit, and clear errors."""
 
 from __future__ import annotations
 
@@ -120,25 +121,117 @@ def test_rows_outside_the_kernel_are_left_alone():
     assert (out[0] == 7).all() and (out[2] == 7).all() and not (out[1] == 7).all()
 
 
-def test_store_kv_writes_each_row_into_its_sequence_slot():
-    caches = _caches(torch.bfloat16, 64, [64, 128])
-    expected = [c.clone() for c in caches]
-    kv_new = torch.randn(3, 2, G, 64).to(torch.bfloat16)
-    seq, slot = [1, 0, 1], [100, 5, 101]
-    kernels.store_kv(kv_new, caches, 1, torch.tensor(seq), torch.tensor(slot))
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+
+
+def _ulps(dtype):
+    """Tolerance of one rounding in ``dtype`` on values of order 1-10 (the norm's sum of
+    squares and SiLU's exp run in another order or polynomial than PyTorch's)."""
+    return {
+        torch.float32: dict(atol=1e-5, rtol=1e-5),
+        torch.bfloat16: dict(atol=1e-2, rtol=8e-3),
+        torch.float16: dict(atol=1e-3, rtol=1e-3),
+    }[dtype]
+
+
+@pytest.mark.parametrize("width", [576, 40])  # 40: not a multiple of the 16 lanes
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rms_norm_and_residual_sum_equal_pytorch(dtype, width):
+    gen = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(33, width, generator=gen)).to(dtype)
+    delta = torch.randn(33, width, generator=gen).to(dtype)
+    w = torch.randn(width, generator=gen).to(dtype)
+    ref = torch.nn.functional.rms_norm(x, (width,), w, 1e-5)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), ref, **_ulps(dtype))
+    total, normed = kernels.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(total, x + delta)  # the residual stream's bits exactly
+    ref = torch.nn.functional.rms_norm(x + delta, (width,), w, 1e-5)
+    torch.testing.assert_close(normed, ref, **_ulps(dtype))
+    # rows of a wider buffer (a product's view) read in place
+    wide = torch.cat([x, delta], dim=1)
+    assert torch.equal(kernels.rms_norm(wide[:, :width], w, 1e-5), kernels.rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("width", [1536, 40])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_silu_mul_equals_pytorch(dtype, width):
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (4 * torch.randn(33, 2 * width, generator=gen)).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # exp's overflow and 0
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = kernels.silu_mul(gate_up)
+    torch.testing.assert_close(out, ref, **_ulps(dtype))
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("d", [8, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rotary_kv_gives_the_reference_bits_and_fills_the_caches(dtype, d):
+    """Queries and keys rotated with the bits of the PyTorch reference (``_rotate``),
+    keys and values in their sequences' slots, other slots untouched; the QKV rows may be
+    a view of a wider buffer."""
+    from specdec.runtime.model import _rotate
+
+    gen = torch.Generator().manual_seed(6)
+    t = 5
+    wide = torch.randn(t, (H + 2 * G) * d + 16, generator=gen).to(dtype)
+    qkv = wide[:, 16:]
+    cos = torch.randn(t, d, generator=gen).to(dtype)
+    sin = torch.randn(t, d, generator=gen).to(dtype)
+    caches = _caches(dtype, d, [16, 32], seed=7)
+    before = [c.clone() for c in caches]
+    seq, slot = [0, 0, 1, 1, 1], [3, 4, 0, 1, 30]
+    q = kernels.rotary_kv(qkv, cos, sin, caches, 1, torch.tensor(seq), torch.tensor(slot), H)
+    x = qkv.reshape(t, H + 2 * G, d)
+    ref = _rotate(x[:, : H + G], cos.unsqueeze(1), sin.unsqueeze(1))
+    assert q.shape == (t, H, d) and q.is_contiguous()
+    assert torch.equal(q, ref[:, :H])
     for row, (s, p) in enumerate(zip(seq, slot, strict=True)):
-        expected[s][1, :, :, p] = kv_new[row]
-    for c, e in zip(caches, expected, strict=True):
-        assert torch.equal(c, e)
+        assert torch.equal(caches[s][1, 0, :, p], ref[row, H:])
+        assert torch.equal(caches[s][1, 1, :, p], x[row, H + G :])
+        before[s][1, :, :, p] = caches[s][1, :, :, p]
+    for c, b in zip(caches, before, strict=True):
+        assert torch.equal(c, b)  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_ops_give_a_row_the_same_bits_alone_and_in_a_batch(dtype):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 576, generator=gen).to(dtype)
+    delta = torch.randn(64, 576, generator=gen).to(dtype)
+    w = torch.randn(576, generator=gen).to(dtype)
+    gate_up = torch.randn(64, 3072, generator=gen).to(dtype)
+    batch = (kernels.rms_norm(x, w, 1e-5), *kernels.add_rms_norm(x, delta, w, 1e-5))
+    act = kernels.silu_mul(gate_up)
+    for row in (0, 17, 63):
+        alone = (
+            kernels.rms_norm(x[row : row + 1], w, 1e-5),
+            *kernels.add_rms_norm(x[row : row + 1], delta[row : row + 1], w, 1e-5),
+        )
+        for b, a in zip(batch, alone, strict=True):
+            assert torch.equal(b[row : row + 1], a)
+        assert torch.equal(act[row : row + 1], kernels.silu_mul(gate_up[row : row + 1]))
 
 
 def test_bad_inputs_are_clear_errors():
     caches = _caches(torch.float32, 8, [64])
     one = torch.zeros(1, dtype=torch.long)
+    qkv = torch.zeros(1, (H + 2 * G) * 8)
+    cos = sin = torch.zeros(1, 8)
     with pytest.raises(RuntimeError, match="slot outside the cache"):
-        kernels.store_kv(torch.zeros(1, 2, G, 8), caches, 0, one, torch.tensor([64]))
+        kernels.rotary_kv(qkv, cos, sin, caches, 0, one, torch.tensor([64]), H)
     with pytest.raises(RuntimeError, match="contiguous \\[L, 2, G, C, D\\]"):
-        kernels.store_kv(torch.zeros(1, 2, G, 8).bfloat16(), caches, 0, one, one)
+        kernels.rotary_kv(qkv.bfloat16(), cos, sin, caches, 0, one, one, H)
+    with pytest.raises(RuntimeError, match="\\(H \\+ 2G\\) \\* D"):
+        kernels.rotary_kv(qkv, cos, sin, caches, 0, one, one, H + 1)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.rms_norm(torch.zeros(2, 8), torch.zeros(8).bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="w must be \\[D\\]"):
+        kernels.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(9), 1e-5)
+    with pytest.raises(RuntimeError, match="\\[T, F\\] for gate_up \\[T, 2F\\]"):
+        kernels.silu_mul(torch.zeros(2, 7))
     with pytest.raises(RuntimeError, match="contiguous \\[T, H, D\\]"):
         out = torch.empty(1, H * 8)
         kernels.ragged_attention(

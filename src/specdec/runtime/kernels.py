@@ -25,7 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+#: The extension's sources (the build is named by a hash of them and ``common.h``).
+_SOURCES = (_CSRC / "attention.cpp", _CSRC / "layer_ops.cpp")
 _module = None
 _tried = False
 
@@ -41,7 +43,9 @@ def _load():
     try:
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+        digest = hashlib.sha256(
+            b"".join(p.read_bytes() for p in (*_SOURCES, _CSRC / "common.h"))
+        ).hexdigest()[:10]
         name = f"specdec_attention_{digest}"
         if not _built(name):
             logger.warning(
@@ -50,8 +54,15 @@ def _load():
             )
         _module = load(
             name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            sources=[str(p) for p in _SOURCES],
+            # no FMA contraction: the fused ops round like PyTorch's separate operations
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "-fno-math-errno",
+                "-ffp-contract=off",
+            ],  # fmt: skip
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -59,7 +70,7 @@ def _load():
         logger.warning(
             "specdec's attention kernel could not be built (%s); using the slower PyTorch "
             "reference attention",
-            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            _last_line(exc),
         )
         _module = None
     return _module
@@ -77,9 +88,11 @@ def _built(name: str) -> bool:
 
 
 def _last_line(exc: Exception) -> str:
-    """The last non-empty line of a build error (the compiler's own message)."""
+    """The compiler's own message in a build error: its first ``error:`` line, else the
+    last non-empty line."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
+    errors = [line for line in lines if "error:" in line]
+    return errors[0] if errors else lines[-1] if lines else type(exc).__name__
 
 
 def kernel_available(device: torch.device | str = "cpu") -> bool:
@@ -130,28 +143,110 @@ def ragged_attention(
     )
 
 
-def store_kv(
-    kv_new: torch.Tensor,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row (Zhang & Sennrich 2019): ``x / sqrt(mean(x**2) + eps) * weight``
+    in float32, rounded once to ``x``'s dtype (as ``F.rms_norm``; the sum of squares runs
+    in a fixed order of 16 partial sums, so a row's bits do not depend on the batch).
+
+    Args:
+        x: ``[T, D]`` with contiguous rows (float32, bfloat16 or float16).
+        weight: ``[D]`` contiguous, ``x``'s dtype.
+        eps: added to the mean square.
+
+    Returns:
+        ``[T, D]`` contiguous, ``x``'s dtype.
+
+    Raises:
+        RuntimeError: the extension is not available, or shapes, layouts or dtypes differ.
+    """
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _module_or_raise().rms_norm(x, weight, float(eps), out)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's step: ``s = x + delta`` (rounded to the dtype, the bits of
+    ``x + delta``), then :func:`rms_norm` of ``s``, in one pass over each row.
+
+    Args:
+        x, delta: ``[T, D]`` with contiguous rows, one dtype.
+        weight: ``[D]`` contiguous, that dtype.
+        eps: added to the mean square.
+
+    Returns:
+        ``(s, rms_norm(s))``, both ``[T, D]`` contiguous.
+
+    Raises:
+        RuntimeError: the extension is not available, or shapes, layouts or dtypes differ.
+    """
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(total)
+    _module_or_raise().add_rms_norm(x, delta, weight, float(eps), total, out)
+    return total, out
+
+
+def rotary_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     caches: list[torch.Tensor],
     layer: int,
     row_seq: torch.Tensor,
     row_slot: torch.Tensor,
-) -> None:
-    """Write row t's new key and value into slot ``row_slot[t]`` of sequence
-    ``row_seq[t]``'s cache (one call per layer for the whole batch).
+    heads: int,
+) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021, RoFormer eq. 34, in the rotate-half
+    layout of Llama) of the queries and keys of a fused QKV product; the rotated keys and
+    the values go straight into each sequence's KV cache.
+
+    Per head ``x``: ``x * cos + swap(x) * sin``, ``swap`` exchanging the two halves and
+    ``sin`` carrying rotate_half's sign (its first half negated); each product and the sum
+    rounded to the dtype, the bits of those three PyTorch operations.
 
     Args:
-        kv_new: ``[T, 2, G, d]`` contiguous new keys (index 0) and values (1).
-        caches: per sequence, its ``[L, 2, G, C, d]`` contiguous buffer, ``kv_new``'s dtype.
+        qkv: ``[T, (H + 2G) * d]`` with contiguous rows: H query heads, G key heads, G
+            value heads.
+        cos, sin: ``[T, d]`` with contiguous rows, ``qkv``'s dtype.
+        caches: per sequence, its ``[L, 2, G, C, d]`` contiguous buffer, ``qkv``'s dtype.
         layer: the layer written.
         row_seq: ``[T]`` int64 index into ``caches``.
         row_slot: ``[T]`` int64 slot per row (``< C``).
+        heads: H.
+
+    Returns:
+        the rotated queries, ``[T, H, d]`` contiguous.
 
     Raises:
-        RuntimeError: the extension is not available, a slot outside its cache, or
-            tensors of the wrong shape, layout or dtype.
+        RuntimeError: the extension is not available, a row outside the caches or a slot
+            outside its cache, or tensors of the wrong shape, layout or dtype.
     """
-    _module_or_raise().store_kv(kv_new, caches, layer, row_seq, row_slot)
+    d = caches[0].shape[-1] if caches else 0
+    q = torch.empty((qkv.shape[0], heads, d), dtype=qkv.dtype, device=qkv.device)
+    _module_or_raise().rotary_kv(qkv, cos, sin, caches, layer, row_seq, row_slot, heads, q)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating (Shazeer 2020, eq. 6): ``silu(gate) * up`` for ``gate_up = [gate,
+    up]``; ``silu`` in float32 (``exp`` by a polynomial within about an ulp of PyTorch's),
+    rounded to the dtype, then the product rounded, as the two PyTorch operations do.
+
+    Args:
+        gate_up: ``[T, 2F]`` with contiguous rows.
+
+    Returns:
+        ``[T, F]`` contiguous, ``gate_up``'s dtype.
+
+    Raises:
+        RuntimeError: the extension is not available, or an odd width or bad layout.
+    """
+    out = torch.empty(
+        (gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device
+    )
+    _module_or_raise().silu_mul(gate_up, out)
+    return out
 
 
 def _module_or_raise():

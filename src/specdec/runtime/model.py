@@ -25,7 +25,14 @@ from specdec.runtime.attention import (
     visibility_mask,
 )
 from specdec.runtime.cache import NativeKVCache
-from specdec.runtime.kernels import kernel_available, ragged_attention, store_kv
+from specdec.runtime.kernels import (
+    add_rms_norm,
+    kernel_available,
+    ragged_attention,
+    rms_norm,
+    rotary_kv,
+    silu_mul,
+)
 from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
 from specdec.runtime.weights import ModelWeights
 
@@ -140,10 +147,23 @@ class NativeDecoder:
         cos, sin = self._rotary(positions)
         x = self.weights.embed.index_select(0, ids)
         kernel = self._kernel_rows(plans, exact)
+        pending = None  # with the kernels: the last layer's output, not yet added to x
         for index in order:
+            if kernel is None:
+                if index in wanted:
+                    kept[index] = x
+                x = self._layer(index, self.layers[index], x, cos, sin, plans, exact)
+                continue
+            norm = self.weights.layers[index].attn_norm
+            if pending is None:
+                normed = rms_norm(x, norm, self.config.rms_eps)
+            else:
+                x, normed = add_rms_norm(x, pending, norm, self.config.rms_eps)
             if index in wanted:
                 kept[index] = x
-            x = self._layer(index, self.layers[index], x, cos, sin, plans, exact, kernel)
+            x, pending = self._fused_layer(index, x, normed, cos, sin, plans, exact, kernel)
+        if pending is not None:
+            x = x + pending
         if len(self.layers) in wanted:
             kept[len(self.layers)] = _rms_norm(x, self.weights.norm, self.config.rms_eps)
         captured = (
@@ -196,61 +216,73 @@ class NativeDecoder:
         n = t if item.num_logits <= 0 else min(item.num_logits, t)
         return _Plan(item, ids, positions, visible, start, t, n)
 
-    def _layer(self, index, layer, x, cos, sin, plans, exact, kernel):
+    def _layer(self, index, layer, x, cos, sin, plans, exact):
+        """One decoder layer in PyTorch operations, attention per sequence (the reference
+        path, used without the compiled kernels)."""
         cfg = self.config
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = self.weights.layers[index]
         qkv = layer["qkv"](_rms_norm(x, w.attn_norm, cfg.rms_eps), exact)
         qk, v = qkv.split([(h + g) * d, g * d], dim=-1)
-        qk = qk.reshape(-1, h + g, d)
-        if w.q_norm is not None:  # Qwen3: RMSNorm over each head before the rotation
-            qk = torch.cat(
-                [_rms_norm(qk[:, :h], w.q_norm, cfg.rms_eps),
-                 _rms_norm(qk[:, h:], w.k_norm, cfg.rms_eps)], dim=1,
-            )  # fmt: skip
-        qk = _rotate(qk, cos, sin)  # queries and keys in one go
+        qk = _head_norms(qk.reshape(-1, h + g, d), w, h, cfg.rms_eps)
+        qk = _rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))  # queries and keys in one go
         q = qk[:, :h]
         kv_new = torch.cat([qk[:, h:], v.view(-1, g, d)], dim=1).view(-1, 2, g, d)
-        if kernel is not None:  # every sequence's new keys and values in one call
-            kv_new = kv_new.contiguous()
-            store_kv(kv_new, kernel.caches, index, kernel.store_seq, kernel.store_slot)
-            attn = torch.empty((q.shape[0], h * d), dtype=q.dtype, device=q.device)
-            if kernel.rows:  # the kernel's rows of every sequence in one call
-                ragged_attention(
-                    q.contiguous(), kernel.caches, index, kernel.row_seq, kernel.row_n,
-                    kernel.row_off, kernel.slots, self.scale, attn,
-                )  # fmt: skip
-        else:
-            row = 0
-            for p in plans:  # the new keys and values into each sequence's cache
-                p.item.cache.kv[index][:, :, p.start : p.start + p.length] = kv_new[
-                    row : row + p.length
-                ].permute(1, 2, 0, 3)
-                row += p.length
+        row = 0
+        for p in plans:  # the new keys and values into each sequence's cache
+            p.item.cache.kv[index][:, :, p.start : p.start + p.length] = kv_new[
+                row : row + p.length
+            ].permute(1, 2, 0, 3)
+            row += p.length
         outputs, row = [], 0
         for p in plans:
-            end = row + p.length
-            if kernel is not None and p.kernel:
-                row = end
-                continue
-            kv = p.item.cache.kv[index]
-            if exact and not p.prefill:
-                result = attention_exact(q[row:end], kv[0], kv[1], p.attention(exact), self.scale)
-            else:
-                filled = p.start + p.length
-                result = attention_fast(
-                    q[row:end], kv[0, :, :filled], kv[1, :, :filled], p.attention(exact), self.scale
-                )
-            if kernel is None:
-                outputs.append(result)
-            else:
-                attn[row:end] = result
-            row = end
-        if kernel is None:
-            attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            outputs.append(self._sequence_attention(index, q[row : row + p.length], p, exact))
+            row += p.length
+        attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         x = x + layer["o"](attn, exact)
         gate, up = layer["gate_up"](_rms_norm(x, w.mlp_norm, cfg.rms_eps), exact).chunk(2, dim=-1)
         return x + layer["down"](F.silu(gate) * up, exact)
+
+    def _fused_layer(self, index, x, normed, cos, sin, plans, exact, kernel):
+        """One decoder layer with the compiled kernels (:mod:`specdec.runtime.kernels`):
+        ``normed`` is ``x`` after the attention norm; returns ``(x + attention output,
+        MLP output)``, the sum left to the next layer's :func:`add_rms_norm`."""
+        cfg = self.config
+        h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        w = self.weights.layers[index]
+        layer = self.layers[index]
+        qkv = _rows(layer["qkv"](normed, exact))
+        if w.q_norm is not None:
+            qk, v = qkv.split([(h + g) * d, g * d], dim=-1)
+            qk = _head_norms(qk.reshape(-1, h + g, d), w, h, cfg.rms_eps)
+            qkv = torch.cat([qk.reshape(qk.shape[0], -1), v], dim=-1)
+        q = rotary_kv(qkv, cos, sin, kernel.caches, index, kernel.store_seq, kernel.store_slot, h)
+        attn = torch.empty((q.shape[0], h * d), dtype=q.dtype, device=q.device)
+        if kernel.rows:  # the kernel's rows of every sequence in one call
+            ragged_attention(
+                q, kernel.caches, index, kernel.row_seq, kernel.row_n, kernel.row_off,
+                kernel.slots, self.scale, attn,
+            )  # fmt: skip
+        row = 0
+        for p in plans:  # the rest (prefill chunks): per sequence
+            if not p.kernel:
+                attn[row : row + p.length] = self._sequence_attention(
+                    index, q[row : row + p.length], p, exact
+                )
+            row += p.length
+        x, normed = add_rms_norm(x, _rows(layer["o"](attn, exact)), w.mlp_norm, cfg.rms_eps)
+        return x, _rows(layer["down"](silu_mul(_rows(layer["gate_up"](normed, exact))), exact))
+
+    def _sequence_attention(self, index: int, q: torch.Tensor, p: _Plan, exact: bool):
+        """One sequence's attention in PyTorch (its new keys already in its cache):
+        exact after its prefill, else one ``scaled_dot_product_attention``."""
+        kv = p.item.cache.kv[index]
+        if exact and not p.prefill:
+            return attention_exact(q, kv[0], kv[1], p.attention(exact), self.scale)
+        filled = p.start + p.length
+        return attention_fast(
+            q, kv[0, :, :filled], kv[1, :, :filled], p.attention(exact), self.scale
+        )
 
     def _kernel_rows(self, plans, exact: bool) -> _KernelRows | None:
         """What the kernels need about this forward's rows (built once per forward, for
@@ -287,7 +319,7 @@ class NativeDecoder:
         )
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[T, 1, d]`` for the positions (a table grown on demand, as transformers
+        """cos/sin ``[T, d]`` for the positions (a table grown on demand, as transformers
         computes them: float32 ``pos * inv_freq``, then cast to the model dtype)."""
         needed = int(positions.max()) + 1
         if needed > self._cos.shape[0]:
@@ -300,7 +332,7 @@ class NativeDecoder:
             sign[: emb.shape[-1] // 2] = -1.0  # rotate_half negates the second half
             self._cos = (emb.cos() * cfg.rope_scale).to(self.dtype).to(self.device)
             self._sin = (emb.sin() * cfg.rope_scale * sign).to(self.dtype).to(self.device)
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        return self._cos[positions], self._sin[positions]
 
 
 @dataclass
@@ -373,6 +405,21 @@ def _visibility(tree_mask, start: int, t: int, device) -> list[Visibility]:
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (one fused op; float32 accumulation for 16-bit inputs)."""
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with contiguous rows (a product may return a transposed view)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _head_norms(qk: torch.Tensor, w, heads: int, eps: float) -> torch.Tensor:
+    """Qwen3's RMSNorm over each query and key head before the rotation (``qk`` ``[T,
+    H + G, d]``); ``qk`` itself for models without them."""
+    if w.q_norm is None:
+        return qk
+    return torch.cat(
+        [_rms_norm(qk[:, :heads], w.q_norm, eps), _rms_norm(qk[:, heads:], w.k_norm, eps)], dim=1
+    )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -9,73 +9,17 @@
 // so a row gets the same bits decoded alone, verified in a chain or a token tree, or
 // next to any other sequences (batch invariance by construction: no blocking depends on
 // the batch). Keys and values are read in their storage dtype, converted per element.
-#include <torch/extension.h>
+#include "common.h"
+
 #include <ATen/Parallel.h>
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-constexpr int kLanes = 16;
-
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-
-template <>
-inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline float tree_sum(float* lane) {
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
-  return lane[0];
-}
-
+using namespace specdec;
 
 #if defined(__AVX512F__)
-// 16 elements of a row as float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp of 16 floats (x <= 0 here): x = k ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes'
-// expf polynomial, times 2^k; about 1 ulp, and exp(0) is exactly 1.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  const __m512 z = _mm512_mul_ps(r, r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, z, r);
-  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, k);
-}
-
 constexpr int kMaxVec = 8;  // head_dim 64 or 128
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
@@ -262,35 +206,19 @@ void ragged_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t la
   }
 }
 
-// Row t's new key and value (kv_new [T, 2, G, D] contiguous) into slot row_slot[t] of
-// sequence row_seq[t]'s cache at layer `layer`.
-void store_kv(torch::Tensor kv_new, std::vector<torch::Tensor> kv, int64_t layer,
-              torch::Tensor row_seq, torch::Tensor row_slot) {
-  TORCH_CHECK(kv_new.dim() == 4 && kv_new.size(1) == 2 && kv_new.is_contiguous(),
-              "new keys and values must be a contiguous [T, 2, G, D] tensor");
-  check_caches(kv, layer, kv_new.size(3), kv_new.scalar_type());
-  const int64_t T = kv_new.size(0), G = kv_new.size(2), D = kv_new.size(3);
-  const int64_t* rs = row_seq.data_ptr<int64_t>();
-  const int64_t* slot = row_slot.data_ptr<int64_t>();
-  const int64_t bytes = D * kv_new.element_size();
-  const char* src = static_cast<const char*>(kv_new.data_ptr());
-  std::vector<char*> base;
-  std::vector<int64_t> capacity;
-  for (const auto& t : kv) {
-    capacity.push_back(t.size(3));
-    base.push_back(static_cast<char*>(t.data_ptr()) + layer * 2 * G * t.size(3) * bytes);
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t s = rs[t], cap = capacity[s];
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < cap, "slot outside the cache");
-    for (int64_t kvi = 0; kvi < 2; ++kvi)
-      for (int64_t g = 0; g < G; ++g)
-        std::memcpy(base[s] + ((kvi * G + g) * cap + slot[t]) * bytes,
-                    src + ((t * 2 + kvi) * G + g) * bytes, bytes);
-  }
-}
+// layer_ops.cpp
+void rms_norm(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out);
+void add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps,
+                  torch::Tensor sum, torch::Tensor out);
+void rotary_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+               std::vector<torch::Tensor> kv, int64_t layer, torch::Tensor row_seq,
+               torch::Tensor row_slot, int64_t heads, torch::Tensor q_out);
+void silu_mul(torch::Tensor gate_up, torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm", &add_rms_norm, "residual sum, then RMSNorm of each row");
+  m.def("rotary_kv", &rotary_kv, "rotary queries; rotary keys and values into the KV caches");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
-  m.def("store_kv", &store_kv, "new keys and values into per-sequence KV caches");
 }
