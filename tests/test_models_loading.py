@@ -345,3 +345,56 @@ def test_concurrent_conversion_uses_the_copy_that_finished_first(tmp_path):
     assert len(other.calls) == 1
     assert _leftovers(directory) == []
     assert isinstance(load(str(directory)), HFModel)
+
+
+# ------------------------------------------------------------------ dtype auto
+
+
+def test_dtype_auto_picks_bfloat16_only_where_the_probe_finds_it_faster(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(loading, "cpu_has_bf16_matmul", lambda: True)
+    calls = []
+
+    def probe(ms):
+        def run():
+            calls.append(ms)
+            return ms
+
+        return run
+
+    monkeypatch.setattr(loading, "_decoding_probe_ms", probe((10.0, 5.0)))
+    assert loading.resolve_dtype("auto", "cpu") == "bfloat16"
+    assert loading.resolve_dtype("AUTO", "cpu") == "bfloat16"  # kept: measured once
+    assert len(calls) == 1
+    (tmp_path / "dtype_auto.json").unlink()
+    monkeypatch.setattr(loading, "_decoding_probe_ms", probe((10.0, 9.5)))  # < 10% gain
+    assert loading.resolve_dtype("auto", "cpu") == "float32"
+    monkeypatch.setattr(loading, "cpu_has_bf16_matmul", lambda: False)
+    (tmp_path / "dtype_auto.json").unlink()
+    monkeypatch.setattr(loading, "_decoding_probe_ms", probe((10.0, 1.0)))
+    assert loading.resolve_dtype("auto", "cpu") == "float32"  # no bf16 matrix hardware
+    assert len(calls) == 2
+    assert loading.resolve_dtype("bfloat16", "cpu") == "bfloat16"  # named: unchanged
+    with pytest.raises(ValueError, match="invalid device"):
+        loading.resolve_dtype("auto", "gpu:x")
+
+
+def test_the_decoding_probe_measures_both_dtypes():
+    from specdec.models.loading import _decoding_probe_ms
+
+    fp32, bf16 = _decoding_probe_ms(repeats=1)
+    assert fp32 > 0 and bf16 > 0
+
+
+def test_auto_is_a_valid_dtype_and_the_default_of_llm_and_the_cli():
+    import inspect
+
+    from specdec.cli import _build_parser
+    from specdec.llm import LLM
+    from specdec.models.loading import check_dtype
+
+    check_dtype("auto")
+    params = inspect.signature(LLM).parameters
+    assert params["dtype"].default == "auto" and params["backend"].default == "auto"
+    args = _build_parser().parse_args(["generate", "hi"])
+    assert args.dtype == "auto" and args.backend == "auto"

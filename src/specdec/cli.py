@@ -221,7 +221,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             record["interrupted"] = "baseline"  # the speculative output above is whole
         print(json.dumps(record))
     else:
-        _print_metrics(output, baseline, params, speculative.tree)
+        _print_metrics(output, baseline, params, speculative.tree, meta)
     if baseline is not None:
         warn_if_busy(share, threads.num_threads)
     if interrupted:
@@ -333,10 +333,16 @@ def _speedup(output: GenerationOutput, baseline: GenerationOutput) -> float:
     return output.metrics.tokens_per_s / base if base else 0.0
 
 
-def _print_metrics(output: GenerationOutput, baseline, params: SamplingParams, tree=None) -> None:
+def _print_metrics(
+    output: GenerationOutput, baseline, params: SamplingParams, tree=None, meta=None
+) -> None:
     m = output.metrics
     per_position = ", ".join(f"{r:.2f}" for r in m.per_position_acceptance_rate) or "-"
     print("-" * 60)
+    if meta:  # what ran: the defaults (backend auto, dtype auto) resolve per machine
+        mode = ", exact" if meta["exact"] else ""
+        print(f"ran on                   {meta['backend']} backend, {meta['dtype']}{mode}, "
+              f"{meta['threads']} threads")  # fmt: skip
     print(f"finish reason            {output.finish_reason}")
     print(f"tokens / steps           {m.num_output_tokens} / {m.num_steps}")
     print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")

@@ -14,6 +14,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.models.loading import (
     BACKENDS,
     DEFAULT_BACKEND,
+    DEFAULT_DTYPE,
     check_backend,
     check_dtype,
     check_source,
@@ -119,7 +120,10 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
     parser.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
     parser.add_argument("--seed", type=int, default=seed, help=f"sampling seed (default: {seed})")
     parser.add_argument(
-        "--dtype", default="float32", help="float32 (default), bfloat16, float16, int8-dynamic"
+        "--dtype",
+        default=DEFAULT_DTYPE,
+        help="auto (default: bfloat16 where this machine runs it faster, else float32), "
+        "float32, bfloat16, float16, int8-dynamic",
     )
     parser.add_argument(
         "--draft-dtype",
@@ -132,9 +136,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         "--backend",
         default=DEFAULT_BACKEND,
         choices=BACKENDS,
-        help="who runs the model's forward (target and draft): hf (transformers; default), "
-        "native (specdec's runtime: Llama, Mistral, Qwen2, Qwen3), auto (native when "
-        "supported); an int8-dynamic draft always runs on transformers",
+        help="who runs the model's forward (target and draft): auto (default: native where "
+        "supported, else transformers, logged), native (specdec's runtime: Llama, Mistral, "
+        "Qwen2, Qwen3), hf (transformers); an int8-dynamic draft always runs on transformers",
     )
     parser.add_argument(
         "--exact",

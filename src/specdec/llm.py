@@ -18,7 +18,14 @@ from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
 from specdec.models.base import Backend
-from specdec.models.loading import BACKENDS, DEFAULT_BACKEND, DEFAULT_MODEL, INT8_DYNAMIC, load
+from specdec.models.loading import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    DEFAULT_DTYPE,
+    DEFAULT_MODEL,
+    INT8_DYNAMIC,
+    load,
+)
 from specdec.sampling import make_generator
 from specdec.text import TextStream, final_text
 from specdec.tokenizer import Tokenizer
@@ -91,10 +98,13 @@ class LLM:
             :class:`~specdec.drafters.DrafterBase`); configs with ``method="custom"`` use
             it. Its output is verified like any drafter's, so it cannot change what is
             generated, only how fast.
-        dtype, device: for models loaded by name.
-        backend: ``"hf"`` (transformers), ``"native"`` (specdec's runtime) or ``"auto"``
-            for models loaded by name (see :func:`specdec.models.load`); it applies to the
-            draft too, except that an ``int8-dynamic`` draft always runs on transformers.
+        dtype, device: for models loaded by name; dtype ``"auto"`` (default) is bfloat16
+            where the hardware runs it faster, else float32
+            (:func:`specdec.models.loading.resolve_dtype`).
+        backend: ``"auto"`` (default: specdec's runtime where it supports the model, else
+            transformers, logged), ``"native"`` or ``"hf"`` for models loaded by name (see
+            :func:`specdec.models.load`); it applies to the draft too, except that an
+            ``int8-dynamic`` draft always runs on transformers.
         exact: native backend: batch-invariant forwards (default on).
         draft_dtype: dtype of a draft loaded by name (default: ``dtype``); e.g.
             ``"int8-dynamic"`` for a cheaper quantized copy of the target as draft.
@@ -122,7 +132,7 @@ class LLM:
         speculative: SpeculativeConfig | None = None,
         *,
         drafter: Drafter | None = None,
-        dtype: str = "float32",
+        dtype: str = DEFAULT_DTYPE,
         device: str = "cpu",
         draft_dtype: str | None = None,
         backend: str = DEFAULT_BACKEND,

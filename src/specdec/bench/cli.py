@@ -30,7 +30,7 @@ from specdec.cli_common import (
 from specdec.config import SpeculativeConfig
 from specdec.engine.engine import EngineConfig
 from specdec.llm import LLM
-from specdec.models.loading import DEFAULT_MODEL, INT8_DYNAMIC, load
+from specdec.models.loading import DEFAULT_MODEL, INT8_DYNAMIC, load, resolve_dtype
 from specdec.runtime.linear import cpu_name
 
 DEFAULT_METHODS = ("ngram:k=10", "hf-prompt-lookup:k=10")
@@ -176,6 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts = repeat_rounds(prompts, args.repeat)
     check_model_args(args)
     choose_threads(args)
+    args.dtype = resolve_dtype(args.dtype, args.device)  # the report names what ran
     llm = LLM(
         args.model,
         speculative=SpeculativeConfig(method="none"),
@@ -223,6 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "draft_dtype": args.draft_dtype or args.dtype,
             "backend": args.backend,
+            "backend_used": llm.target.backend,
             "exact": args.exact,
         }
         paths = write_outputs(out_dir, records, summary, baseline, environment(llm), config)

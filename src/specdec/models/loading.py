@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +70,102 @@ def quantize_int8_dynamic(model: HFModel) -> HFModel:
     return HFModel(model.model, model.tokenizer, name=f"{model.name}+int8")
 
 
+#: dtype name resolved per machine by :func:`resolve_dtype`.
+AUTO_DTYPE = "auto"
+#: bfloat16 must beat float32 by this fraction on the decoding probe to be chosen.
+BF16_GAIN = 0.10
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> str:
+    """The compute dtype ``"auto"`` stands for on ``device`` (any other value unchanged).
+
+    * CUDA: ``bfloat16`` where the GPU supports it, else ``float16``.
+    * CPU: ``bfloat16`` where the CPU has bfloat16 matrix instructions (AMX-BF16 or
+      AVX512-BF16 on x86, BF16 on Arm) *and* a probe shaped like speculative decoding's
+      products (one row and 16 rows over 64 MiB of float32 weights, see
+      ``_decoding_probe_ms``) scores at least :data:`BF16_GAIN` lower in bfloat16; else
+      ``float32``. The verdict is kept per machine (CPU model, torch version, threads) in
+      ``$SPECDEC_CACHE/dtype_auto.json`` (delete it to measure again).
+    * other devices: ``float32``.
+
+    Raises:
+        ValueError: a malformed or unavailable device.
+    """
+    if not (isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE):
+        return dtype
+    device = parse_device(device)
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if device.type != "cpu" or not cpu_has_bf16_matmul():
+        return "float32"
+    from specdec.runtime.linear import cpu_name
+
+    key = f"{cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    path = cache_root() / "dtype_auto.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        fp32_ms, bf16_ms = _decoding_probe_ms()
+        chosen = "bfloat16" if bf16_ms < (1 - BF16_GAIN) * fp32_ms else "float32"
+        table[key] = {"dtype": chosen, "float32_ms": fp32_ms, "bfloat16_ms": bf16_ms}
+        logger.info("dtype auto: %s (probe: float32 %.2f ms, bfloat16 %.2f ms)", chosen,
+                    fp32_ms, bf16_ms)  # fmt: skip
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=1))
+        except OSError as error:  # a read-only cache only costs a re-measurement
+            logger.warning("could not save %s: %s", path, error)
+    return table[key]["dtype"]
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether the CPU has bfloat16 matrix instructions (``/proc/cpuinfo`` flags
+    ``amx_bf16`` or ``avx512_bf16``, or an Arm ``bf16`` feature); ``False`` where the
+    flags cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+    return False
+
+
+def _decoding_probe_ms(repeats: int = 5) -> tuple[float, float]:
+    """The probe's score in float32 and in bfloat16, in milliseconds: one pass of products
+    over 16 ``[2048, 512]`` weights (64 MiB in float32) with one row (a decoding step)
+    plus a quarter of the pass with 16 rows (a verification), each the fastest of the
+    formulations the native runtime chooses from (:mod:`specdec.runtime.linear`; a
+    one-row bfloat16 product is slower than float32 on some CPUs, a 16-row one much
+    faster where there is AMX)."""
+    from specdec.runtime.linear import FORMULATIONS, available_formulations
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(2048, 512, generator=gen) for _ in range(16)]
+    x = torch.randn(16, 512, generator=gen)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        score = 0.0
+        for rows, weight in ((1, 1.0), (16, 0.25)):
+            xd = x[:rows].to(dtype)
+            best = float("inf")
+            for name in available_formulations(weights[0].to(dtype)):
+                f = FORMULATIONS[name]
+                prepared = [f.prepare(w.to(dtype)) for w in weights]
+                for _ in range(repeats + 1):
+                    start = time.perf_counter()
+                    for w in prepared:
+                        f.apply(xd, w)
+                    best = min(best, time.perf_counter() - start)
+            score += weight * best * 1e3
+        out.append(score)
+    return out[0], out[1]
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32" | "bfloat16" | "float16"`` (or a torch dtype) -> ``torch.dtype``.
 
@@ -108,9 +205,10 @@ def check_dtype(dtype: str) -> None:
     """Refuse a dtype name :func:`load` would refuse (before any loading starts).
 
     Raises:
-        ValueError: not ``int8-dynamic`` and not a name :func:`parse_dtype` knows.
+        ValueError: not ``auto``, not ``int8-dynamic`` and not a name :func:`parse_dtype`
+            knows.
     """
-    if str(dtype).lower() != INT8_DYNAMIC:
+    if str(dtype).lower() not in (INT8_DYNAMIC, AUTO_DTYPE):
         parse_dtype(dtype)
 
 
@@ -165,15 +263,17 @@ def embedded_gguf_path(name: str) -> Path:
 
 #: ``backend`` values of :func:`load`.
 BACKENDS = ("auto", "native", "hf")
-#: The backend used when none is named.
-DEFAULT_BACKEND = "hf"
+#: The backend and dtype of :class:`~specdec.LLM` and the command line when none is named
+#: (:func:`load` itself defaults to the plain transformers model in float32).
+DEFAULT_BACKEND = "auto"
+DEFAULT_DTYPE = AUTO_DTYPE
 
 
 def load(
     name_or_path: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
-    backend: str = DEFAULT_BACKEND,
+    backend: str = "hf",
     exact: bool = True,
 ) -> Backend:
     """Load a target or draft model (its tokenizer is ``model.tokenizer``).
@@ -181,13 +281,13 @@ def load(
     Args:
         name_or_path: ``smollm2-135m-instruct`` (embedded), a ``.gguf`` file, a local HF
             model directory, or a Hugging Face hub id (needs network).
-        dtype: ``float32`` (default; needed for exact greedy equivalence), ``bfloat16``,
-            ``float16``, or ``int8-dynamic``: float32 weights whose decoder linear layers
-            are then quantized to int8 with dynamic activation quantization
+        dtype: ``float32`` (default), ``bfloat16``, ``float16``, ``auto`` (per machine,
+            see :func:`resolve_dtype`), or ``int8-dynamic``: float32 weights whose decoder
+            linear layers are then quantized to int8 with dynamic activation quantization
             (``torch.ao.quantization.quantize_dynamic``; CPU only). Meant for a cheap
             *draft* copy of a target; the LM head stays float32.
         device: torch device, e.g. ``"cpu"`` or ``"cuda"``.
-        backend: ``"hf"`` (transformers runs the forward), ``"native"`` (specdec's own
+        backend: ``"hf"`` (default: transformers runs the forward), ``"native"`` (specdec's own
             runtime, :mod:`specdec.runtime`: Llama, Mistral, Qwen2, Qwen3), or ``"auto"``
             (native when the model is supported, else transformers, with a log message
             saying why).
@@ -206,6 +306,7 @@ def load(
             hub id without network).
     """
     check_backend(backend, str(dtype))
+    dtype = resolve_dtype(dtype, device)
     if str(dtype).lower() == INT8_DYNAMIC:
         if str(device).split(":")[0] != "cpu":
             raise ValueError(f"dtype {INT8_DYNAMIC} runs on CPU only, not {device}")

@@ -18,7 +18,14 @@ from specdec.cli_common import (
     llm_from_args,
     speculative_config,
 )
-from specdec.models.loading import BACKENDS, DEFAULT_MODEL, check_backend, check_dtype
+from specdec.models.loading import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    DEFAULT_DTYPE,
+    DEFAULT_MODEL,
+    check_backend,
+    check_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +41,15 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", help="the id clients send as 'model' (default: --model)")
     add_drafter_args(p)
     p.add_argument(
-        "--dtype", default="float32",
-        help="float32 (default), bfloat16, float16, or int8-dynamic (runs on transformers)",
+        "--dtype", default=DEFAULT_DTYPE,
+        help="auto (default: bfloat16 where this machine runs it faster, else float32), "
+        "float32, bfloat16, float16, or int8-dynamic (runs on transformers)",
     )  # fmt: skip
     p.add_argument("--draft-dtype", default=None, help="dtype of --draft-model (default: --dtype)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument(
         "--backend",
-        default="auto",
+        default=DEFAULT_BACKEND,
         choices=BACKENDS,
         help="auto (default: the native runtime, which batches, when it supports the model), "
         "native or hf",
