@@ -2,7 +2,8 @@
 reference: ragged attention over several sequences' KV caches (prefix rows, token tree
 rows, both code paths: AVX-512 for head_dim 64/128, portable otherwise), the fused layer
 ops (RMSNorm with the residual sum, rotary with the KV store, SiLU x up; lane-sized and
-odd widths), batch invariance bit for bit, and clear errors."""
+odd widths), the few-row matrix product, batch invariance bit for bit, and clear
+errors."""
 
 from __future__ import annotations
 
@@ -215,6 +216,23 @@ def test_the_fused_ops_give_a_row_the_same_bits_alone_and_in_a_batch(dtype):
         assert torch.equal(act[row : row + 1], kernels.silu_mul(gate_up[row : row + 1]))
 
 
+@pytest.mark.parametrize("k", [576, 40, 1536])  # 40: not a multiple of the lanes
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_small_gemm_equals_the_product_and_a_row_gets_the_same_bits_in_any_batch(dtype, k):
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(37, k, generator=gen).to(dtype)  # 37: not a multiple of the block
+    x = torch.randn(11, k, generator=gen).to(dtype)
+    y = kernels.small_gemm(x, w)
+    ref = x.float() @ w.float().t()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+    for m in range(11):  # alone, and at every place of smaller batches
+        assert torch.equal(kernels.small_gemm(x[m : m + 1], w), y[m : m + 1])
+    assert torch.equal(kernels.small_gemm(x[3:9], w), y[3:9])
+    wide = torch.cat([x, x], dim=1)  # rows of a wider buffer read in place
+    assert torch.equal(kernels.small_gemm(wide[:, :k], w), y)
+
+
 def test_bad_inputs_are_clear_errors():
     caches = _caches(torch.float32, 8, [64])
     one = torch.zeros(1, dtype=torch.long)
@@ -232,6 +250,10 @@ def test_bad_inputs_are_clear_errors():
         kernels.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(9), 1e-5)
     with pytest.raises(RuntimeError, match="\\[T, F\\] for gate_up \\[T, 2F\\]"):
         kernels.silu_mul(torch.zeros(2, 7))
+    with pytest.raises(RuntimeError, match="contiguous \\[N, K\\]"):
+        kernels.small_gemm(torch.zeros(2, 8), torch.zeros(3, 9))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.small_gemm(torch.zeros(2, 8), torch.zeros(3, 8).bfloat16())
     with pytest.raises(RuntimeError, match="contiguous \\[T, H, D\\]"):
         out = torch.empty(1, H * 8)
         kernels.ragged_attention(

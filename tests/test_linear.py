@@ -96,3 +96,26 @@ def test_exact_product_is_row_invariant_for_the_chosen_tile(dtype):
     for m in (1, 2, 7, 16, 33):
         rows = torch.cat([x[:1], x[1:m]])
         assert torch.equal(linear.exact_product(rows, prepared, name, tile, min_rows)[:1], alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stream_formulation_is_row_invariant_by_construction(dtype):
+    """specdec's own few-row product (``stream``): every row gives its bits alone, for
+    every row count up to the largest tile, without padding; calibration can choose it."""
+    from specdec.runtime.kernels import kernel_available
+
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(72, 64, generator=gen).to(dtype)
+    if not kernel_available():
+        assert "stream" not in linear.available_formulations(weight)
+        pytest.skip("the C++ extension is not available here")
+    assert "stream" in linear.available_formulations(weight)
+    x = torch.randn(max(linear.TILES) + 8, 64, generator=gen).to(dtype)
+    prepared = linear.FORMULATIONS["stream"].prepare(weight)
+    assert linear.is_row_invariant(x, prepared, "stream", max(linear.TILES), 1)
+    torch.testing.assert_close(
+        linear.FORMULATIONS["stream"].apply(x, prepared).float(),
+        (x.float() @ weight.float().t()),
+        atol=0.05 if dtype == torch.bfloat16 else 1e-4,
+        rtol=0.02 if dtype == torch.bfloat16 else 1e-5,
+    )

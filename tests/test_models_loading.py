@@ -353,6 +353,7 @@ def test_concurrent_conversion_uses_the_copy_that_finished_first(tmp_path):
 def test_dtype_auto_picks_bfloat16_only_where_the_probe_finds_it_faster(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(loading, "cpu_has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(loading, "MIN_PROBE_SHARE", 0.0)  # a busy test machine still saves
     calls = []
 
     def probe(ms):
@@ -377,6 +378,18 @@ def test_dtype_auto_picks_bfloat16_only_where_the_probe_finds_it_faster(monkeypa
     assert loading.resolve_dtype("bfloat16", "cpu") == "bfloat16"  # named: unchanged
     with pytest.raises(ValueError, match="invalid device"):
         loading.resolve_dtype("auto", "gpu:x")
+
+
+def test_a_probe_on_a_busy_machine_is_not_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(loading, "cpu_has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(loading, "MIN_PROBE_SHARE", 2.0)  # no probe can reach it
+    monkeypatch.setattr(loading, "_UNSAVED", {})
+    calls = []
+    monkeypatch.setattr(loading, "_decoding_probe_ms", lambda: calls.append(1) or (10.0, 5.0))
+    assert loading.resolve_dtype("auto", "cpu") == "bfloat16"
+    assert not (tmp_path / "dtype_auto.json").exists()
+    assert loading.resolve_dtype("auto", "cpu") == "bfloat16" and len(calls) == 1  # per process
 
 
 def test_the_decoding_probe_measures_both_dtypes():

@@ -74,6 +74,9 @@ def quantize_int8_dynamic(model: HFModel) -> HFModel:
 AUTO_DTYPE = "auto"
 #: bfloat16 must beat float32 by this fraction on the decoding probe to be chosen.
 BF16_GAIN = 0.10
+#: The probe's verdict is kept only if its threads ran at least this share of the time.
+MIN_PROBE_SHARE = 0.75
+_UNSAVED: dict[str, str] = {}  # verdicts of probes on a busy machine, for this process only
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> str:
@@ -85,7 +88,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
       products (one row and 16 rows over 64 MiB of float32 weights, see
       ``_decoding_probe_ms``) scores at least :data:`BF16_GAIN` lower in bfloat16; else
       ``float32``. The verdict is kept per machine (CPU model, torch version, threads) in
-      ``$SPECDEC_CACHE/dtype_auto.json`` (delete it to measure again).
+      ``$SPECDEC_CACHE/dtype_auto.json`` (delete it to measure again), unless other
+      processes kept the cores busy during the probe (its threads ran less than
+      :data:`MIN_PROBE_SHARE` of the time): then it holds for this process only.
     * other devices: ``float32``.
 
     Raises:
@@ -106,18 +111,33 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
-    if key not in table:
-        fp32_ms, bf16_ms = _decoding_probe_ms()
-        chosen = "bfloat16" if bf16_ms < (1 - BF16_GAIN) * fp32_ms else "float32"
-        table[key] = {"dtype": chosen, "float32_ms": fp32_ms, "bfloat16_ms": bf16_ms}
-        logger.info("dtype auto: %s (probe: float32 %.2f ms, bfloat16 %.2f ms)", chosen,
-                    fp32_ms, bf16_ms)  # fmt: skip
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(table, indent=1))
-        except OSError as error:  # a read-only cache only costs a re-measurement
-            logger.warning("could not save %s: %s", path, error)
-    return table[key]["dtype"]
+    if key in table:
+        return table[key]["dtype"]
+    if key in _UNSAVED:
+        return _UNSAVED[key]
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+    fp32_ms, bf16_ms = _decoding_probe_ms()
+    share = (time.process_time() - start_cpu) / (
+        (time.perf_counter() - start_wall) * torch.get_num_threads()
+    )
+    chosen = "bfloat16" if bf16_ms < (1 - BF16_GAIN) * fp32_ms else "float32"
+    logger.info("dtype auto: %s (probe: float32 %.2f ms, bfloat16 %.2f ms, CPU share %.0f%%)",
+                chosen, fp32_ms, bf16_ms, 100 * share)  # fmt: skip
+    if share < MIN_PROBE_SHARE:  # other processes took the cores: do not keep the verdict
+        logger.warning(
+            "dtype auto chose %s while other processes kept this machine busy (the probe "
+            "ran %.0f%% of the time); it is measured again next time",
+            chosen, 100 * share,
+        )  # fmt: skip
+        _UNSAVED[key] = chosen
+        return chosen
+    table[key] = {"dtype": chosen, "float32_ms": fp32_ms, "bfloat16_ms": bf16_ms}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1))
+    except OSError as error:  # a read-only cache only costs a re-measurement
+        logger.warning("could not save %s: %s", path, error)
+    return chosen
 
 
 def cpu_has_bf16_matmul() -> bool:

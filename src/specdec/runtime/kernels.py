@@ -1,4 +1,5 @@
-"""Compiled kernels of the native runtime (a small C++ extension, built on first use).
+"""Compiled kernels of the native runtime (a small C++ extension, built on first use):
+ragged attention, the fused per-layer operations, and a matrix product for few rows.
 
 :func:`ragged_attention` runs the attention of every row of a forward that reads a
 sequence's KV cache (decoding, chains, token trees, later prefill chunks), for all the
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 #: The extension's sources (the build is named by a hash of them and ``common.h``).
-_SOURCES = (_CSRC / "attention.cpp", _CSRC / "layer_ops.cpp")
+_SOURCES = (_CSRC / "attention.cpp", _CSRC / "layer_ops.cpp", _CSRC / "gemm.cpp")
 _module = None
 _tried = False
 
@@ -246,6 +247,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         (gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device
     )
     _module_or_raise().silu_mul(gate_up, out)
+    return out
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``y = x W^T`` streaming the weights once for all rows (a decoding step's or a
+    verification's product; ``csrc/gemm.cpp``): each output is a sum over k in increasing
+    order in 16 float32 lanes (with AVX512-BF16: 32 bfloat16 pairs), then one fixed
+    horizontal sum, so a row's bits do not depend on how many rows come with it.
+
+    Args:
+        x: ``[M, K]`` with contiguous rows (float32, bfloat16 or float16).
+        weight: ``[N, K]`` contiguous, ``x``'s dtype.
+
+    Returns:
+        ``[M, N]`` contiguous, ``x``'s dtype.
+
+    Raises:
+        RuntimeError: the extension is not available, or shapes, layouts or dtypes differ.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _module_or_raise().small_gemm(x, weight, out)
     return out
 
 

@@ -45,7 +45,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 #: Exact-mode tiles tried, largest first.
 TILES = (64, 32, 16, 8, 4, 2)
 #: Bump when the calibration procedure changes (invalidates cached choices).
-_VERSION = 5
+_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,21 @@ def _onednn_available(weight: torch.Tensor) -> bool:
     )
 
 
+def _stream_available(weight: torch.Tensor) -> bool:
+    from specdec.runtime.kernels import kernel_available
+
+    return weight.device.type == "cpu" and kernel_available(weight.device)
+
+
+def _stream(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from specdec.runtime.kernels import small_gemm
+
+    return small_gemm(x, weight)
+
+
 #: The formulations calibration chooses from (``onednn``: oneDNN's inner product on a
-#: weight packed once, CPU only).
+#: weight packed once, CPU only; ``stream``: specdec's own product for few rows,
+#: :func:`specdec.runtime.kernels.small_gemm`, CPU only, where the extension builds).
 FORMULATIONS = {
     "linear": Formulation(lambda w: w, lambda x, w: F.linear(x, w)),
     "w_xt": Formulation(lambda w: w, lambda x, w: (w @ x.t()).t()),
@@ -76,12 +89,14 @@ FORMULATIONS = {
         lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
         lambda x, packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
     ),
+    "stream": Formulation(lambda w: w.contiguous(), _stream),
 }
 
 
 def available_formulations(weight: torch.Tensor) -> list[str]:
     """Formulation names usable for ``weight`` on its device."""
-    return [n for n in FORMULATIONS if n != "onednn" or _onednn_available(weight)]
+    usable = {"onednn": _onednn_available, "stream": _stream_available}
+    return [n for n in FORMULATIONS if n not in usable or usable[n](weight)]
 
 
 @dataclass
@@ -266,12 +281,19 @@ def _fast_choice(times: dict[str, list[float]]) -> tuple[list[str], list[int]]:
 def _exact_choice(weight, x, times) -> tuple[str, int, int]:
     """The exact formulation: the candidate (formulation, one row padded or not) with the
     best decoding step (one row, or two when padded) plus a quarter of its 16-row time
-    (verification) among those invariant up to a tile >= 16; padding is required when the
-    one-row kernel gives other bits, and chosen when it is faster."""
+    (verification) plus a quarter of its 64-row time (a batch of sequences, and prefill
+    chunks: exact mode runs every row through this one formulation, so one that is fast for
+    one row but compute-bound for many would starve batches) among those invariant up to a
+    tile >= 16; padding is required when the one-row kernel gives other bits, and chosen
+    when it is faster."""
     candidates = []
     for name in times:
         for min_rows in (1, 2):
-            score = times[name][min_rows - 1] + 0.25 * times[name][BUCKETS.index(16)]
+            score = (
+                times[name][min_rows - 1]
+                + 0.25 * times[name][BUCKETS.index(16)]
+                + 0.25 * times[name][BUCKETS.index(64)]
+            )
             if min_rows == 2:
                 score += PAD_GAIN * times[name][0]  # a padded choice must win clearly
             candidates.append((score, name, min_rows))

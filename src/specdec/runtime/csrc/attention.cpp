@@ -214,11 +214,14 @@ void rotary_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                std::vector<torch::Tensor> kv, int64_t layer, torch::Tensor row_seq,
                torch::Tensor row_slot, int64_t heads, torch::Tensor q_out);
 void silu_mul(torch::Tensor gate_up, torch::Tensor out);
+// gemm.cpp
+void small_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "residual sum, then RMSNorm of each row");
   m.def("rotary_kv", &rotary_kv, "rotary queries; rotary keys and values into the KV caches");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("small_gemm", &small_gemm, "x W^T for few rows, weights streamed once");
   m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
 }
