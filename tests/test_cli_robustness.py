@@ -322,7 +322,9 @@ def test_starved_run_is_flagged(monkeypatch, capsys):
     assert not cli_common.warn_if_busy(meter.share(), 2)
     clock.update(wall=20.0, cpu=24.0)  # 24 s of CPU in 20 s on 2 threads: 60%
     assert cli_common.warn_if_busy(meter.share(), 2)
-    assert "unreliable" in capsys.readouterr().err
+    assert "the speedup above is unreliable" in capsys.readouterr().err
+    assert cli_common.warn_if_busy(0.5, 2, "every timing above")  # bench --forward-cost
+    assert "every timing above is unreliable" in capsys.readouterr().err
 
 
 def test_busy_warning_comes_after_the_metrics(capsys, monkeypatch, shared_llm, tiny_model_dir):

@@ -411,3 +411,13 @@ def test_auto_is_a_valid_dtype_and_the_default_of_llm_and_the_cli():
     assert params["dtype"].default == "auto" and params["backend"].default == "auto"
     args = _build_parser().parse_args(["generate", "hi"])
     assert args.dtype == "auto" and args.backend == "auto"
+
+
+def test_dtype_auto_is_float32_on_the_transformers_backend(monkeypatch):
+    """transformers keeps greedy identity with plain decoding only in float32 (observed), so
+    ``auto`` with ``backend="hf"`` on CPU never asks the probe."""
+    seen = []
+    monkeypatch.setattr(loading, "resolve_dtype", lambda d, dev: seen.append(d) or d)
+    monkeypatch.setattr(loading, "_load_hf", lambda name, dtype, device: dtype)
+    assert loading.load("x", "auto", "cpu", "hf") == "float32"
+    assert seen == ["float32"]

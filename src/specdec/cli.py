@@ -341,8 +341,9 @@ def _print_metrics(
     print("-" * 60)
     if meta:  # what ran: the defaults (backend auto, dtype auto) resolve per machine
         mode = ", exact" if meta["exact"] else ""
+        plural = "s" if meta["threads"] != 1 else ""
         print(f"ran on                   {meta['backend']} backend, {meta['dtype']}{mode}, "
-              f"{meta['threads']} threads")  # fmt: skip
+              f"{meta['threads']} thread{plural}")  # fmt: skip
     print(f"finish reason            {output.finish_reason}")
     print(f"tokens / steps           {m.num_output_tokens} / {m.num_steps}")
     print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")

@@ -339,7 +339,7 @@ class CpuMeter:
         return (_cpu_seconds() - self._cpu) / (wall * self.num_threads)
 
 
-def warn_if_busy(share: float, num_threads: int) -> bool:
+def warn_if_busy(share: float, num_threads: int, what: str = "the speedup above") -> bool:
     """After a timed comparison: warn on standard error when other processes took this
     run's cores, as the ratio printed is then unreliable.
 
@@ -354,7 +354,7 @@ def warn_if_busy(share: float, num_threads: int) -> bool:
         return False
     print(
         f"specdec: warning: this run's {num_threads} thread(s) had a CPU only "
-        f"{share:.0%} of the time (other processes were busy), so the speedup above is "
+        f"{share:.0%} of the time (other processes were busy), so {what} is "
         "unreliable; rerun on an idle machine",
         file=sys.stderr,
     )

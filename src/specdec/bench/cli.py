@@ -21,11 +21,13 @@ from specdec.bench.harness import check_unique, run_benchmark
 from specdec.bench.methods import parse_methods
 from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
 from specdec.cli_common import (
+    CpuMeter,
     add_sampling_args,
     check_model_args,
     choose_threads,
     llm_from_args,
     sampling_params,
+    warn_if_busy,
 )
 from specdec.config import SpeculativeConfig
 from specdec.engine.engine import EngineConfig
@@ -259,9 +261,13 @@ def _forward_cost(args: argparse.Namespace, out_dir: Path | None) -> int:
         write_forward_cost,
     )
 
+    threads = choose_threads(args)
+    meter = CpuMeter(threads.num_threads)  # did other processes take our cores meanwhile?
     with tqdm(total=len(CONFIGS), desc="forward cost", unit="config", file=sys.stderr) as bar:
         result = run_forward_cost(args.model, args.device, progress=bar.update)
+    result["cpu_share"] = round(meter.share(), 3)
     print(report_markdown(result))
+    warn_if_busy(result["cpu_share"], threads.num_threads, "every timing above")
     if out_dir is not None:
         env = environment(None)
         env["model"] = args.model

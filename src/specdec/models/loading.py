@@ -198,7 +198,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
         raise ValueError(
-            f"unknown dtype {dtype!r}; choose float32, bfloat16, float16 or {INT8_DYNAMIC}"
+            f"unknown dtype {dtype!r}; choose auto, float32, bfloat16, float16 or {INT8_DYNAMIC}"
         ) from None
 
 
@@ -302,8 +302,10 @@ def load(
         name_or_path: ``smollm2-135m-instruct`` (embedded), a ``.gguf`` file, a local HF
             model directory, or a Hugging Face hub id (needs network).
         dtype: ``float32`` (default), ``bfloat16``, ``float16``, ``auto`` (per machine,
-            see :func:`resolve_dtype`), or ``int8-dynamic``: float32 weights whose decoder
-            linear layers are then quantized to int8 with dynamic activation quantization
+            see :func:`resolve_dtype`; float32 for ``backend="hf"`` on CPU, where only
+            float32 keeps greedy output identical to plain decoding), or
+            ``int8-dynamic``: float32 weights whose decoder linear layers are then quantized
+            to int8 with dynamic activation quantization
             (``torch.ao.quantization.quantize_dynamic``; CPU only). Meant for a cheap
             *draft* copy of a target; the LM head stays float32.
         device: torch device, e.g. ``"cpu"`` or ``"cuda"``.
@@ -326,6 +328,8 @@ def load(
             hub id without network).
     """
     check_backend(backend, str(dtype))
+    if backend == "hf" and str(dtype).lower() == AUTO_DTYPE and str(device).startswith("cpu"):
+        dtype = "float32"  # transformers on CPU: only float32 keeps greedy output identical
     dtype = resolve_dtype(dtype, device)
     if str(dtype).lower() == INT8_DYNAMIC:
         if str(device).split(":")[0] != "cpu":

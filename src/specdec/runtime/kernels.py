@@ -9,10 +9,11 @@ loop over the row's own keys (``csrc/attention.cpp``), so it is batch-invariant 
 construction: exact mode uses it when it is available.
 
 The extension is compiled with the machine's C++ compiler the first time it is needed
-(about a minute; cached by ``torch.utils.cpp_extension`` under
-``~/.cache/torch_extensions``). Without a compiler, or with ``SPECDEC_ATTENTION=reference``,
-the runtime uses the PyTorch reference (:func:`specdec.runtime.attention.attention_exact`)
-and says so once in the log.
+(1-2 minutes, said on standard error; cached by ``torch.utils.cpp_extension`` under
+``~/.cache/torch_extensions``, under a name that hashes the sources, the flags and the torch
+version, and imported directly from there afterwards). Without a compiler, or with
+``SPECDEC_ATTENTION=reference``, the runtime uses the PyTorch reference
+(:func:`specdec.runtime.attention.attention_exact`) and says so once in the log.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 #: The extension's sources (the build is named by a hash of them and ``common.h``).
 _SOURCES = (_CSRC / "attention.cpp", _CSRC / "layer_ops.cpp", _CSRC / "gemm.cpp")
+#: Compiler flags (part of the build's name). No FMA contraction: the fused ops round like
+#: PyTorch's separate operations.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+_LDFLAGS = ["-fopenmp"]
 _module = None
 _tried = False
 
@@ -46,25 +51,21 @@ def _load():
 
         digest = hashlib.sha256(
             b"".join(p.read_bytes() for p in (*_SOURCES, _CSRC / "common.h"))
+            + " ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode()
         ).hexdigest()[:10]
-        name = f"specdec_attention_{digest}"
-        if not _built(name):
-            logger.warning(
-                "compiling specdec's attention kernel (first use on this machine only, about "
-                "a minute)"
-            )
+        name = f"specdec_kernels_{digest}"
+        library = _built(name)
+        if library is not None:  # built before, from these very sources and flags
+            _module = _import_library(library)
+            return _module
+        logger.warning(
+            "compiling specdec's C++ kernels (first use on this machine only, 1-2 minutes)"
+        )
         _module = load(
             name=name,
             sources=[str(p) for p in _SOURCES],
-            # no FMA contraction: the fused ops round like PyTorch's separate operations
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-fopenmp",
-                "-fno-math-errno",
-                "-ffp-contract=off",
-            ],  # fmt: skip
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
             verbose=False,
         )
     except Exception as exc:  # no compiler, no headers: the reference path still works
@@ -77,15 +78,29 @@ def _load():
     return _module
 
 
-def _built(name: str) -> bool:
-    """Whether the extension ``name`` is already compiled (torch's build folder)."""
+def _built(name: str) -> Path | None:
+    """The compiled library of the extension ``name`` in torch's build folder, if any (the
+    newest when torch versioned several)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
         folder = Path(_get_build_directory(name, verbose=False))
-    except Exception:  # a private helper of torch: if it moves, just say nothing
-        return True
-    return any(folder.glob(f"{name}*.so"))
+    except Exception:  # a private helper of torch: if it moves, build (and say so)
+        return None
+    libraries = sorted(folder.glob(f"{name}*.so"), key=lambda p: p.stat().st_mtime)
+    return libraries[-1] if libraries else None
+
+
+def _import_library(path: Path):
+    """Import a built extension directly: its name is a hash of its sources, flags and torch
+    version, so it is current. (``cpp_extension.load`` would run the build tool first, which
+    rebuilds when the same sources sit in another checkout.)"""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _last_line(exc: Exception) -> str:
