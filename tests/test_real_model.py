@@ -16,7 +16,11 @@ PROMPT = (
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=8))
+    # float32: the logit comparisons below use float32 tolerances (dtype auto would follow
+    # the machine)
+    return LLM(
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=8), dtype="float32"
+    )
 
 
 @pytest.fixture(scope="module")
