@@ -4,6 +4,8 @@ speculative identity, rollback / compaction, and clear refusals."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (
@@ -195,8 +197,10 @@ def test_exact_mode_is_batch_invariant(dtype, attention, head_dim):
     native = NativeModel(tiny_hf("llama", dtype=dtype, head_dim=head_dim), exact=True)
     if attention == "reference":
         native.decoder.use_kernel = False
+    elif os.environ.get("SPECDEC_ATTENTION", "").lower() == "reference":
+        pytest.skip("SPECDEC_ATTENTION=reference turns the kernels off")
     else:
-        assert native.decoder.use_kernel, "the attention kernel did not build"
+        assert native.decoder.use_kernel, "the C++ kernels did not build"
     seq = [1, *[(7 * i) % 29 + 3 for i in range(80)]]
     cache = native.new_cache(128)
     native.forward(seq[:10], cache)

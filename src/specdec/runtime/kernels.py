@@ -70,8 +70,8 @@ def _load():
         )
     except Exception as exc:  # no compiler, no headers: the reference path still works
         logger.warning(
-            "specdec's attention kernel could not be built (%s); using the slower PyTorch "
-            "reference attention",
+            "specdec's C++ kernels could not be built (%s); using the slower PyTorch "
+            "reference path",
             _last_line(exc),
         )
         _module = None
@@ -291,5 +291,5 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _module_or_raise():
     module = _load()
     if module is None:
-        raise RuntimeError("the attention kernel is not available (see kernel_available)")
+        raise RuntimeError("specdec's C++ kernels are not available (see kernel_available)")
     return module

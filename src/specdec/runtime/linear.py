@@ -368,15 +368,19 @@ def kernel_choices(
 ) -> dict[str, KernelChoice]:
     """A :class:`KernelChoice` per named product, from the on-disk table or measured now.
 
-    The table is keyed by the machine (:func:`machine_key`) and the model's product shapes
-    together (timings depend on what streams around each product).
+    The table is keyed by the machine (:func:`machine_key`), the formulations available
+    here and the model's product shapes together (timings depend on what streams around
+    each product).
 
     Args:
         products: ``{name: [N, K] weights, one per layer}``.
         refresh: measure again even if the table has this model's shapes.
     """
     some = next(iter(products.values()))[0]
-    key = machine_key(some.dtype, some.device)
+    # the formulations usable here are part of the key: a process without the C++
+    # extension (no compiler, SPECDEC_ATTENTION=reference) must not read a choice of
+    # ``stream`` measured by one that had it
+    key = f"{machine_key(some.dtype, some.device)}|{','.join(available_formulations(some))}"
     model_key = ";".join(
         f"{name}={'x'.join(map(str, ws[0].shape))}*{len(ws)}" for name, ws in products.items()
     )
