@@ -15,8 +15,11 @@ from specdec.models.loading import (
     BACKENDS,
     DEFAULT_BACKEND,
     DEFAULT_DTYPE,
+    DEFAULT_QUANTIZATION,
+    QUANTIZATION_CHOICES,
     check_backend,
     check_dtype,
+    check_quantization,
     check_source,
 )
 
@@ -147,7 +150,28 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         help="native backend: batch-invariant forwards, so greedy speculative output is "
         "bit-identical to plain decoding in any dtype (default: on)",
     )
+    add_quantization_arg(parser)
     add_threads_arg(parser)
+
+
+def add_quantization_arg(
+    parser: argparse.ArgumentParser, default: str = DEFAULT_QUANTIZATION
+) -> None:
+    """``--quantization`` (see :func:`specdec.models.load`)."""
+    what = {
+        "auto": "auto (default): a GGUF model (like the embedded one) runs its own Q4_1 / "
+        "Q8_0 blocks, others run dense",
+        "none": "none (default here: a batch of many sequences runs faster on dense weights, "
+        "whose products use the CPU's matrix units)",
+    }[default]
+    parser.add_argument(
+        "--quantization",
+        default=default,
+        choices=QUANTIZATION_CHOICES,
+        help=f"native backend: weight-only quantized products. {what}; auto, none, gguf (the "
+        "GGUF's own blocks), q8_0 / q4_1 (quantize at load). Products use the dequantized "
+        "weights exactly, in float32 arithmetic; exact mode holds",
+    )
 
 
 def add_threads_arg(parser: argparse.ArgumentParser, adapt: bool = True) -> None:
@@ -177,6 +201,7 @@ def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> Sam
     """
     check_dtype(args.dtype)
     check_backend(args.backend, args.dtype)
+    check_quantization(args.quantization, args.backend)
     if args.draft_dtype is not None:
         check_dtype(args.draft_dtype)
     return SamplingParams(
@@ -202,6 +227,7 @@ def llm_from_args(args: argparse.Namespace, speculative: SpeculativeConfig, **kw
         draft_dtype=args.draft_dtype,
         backend=args.backend,
         exact=args.exact,
+        quantization=args.quantization,
         **kwargs,
     )
 

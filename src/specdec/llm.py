@@ -23,7 +23,9 @@ from specdec.models.loading import (
     DEFAULT_BACKEND,
     DEFAULT_DTYPE,
     DEFAULT_MODEL,
+    DEFAULT_QUANTIZATION,
     INT8_DYNAMIC,
+    check_quantization,
     load,
 )
 from specdec.sampling import make_generator
@@ -108,6 +110,10 @@ class LLM:
         exact: native backend: batch-invariant forwards (default on).
         draft_dtype: dtype of a draft loaded by name (default: ``dtype``); e.g.
             ``"int8-dynamic"`` for a cheaper quantized copy of the target as draft.
+        quantization: native backend, models loaded by name: weight-only quantized
+            products (:func:`specdec.models.load`): ``"auto"`` (default: a GGUF model runs
+            its own Q4_1 / Q8_0 blocks), ``"none"``, ``"gguf"``, ``"q8_0"`` or ``"q4_1"``.
+            Drafts loaded by name stay dense.
         engine_config: batching limits (:class:`~specdec.engine.EngineConfig`); the same
             limits apply to single generations, so a batch gives each prompt the output it
             gets alone.
@@ -138,6 +144,7 @@ class LLM:
         backend: str = DEFAULT_BACKEND,
         exact: bool = True,
         engine_config: EngineConfig | None = None,
+        quantization: str = DEFAULT_QUANTIZATION,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -151,8 +158,11 @@ class LLM:
         self._dtype, self._device = dtype, device
         self._draft_dtype = draft_dtype or dtype
         self._backend, self._exact = backend, exact
+        check_quantization(quantization, backend)
         self.target: Backend = (
-            load(model, dtype, device, backend, exact) if isinstance(model, str) else model
+            load(model, dtype, device, backend, exact, quantization)
+            if isinstance(model, str)
+            else model
         )
         self.tokenizer: Tokenizer = self.target.tokenizer
         self._draft_source = draft

@@ -187,6 +187,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         backend=args.backend,
         exact=args.exact,
         engine_config=EngineConfig(record_trace=True),
+        quantization=args.quantization,
     )
     draft = None
     if args.draft_model:
@@ -228,6 +229,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "backend": args.backend,
             "backend_used": llm.target.backend,
             "exact": args.exact,
+            "quantization": getattr(llm.target, "quantization", "none"),
         }
         paths = write_outputs(out_dir, records, summary, baseline, environment(llm), config)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)

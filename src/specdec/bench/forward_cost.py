@@ -25,14 +25,17 @@ from specdec.models.hf import HFModel
 
 #: Token counts of the curve.
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
-#: (backend, dtype, exact) configurations of the report.
+#: (backend, dtype, exact, quantization) configurations of the report; ``gguf`` ones run
+#: only for a model loaded from a GGUF file (its own Q4_1 / Q8_0 blocks).
 CONFIGS = (
-    ("hf", "float32", False),
-    ("native", "float32", False),
-    ("native", "float32", True),
-    ("hf", "bfloat16", False),
-    ("native", "bfloat16", False),
-    ("native", "bfloat16", True),
+    ("hf", "float32", False, "none"),
+    ("native", "float32", False, "none"),
+    ("native", "float32", True, "none"),
+    ("native", "float32", True, "gguf"),
+    ("hf", "bfloat16", False, "none"),
+    ("native", "bfloat16", False, "none"),
+    ("native", "bfloat16", True, "none"),
+    ("native", "bfloat16", True, "gguf"),
 )
 #: Context already cached when the T tokens are run (a typical prompt).
 CONTEXT = 128
@@ -70,15 +73,22 @@ def _seconds(f) -> float:
     return time.perf_counter() - start
 
 
-def weight_stats(model: HFModel) -> tuple[int, int]:
+def weight_stats(model) -> tuple[int, int]:
     """``(parameters read per forward, bytes)``: every matrix of the decoder layers plus
-    the LM head (an embedding row gather is negligible; a tied LM head counts once)."""
+    the LM head (an embedding row gather is negligible; a tied LM head counts once). For
+    a native model with quantized products, their bytes are the blocks' bytes."""
     module = model.model
     head = module.get_output_embeddings().weight
     params = head.numel()
     for layer in module.model.layers:
         params += sum(p.numel() for p in layer.parameters() if p.dim() == 2)
-    return params, params * head.element_size()
+    weight_bytes = params * head.element_size()
+    quantized = getattr(getattr(model, "decoder", None), "weights", None)
+    quantized = getattr(quantized, "quantized", None) or {}
+    for matrices in quantized.values():
+        for m in matrices:
+            weight_bytes += m.nbytes - m.shape[0] * m.shape[1] * head.element_size()
+    return params, weight_bytes
 
 
 def roofline_ms(params: int, weight_bytes: int, tokens: int, machine: Machine, dtype: str):
@@ -122,11 +132,13 @@ class CurveRecord:
     roofline_ms: list[float]
     kv_bytes_per_token: int | None = None
     tokens: list[int] = field(default_factory=lambda: list(TOKENS))
+    quantization: str = "none"
 
     @property
     def label(self) -> str:
         mode = " exact" if self.exact else ""
-        return f"{self.backend} {self.dtype}{mode}"
+        quant = f" {self.quantization}" if self.quantization != "none" else ""
+        return f"{self.backend} {self.dtype}{mode}{quant}"
 
 
 def run_forward_cost(model_name: str, device: str = "cpu", progress=None) -> dict:
@@ -140,17 +152,25 @@ def run_forward_cost(model_name: str, device: str = "cpu", progress=None) -> dic
     machine = measure_machine()
     curves, stats = [], {}
     loaded: dict[str, HFModel] = {}
-    for backend, dtype, exact in CONFIGS:
+    for backend, dtype, exact, quantization in CONFIGS:
         if dtype not in loaded:
             loaded = {dtype: load(model_name, dtype, device)}  # one dtype in memory at a time
         model = loaded[dtype]
+        if quantization == "gguf" and model.gguf_path is None:
+            if progress:
+                progress(1)
+            continue
         if backend == "native":
-            model = with_backend(model, "native", exact)
+            model = with_backend(model, "native", exact, quantization)
         params, weight_bytes = weight_stats(model)
-        stats.update({"params": params, f"weight_bytes_{dtype}": weight_bytes})
+        suffix = "" if quantization == "none" else f"_{quantization}"
+        stats.update({"params": params, f"weight_bytes_{dtype}{suffix}": weight_bytes})
         roof = [roofline_ms(params, weight_bytes, t, machine, dtype) for t in TOKENS]
         kv = model.new_cache(1).bytes_per_token if backend == "native" else None
-        curves.append(CurveRecord(backend, dtype, exact, forward_times(model), roof, kv))
+        times = forward_times(model)
+        curves.append(
+            CurveRecord(backend, dtype, exact, times, roof, kv, quantization=quantization)
+        )
         if progress:
             progress(1)
     return {"machine": asdict(machine), **stats, "curves": [asdict(c) for c in curves]}
@@ -170,9 +190,10 @@ def report_markdown(result: dict) -> str:
     for c in curves:
         cells = [f"{ms:.1f} ({ms / c.times_ms[0]:.2f}x)" for ms in c.times_ms]
         lines.append(f"| {c.label} | " + " | ".join(cells) + " |")
-    for dtype in dict.fromkeys(c.dtype for c in curves):
-        roof = next(c.roofline_ms for c in curves if c.dtype == dtype)
-        lines.append(f"| roofline {dtype} | " + " | ".join(f"{r:.1f}" for r in roof) + " |")
+    for dtype, quant in dict.fromkeys((c.dtype, c.quantization) for c in curves):
+        roof = next(c.roofline_ms for c in curves if (c.dtype, c.quantization) == (dtype, quant))
+        name = dtype if quant == "none" else f"{dtype} {quant}"
+        lines.append(f"| roofline {name} | " + " | ".join(f"{r:.1f}" for r in roof) + " |")
     lines += ["", "| configuration | t(1) / bandwidth bound | worst t(T) / roofline(T) |"]
     lines += ["|---|---|---|"]
     for c in curves:
@@ -183,7 +204,7 @@ def report_markdown(result: dict) -> str:
         )
     lines.append("")
     for dtype in dict.fromkeys(c.dtype for c in curves):
-        exact = [c for c in curves if c.dtype == dtype and c.exact]
+        exact = [c for c in curves if c.dtype == dtype and c.exact and c.quantization == "none"]
         others = [c for c in curves if c.dtype == dtype and not c.exact]
         if exact and others:
             fastest = min(c.times_ms[0] for c in others)
@@ -207,7 +228,7 @@ def plot_forward_cost(path: Path, result: dict) -> Path:
     curves = [CurveRecord(**c) for c in result["curves"]]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for c in curves:
-        style = "-" if c.backend == "native" else ":"
+        style = ":" if c.backend != "native" else "-." if c.quantization != "none" else "-"
         ax.plot(c.tokens, c.times_ms, style, marker="o", label=c.label)
     for dtype in dict.fromkeys(c.dtype for c in curves):
         roof = next(c.roofline_ms for c in curves if c.dtype == dtype)

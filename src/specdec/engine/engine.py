@@ -306,7 +306,10 @@ class Engine:
             return []
         plans = self._plan(verified, sum(end - start for _, start, end in chunks))
         drafts = [self._draft(s, k) for s, k in zip(verified, plans, strict=True)]
-        items = [(s, s.tokens[start:end], None, None, 1) for s, start, end in chunks]
+        items = [
+            (s, s.tokens[start:end], None, None, 1, end < len(s.prompt_ids))
+            for s, start, end in chunks
+        ]  # a chunk of the prompt, or of earlier output recomputed after preemption
         for seq, (draft, aux) in zip(verified, drafts, strict=True):
             items.append(_verification_input(seq, draft, aux))
         rows = sum(len(item[1]) for item in items)
@@ -563,7 +566,7 @@ class Engine:
             per item, its logits and, for a sequence whose drafter reads hidden states,
             ``[T, len(seq.captures) * hidden_size]`` of every row (else ``None``).
         """
-        batch = [BatchItem(ids, seq.cache, pos, mask, n) for seq, ids, pos, mask, n in items]
+        batch = [BatchItem(ids, seq.cache, *rest) for seq, ids, *rest in items]
         wanted = sorted({i for seq, *_ in items for i in seq.captures})
         if not wanted:
             return self.target.forward_batch(batch), [None] * len(items)
@@ -675,7 +678,7 @@ def _feedback(pending: int, draft, logits: torch.Tensor, result) -> Verification
 
 
 def _verification_input(seq: Sequence, draft, aux: AuxRows | None = None):
-    """``(sequence, token ids, positions, tree mask, num_logits)`` of one verification:
+    """``(sequence, token ids, positions, tree mask, num_logits, prefill)`` of one verification:
     the pending token, the draft (chain or tree), then any auxiliary rows."""
     pending = seq.tokens[-1]
     if isinstance(draft, TreeProposal):
@@ -689,7 +692,7 @@ def _verification_input(seq: Sequence, draft, aux: AuxRows | None = None):
         ids, offsets, mask = [pending, *draft.token_ids], None, None
     if aux is None:
         positions = None if offsets is None else seq.cache.num_tokens + offsets
-        return (seq, ids, positions, mask, 0)
+        return (seq, ids, positions, mask, 0, False)
     n, m = len(ids), len(aux)
     if offsets is None:  # a chain
         offsets = torch.arange(n)
@@ -699,7 +702,7 @@ def _verification_input(seq: Sequence, draft, aux: AuxRows | None = None):
     full[n:, 0] = True  # auxiliary rows see the pending token, never the draft
     full[n:, n:] = torch.as_tensor(aux.mask, dtype=torch.bool)
     offsets = torch.cat([offsets, torch.as_tensor(aux.position_offsets, dtype=offsets.dtype)])
-    return (seq, [*ids, *aux.token_ids], seq.cache.num_tokens + offsets, full, 0)
+    return (seq, [*ids, *aux.token_ids], seq.cache.num_tokens + offsets, full, 0, False)
 
 
 def _draft_tree(seq: Sequence, max_depth: int) -> TreeProposal:

@@ -41,6 +41,12 @@ class BatchItem:
             tree tokens already cached, then these T) each row sees, besides every slot
             before them; ``None`` = causal.
         num_logits: logits for only the last ``num_logits`` rows (0 = all).
+        prefill: whether these rows are a prompt chunk (``None``: the sequence's first
+            forward with a causal mask is one). The native backend's exact mode computes a
+            prompt chunk's products as one product of its own (the same call whenever the
+            same chunk comes, alone or in a batch) instead of the batch-invariant tiles
+            that decoding and verification rows need; a chunk recomputing earlier *output*
+            (after preemption) must say ``False`` to get its first bits again.
     """
 
     token_ids: Sequence[int] | torch.Tensor
@@ -48,6 +54,7 @@ class BatchItem:
     positions: Sequence[int] | torch.Tensor | None = None
     tree_mask: torch.Tensor | None = None
     num_logits: int = 0
+    prefill: bool | None = None
 
 
 @runtime_checkable

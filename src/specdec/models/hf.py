@@ -44,6 +44,9 @@ class HFModel(BackendBase):
     def __init__(self, model, tokenizer, name: str = "model") -> None:
         self.model = model.eval()
         self.name = name
+        #: the GGUF file the weights were dequantized from (the native backend can run its
+        #: quantized blocks as they are), else ``None``
+        self.gguf_path = None
         self.tokenizer = Tokenizer.of(tokenizer, model_eos_token_ids(model), name)
         config = (
             model.config.get_text_config()

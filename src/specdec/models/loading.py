@@ -287,6 +287,9 @@ BACKENDS = ("auto", "native", "hf")
 #: (:func:`load` itself defaults to the plain transformers model in float32).
 DEFAULT_BACKEND = "auto"
 DEFAULT_DTYPE = AUTO_DTYPE
+#: The quantization of :class:`~specdec.LLM` and the command line (``auto``: a GGUF model
+#: runs its own blocks; see :func:`resolve_quantization`).
+DEFAULT_QUANTIZATION = "auto"
 
 
 def load(
@@ -295,6 +298,7 @@ def load(
     device: str | torch.device = "cpu",
     backend: str = "hf",
     exact: bool = True,
+    quantization: str = "none",
 ) -> Backend:
     """Load a target or draft model (its tokenizer is ``model.tokenizer``).
 
@@ -315,6 +319,10 @@ def load(
             saying why).
         exact: native backend only: batch-invariant forwards (see
             :class:`~specdec.models.native.NativeModel`).
+        quantization: native backend only: weight-only quantized products, ``"none"``
+            (default), ``"gguf"`` (a GGUF file's own Q4_1 / Q8_0 blocks), ``"q8_0"``,
+            ``"q4_1"``, or ``"auto"`` (``gguf`` for a GGUF model where the C++ kernels
+            run, else ``none``); see :class:`~specdec.models.native.NativeModel`.
 
     Returns:
         an :class:`HFModel`, or a :class:`~specdec.models.native.NativeModel` for the
@@ -337,22 +345,63 @@ def load(
         check_backend(backend, dtype)
         if backend == "auto":
             logger.warning("%s runs on transformers (backend auto): %s", name_or_path, INT8_NOTE)
+        if quantization not in ("auto", "none"):
+            raise ValueError(f"dtype {INT8_DYNAMIC} cannot be combined with quantization")
         return quantize_int8_dynamic(load(name_or_path, "float32", device))
+    check_quantization(quantization, backend)
     model = _load_hf(name_or_path, dtype, device)
-    return model if backend == "hf" else with_backend(model, backend, exact)
+    return model if backend == "hf" else with_backend(model, backend, exact, quantization)
 
 
-def with_backend(model: HFModel, backend: str, exact: bool = True) -> Backend:
+#: ``quantization`` values of :func:`load` (``auto`` and those of the native runtime).
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0", "q4_1")
+
+
+def check_quantization(quantization: str, backend: str) -> None:
+    """Refuse a quantization :func:`load` would refuse (before any loading starts).
+
+    Raises:
+        ValueError: an unknown name, or a quantization with ``backend="hf"``.
+    """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; choose one of "
+            f"{', '.join(QUANTIZATION_CHOICES)}"
+        )
+    if backend == "hf" and quantization not in ("auto", "none"):
+        raise ValueError(
+            f"quantization {quantization!r} runs on the native backend (--backend native or "
+            "auto), not on transformers"
+        )
+
+
+def resolve_quantization(quantization: str, model: HFModel) -> str:
+    """``auto`` -> ``gguf`` for a model loaded from a GGUF file on CPU where specdec's C++
+    kernels run, else ``none``; other values unchanged."""
+    if quantization != "auto":
+        return quantization
+    from specdec.runtime.kernels import kernel_available
+
+    on_cpu = next(model.model.parameters()).device.type == "cpu"
+    return "gguf" if model.gguf_path is not None and on_cpu and kernel_available() else "none"
+
+
+def with_backend(
+    model: HFModel, backend: str, exact: bool = True, quantization: str = "none"
+) -> Backend:
     """``model`` run by ``backend`` (``"native"`` or ``"auto"``; see :func:`load`).
 
     Raises:
-        ValueError: ``"native"`` and the runtime does not support the model.
+        ValueError: ``"native"`` and the runtime does not support the model, or a
+            quantization it cannot run (see :class:`~specdec.models.native.NativeModel`).
     """
     from specdec.models.native import NativeModel
     from specdec.runtime.weights import UnsupportedModel
 
     try:
-        return NativeModel(model, exact=exact)
+        return NativeModel(
+            model, exact=exact, quantization=resolve_quantization(quantization, model)
+        )
     except UnsupportedModel as error:
         if backend == "native":
             raise ValueError(f"--backend native cannot run {model.name}: {error}") from None
@@ -495,7 +544,9 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, device, label: str) -> HFModel:
         logger.warning("cached copy of %s failed to load (%s); rebuilding", gguf.name, error)
         shutil.rmtree(directory, ignore_errors=True)
         model, tokenizer = _read_pretrained(cached_gguf_conversion(gguf), dtype)
-    return HFModel(model.to(device), tokenizer, name=label)
+    out = HFModel(model.to(device), tokenizer, name=label)
+    out.gguf_path = gguf
+    return out
 
 
 def _from_pretrained(source, dtype: torch.dtype, device, label: str, **kwargs) -> HFModel:

@@ -3,6 +3,7 @@ models, behind the backend protocol (:class:`~specdec.models.base.Backend`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -16,9 +17,13 @@ from specdec.models.base import (
 )
 from specdec.models.hf import HFModel
 from specdec.runtime.cache import NativeKVCache
+from specdec.runtime.kernels import kernel_available
 from specdec.runtime.linear import KernelChoice
 from specdec.runtime.model import NativeDecoder
+from specdec.runtime.quant import QUANTIZATIONS, gguf_matrices, quantize
 from specdec.runtime.weights import extract_weights
+
+logger = logging.getLogger(__name__)
 
 
 class NativeModel(BackendBase):
@@ -37,22 +42,38 @@ class NativeModel(BackendBase):
             other sequences, so greedy speculative output equals plain decoding exactly.
         choices: kernel choices per product (tests); measured or read from the on-disk
             table when ``None``.
+        quantization: weight-only quantized products (:mod:`specdec.runtime.quant`):
+            ``"none"`` (dense, in the model's dtype), ``"gguf"`` (the GGUF file's own
+            Q4_1 / Q8_0 blocks; other tensor types stay dense), ``"q8_0"`` (every product
+            quantized to Q8_0 at load) or ``"q4_1"`` (the layers to Q4_1, the LM head to
+            Q8_0, as llama.cpp's Q4_1 files do). A quantized model computes with the
+            dequantized weights cast to the model's dtype: the same model as the dense
+            copy of those weights.
 
     Raises:
         UnsupportedModel: (a ``ValueError``) the architecture or a feature is not
             implemented natively; the message says which.
+        ValueError: an unknown ``quantization``, ``gguf`` for a model not loaded from a
+            GGUF file, or a quantization without the C++ kernels (no compiler) or off CPU.
     """
 
     backend = "native"
 
     def __init__(
-        self, hf: HFModel, exact: bool = True, choices: dict[str, KernelChoice] | None = None
+        self,
+        hf: HFModel,
+        exact: bool = True,
+        choices: dict[str, KernelChoice] | None = None,
+        quantization: str = "none",
     ) -> None:
         self.hf = hf
         self.name = hf.name
         self.tokenizer = hf.tokenizer
         self.vocab_size = hf.vocab_size
-        self.decoder = NativeDecoder(extract_weights(hf.model, hf.max_context), exact, choices)
+        weights = extract_weights(hf.model, hf.max_context)
+        weights.quantized = quantized_products(hf, weights, quantization)
+        self.quantization = quantization
+        self.decoder = NativeDecoder(weights, exact, choices)
         self.max_context = self.decoder.config.max_context
         self.num_layers = len(self.decoder.layers)
 
@@ -127,3 +148,42 @@ class NativeModel(BackendBase):
         """One forward over several sequences (a ragged batch); see
         :meth:`specdec.runtime.model.NativeDecoder.forward`."""
         return self.decoder.forward(items, exact)
+
+
+def quantized_products(hf: HFModel, weights, quantization: str) -> dict | None:
+    """The products that run quantized for ``quantization`` (see :class:`NativeModel`)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
+        )
+    if quantization == "none":
+        return None
+    if weights.embed.device.type != "cpu" or not kernel_available(weights.embed.device):
+        raise ValueError(
+            f"quantization {quantization!r} needs specdec's C++ kernels on CPU "
+            "(a C++ compiler; not SPECDEC_ATTENTION=reference)"
+        )
+    cfg = weights.config
+    if quantization == "gguf":
+        if hf.gguf_path is None:
+            raise ValueError(
+                f"quantization 'gguf' needs a model loaded from a GGUF file; {hf.name} is not "
+                "(use q8_0 or q4_1 to quantize it)"
+            )
+        found, dense = gguf_matrices(
+            hf.gguf_path, len(weights.layers), cfg.num_heads, cfg.num_kv_heads
+        )
+        if dense:
+            logger.warning(
+                "%s: %s stay dense (their GGUF type is not Q4_1 or Q8_0)", hf.name, ", ".join(dense)
+            )
+        return found
+    layer_kind = quantization
+    dense_of = {
+        "qkv": [w.qkv for w in weights.layers], "o": [w.o for w in weights.layers],
+        "gate_up": [w.gate_up for w in weights.layers],
+        "down": [w.down for w in weights.layers],
+    }  # fmt: skip
+    out = {name: [quantize(w, layer_kind) for w in ws] for name, ws in dense_of.items()}
+    out["lm_head"] = [quantize(weights.lm_head, "q8_0")]
+    return out

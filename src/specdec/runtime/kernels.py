@@ -288,6 +288,45 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def quant_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """``y = x W^T`` with ``W`` in a GGUF block format (``csrc/gemm.cpp``), expanded block
+    by block inside the product (in registers for up to 4 rows of ``x``, else to a small
+    buffer per 4 rows of ``W``). The result equals
+    ``small_gemm(x.float(), W).to(x.dtype)`` with ``W`` the float32 dequantized matrix, bit
+    for bit, for any M: the file's weights exactly, float32 accumulation.
+
+    Args:
+        x: ``[M, K]`` with contiguous rows (float32, bfloat16 or float16), K a multiple of 32.
+        blocks: ``[N, K / 32 * bytes per block]`` uint8 (see :mod:`specdec.runtime.quant`).
+        kind: 0 = Q4_1 (20 bytes per block of 32 weights), 1 = Q8_0 (34 bytes).
+
+    Returns:
+        ``[M, N]`` contiguous, ``x``'s dtype.
+
+    Raises:
+        RuntimeError: the extension is not available, or shapes, kinds or dtypes differ.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], blocks.shape[0]), dtype=x.dtype, device=x.device)
+    _module_or_raise().quant_gemm(x, blocks, kind, out)
+    return out
+
+
+def dequantize_blocks(
+    blocks: torch.Tensor, kind: int, k: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The dense ``[N, K]`` matrix of GGUF blocks (see :func:`quant_gemm`) in ``dtype``
+    (float32, bfloat16 or float16).
+
+    Raises:
+        RuntimeError: the extension is not available, or the shapes do not match.
+    """
+    out = torch.empty((blocks.shape[0], k), dtype=dtype, device=blocks.device)
+    _module_or_raise().dequantize(blocks, kind, out)
+    return out
+
+
 def _module_or_raise():
     module = _load()
     if module is None:

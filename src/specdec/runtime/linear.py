@@ -147,6 +147,13 @@ class Linear:
         y = self._exact(x) if exact else self._fast(x)
         return y if self.bias is None else y + self.bias
 
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk's product: the fast formulation for its row count (exact mode
+        computes a chunk's rows only as that chunk, see
+        :func:`specdec.runtime.model._product`)."""
+        y = self._fast(x)
+        return y if self.bias is None else y + self.bias
+
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         for bucket, apply, prepared, pad in self._by_bucket:

@@ -34,6 +34,7 @@ from specdec.runtime.kernels import (
     silu_mul,
 )
 from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
+from specdec.runtime.quant import QuantLinear
 from specdec.runtime.weights import ModelWeights
 
 #: Fast mode: a sequence with at most this many new rows (after its prefill) goes through
@@ -66,19 +67,27 @@ class NativeDecoder:
             "gate_up": [w.gate_up for w in layers], "down": [w.down for w in layers],
             "lm_head": [weights.lm_head],
         }  # fmt: skip
-        self.choices = choices or kernel_choices(products)
+        quantized = weights.quantized or {}
+        dense = {name: ws for name, ws in products.items() if name not in quantized}
+        self.choices = choices or (kernel_choices(dense) if dense else {})
+        self.dtype = weights.embed.dtype
+
+        def linear(name: str, index: int, weight, bias):
+            if name in quantized:
+                return QuantLinear(quantized[name][index], bias, self.dtype)
+            return Linear(weight, bias, self.choices[name])
+
         self.layers = [
             {
-                "qkv": Linear(w.qkv, w.qkv_bias, self.choices["qkv"]),
-                "o": Linear(w.o, w.o_bias, self.choices["o"]),
-                "gate_up": Linear(w.gate_up, None, self.choices["gate_up"]),
-                "down": Linear(w.down, None, self.choices["down"]),
+                "qkv": linear("qkv", i, w.qkv, w.qkv_bias),
+                "o": linear("o", i, w.o, w.o_bias),
+                "gate_up": linear("gate_up", i, w.gate_up, None),
+                "down": linear("down", i, w.down, None),
             }
-            for w in weights.layers
+            for i, w in enumerate(weights.layers)
         ]
-        self.lm_head = Linear(weights.lm_head, None, self.choices["lm_head"])
+        self.lm_head = linear("lm_head", 0, weights.lm_head, None)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.dtype = weights.embed.dtype
         self.device = weights.embed.device
         self._cos = self._sin = torch.empty(0)
         self.use_kernel = kernel_available(self.device)
@@ -222,7 +231,7 @@ class NativeDecoder:
         cfg = self.config
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = self.weights.layers[index]
-        qkv = layer["qkv"](_rms_norm(x, w.attn_norm, cfg.rms_eps), exact)
+        qkv = _product(layer["qkv"], _rms_norm(x, w.attn_norm, cfg.rms_eps), plans, exact)
         qk, v = qkv.split([(h + g) * d, g * d], dim=-1)
         qk = _head_norms(qk.reshape(-1, h + g, d), w, h, cfg.rms_eps)
         qk = _rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))  # queries and keys in one go
@@ -239,9 +248,10 @@ class NativeDecoder:
             outputs.append(self._sequence_attention(index, q[row : row + p.length], p, exact))
             row += p.length
         attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        x = x + layer["o"](attn, exact)
-        gate, up = layer["gate_up"](_rms_norm(x, w.mlp_norm, cfg.rms_eps), exact).chunk(2, dim=-1)
-        return x + layer["down"](F.silu(gate) * up, exact)
+        x = x + _product(layer["o"], attn, plans, exact)
+        normed = _rms_norm(x, w.mlp_norm, cfg.rms_eps)
+        gate, up = _product(layer["gate_up"], normed, plans, exact).chunk(2, dim=-1)
+        return x + _product(layer["down"], F.silu(gate) * up, plans, exact)
 
     def _fused_layer(self, index, x, normed, cos, sin, plans, exact, kernel):
         """One decoder layer with the compiled kernels (:mod:`specdec.runtime.kernels`):
@@ -251,7 +261,7 @@ class NativeDecoder:
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = self.weights.layers[index]
         layer = self.layers[index]
-        qkv = _rows(layer["qkv"](normed, exact))
+        qkv = _rows(_product(layer["qkv"], normed, plans, exact))
         if w.q_norm is not None:
             qk, v = qkv.split([(h + g) * d, g * d], dim=-1)
             qk = _head_norms(qk.reshape(-1, h + g, d), w, h, cfg.rms_eps)
@@ -270,8 +280,10 @@ class NativeDecoder:
                     index, q[row : row + p.length], p, exact
                 )
             row += p.length
-        x, normed = add_rms_norm(x, _rows(layer["o"](attn, exact)), w.mlp_norm, cfg.rms_eps)
-        return x, _rows(layer["down"](silu_mul(_rows(layer["gate_up"](normed, exact))), exact))
+        o = _rows(_product(layer["o"], attn, plans, exact))
+        x, normed = add_rms_norm(x, o, w.mlp_norm, cfg.rms_eps)
+        gate_up = _rows(_product(layer["gate_up"], normed, plans, exact))
+        return x, _rows(_product(layer["down"], silu_mul(gate_up), plans, exact))
 
     def _sequence_attention(self, index: int, q: torch.Tensor, p: _Plan, exact: bool):
         """One sequence's attention in PyTorch (its new keys already in its cache):
@@ -363,10 +375,14 @@ class _Plan:
 
     @property
     def prefill(self) -> bool:
-        """A sequence's first forward (empty cache, causal): its attention runs the fast
-        path even in exact mode. Every run of the same prompt makes this same call, so it
-        gives the same bits; exact mode is about rows computed in different shapes across
-        runs (decoding vs verification), which all come after it."""
+        """A prompt chunk (:attr:`BatchItem.prefill`; by default a sequence's first
+        forward, empty cache and causal): its attention runs the fast path and its
+        products run as one product of their own (see :func:`_product`), even in exact
+        mode. Every run of the same prompt makes this same call, so it gives the same
+        bits; exact mode is about rows computed in different shapes across runs (decoding
+        vs verification), which all come after it."""
+        if self.item.prefill is not None:
+            return bool(self.item.prefill)
         return self.start == 0 and self.item.tree_mask is None
 
     def attention(self, exact: bool):
@@ -405,6 +421,31 @@ def _visibility(tree_mask, start: int, t: int, device) -> list[Visibility]:
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (one fused op; float32 accumulation for 16-bit inputs)."""
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _product(linear, x: torch.Tensor, plans: list[_Plan], exact: bool) -> torch.Tensor:
+    """``linear`` over the forward's rows. Fast mode: one product for all rows. Exact
+    mode: each prefill chunk's rows as one product of their own (:meth:`Linear.prefill`:
+    the fastest formulation for that many rows; the same call for the same chunk, so the
+    same bits alone or in any batch), and every other row (decoding, verification) through
+    the batch-invariant product. A prompt chunk's rows are only ever computed as that
+    chunk, so they need no invariance across row counts, and a long prompt runs at the
+    speed of one large product instead of the exact mode's tiles."""
+    if not exact or not any(p.prefill for p in plans):
+        return linear(x, exact)
+    outputs, row, run = [], 0, 0  # run: rows of other sequences not yet computed
+    for p in plans:
+        if p.prefill:
+            if run:
+                outputs.append(linear(x[row - run : row], True))
+                run = 0
+            outputs.append(linear.prefill(x[row : row + p.length]))
+        else:
+            run += p.length
+        row += p.length
+    if run:
+        outputs.append(linear(x[row - run : row], True))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -66,13 +66,19 @@ class ArchConfig:
 
 @dataclass
 class ModelWeights:
-    """The whole model: embedding, layers, final norm and LM head (``[V, D]``)."""
+    """The whole model: embedding, layers, final norm and LM head (``[V, D]``).
+
+    ``quantized``: products that run from GGUF blocks instead of their dense matrix
+    (``{"qkv" | "o" | "gate_up" | "down": one per layer, "lm_head": [one]}``, see
+    :mod:`specdec.runtime.quant`); ``None`` = all dense.
+    """
 
     config: ArchConfig
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
     lm_head: torch.Tensor
+    quantized: dict | None = None
 
 
 def extract_weights(module, max_context: int) -> ModelWeights:

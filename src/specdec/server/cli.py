@@ -12,6 +12,7 @@ import time
 
 from specdec.cli_common import (
     add_drafter_args,
+    add_quantization_arg,
     add_threads_arg,
     check_model_args,
     choose_threads,
@@ -25,6 +26,7 @@ from specdec.models.loading import (
     DEFAULT_MODEL,
     check_backend,
     check_dtype,
+    check_quantization,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
                    help="native backend: batch-invariant forwards (default: on)")  # fmt: skip
+    add_quantization_arg(p, default="none")
     add_threads_arg(p, adapt=False)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -129,6 +132,7 @@ def _checked(args: argparse.Namespace):
 
     check_dtype(args.dtype)
     check_backend(args.backend, args.dtype)
+    check_quantization(args.quantization, args.backend)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_waiting < 1:

@@ -216,6 +216,8 @@ void rotary_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
 void silu_mul(torch::Tensor gate_up, torch::Tensor out);
 // gemm.cpp
 void small_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y);
+void quant_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y);
+void dequantize(torch::Tensor q, int64_t kind, torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
@@ -223,5 +225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_kv", &rotary_kv, "rotary queries; rotary keys and values into the KV caches");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("small_gemm", &small_gemm, "x W^T for few rows, weights streamed once");
+  m.def("quant_gemm", &quant_gemm, "x W^T with W in GGUF blocks (Q4_1, Q8_0), expanded per call");
+  m.def("dequantize", &dequantize, "GGUF blocks (Q4_1, Q8_0) to a dense matrix");
   m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
 }

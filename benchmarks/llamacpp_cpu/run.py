@@ -1,0 +1,258 @@
+"""specdec against llama.cpp on llama.cpp's own turf: the embedded model's 4-bit GGUF
+(SmolLM2-135M-Instruct Q4_1, Q8_0 embedding / LM head), one request at a time, greedy,
+same prompts, same machine, same run.
+
+Both engines get the same prompt token ids (the first turns of Spec-Bench questions, two
+per category, chat template applied by specdec's tokenizer) and decode up to
+``--max-new-tokens`` greedily, stopping at the end-of-turn token. Speed = generated tokens /
+wall seconds of the whole request (prompt processing included), and decoding speed after
+the prompt (tokens / (seconds - prompt seconds); llama.cpp's prompt seconds end with its
+first token, specdec's with its prefill forwards), after one warm-up request per method.
+llama.cpp (``llama-cpp-python``) runs the GGUF file itself with ``n_threads`` = specdec's
+thread count; its prompt-lookup decoding (``LlamaPromptLookupDecoding``) is measured too.
+specdec runs the file's own Q4_1 / Q8_0 blocks (``quantization gguf``), native backend,
+exact mode, bfloat16 activations, plain and with its lossless drafters; the dense bfloat16
+copy is the reference line.
+
+Identity: every specdec method's output is compared with specdec's plain decoding (greedy
+speculative decoding must not change a token); llama.cpp's outputs with specdec's plain
+decoding (different arithmetic: equal only where neither rounding flips a choice) and
+llama.cpp's prompt lookup with llama.cpp's plain decoding.
+
+llama-cpp-python builds from source; on CPUs whose AMX path crashes it, build without it
+(see the README's peers section):
+
+    python -m venv /work/llama-venv
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON ... -DGGML_AMX_TILE=OFF ..." \\
+        /work/llama-venv/bin/pip install llama-cpp-python
+    .venv/bin/python benchmarks/llamacpp_cpu/run.py --llama-python /work/llama-venv/bin/python
+
+Writes ``results.json`` and ``report.md`` beside this file (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+#: specdec configurations: (label, quantization, method, k, controller).
+SPECDEC_METHODS = (
+    ("specdec plain (dense bf16)", "none", "none", 0, "fixed"),
+    ("specdec plain", "gguf", "none", 0, "fixed"),
+    ("specdec prompt lookup k=10", "gguf", "ngram", 10, "fixed"),
+    ("specdec prompt lookup, cost controller", "gguf", "ngram", 10, "cost"),
+    ("specdec suffix, cost controller", "gguf", "suffix", 10, "cost"),
+)
+
+
+def prompt_ids(per_category: int) -> tuple[list[list[int]], list[str], int, str]:
+    """Chat prompt token ids of the first turns of ``per_category`` Spec-Bench questions
+    per category, their categories, the end-of-turn id, and the GGUF file."""
+    from specdec.bench.datasets import load_spec_bench, select
+    from specdec.models.loading import embedded_gguf_path, load
+
+    model = load("smollm2-135m-instruct")
+    prompts = select(load_spec_bench(), limit_per_category=per_category)
+    ids = [model.tokenizer.encode(p.turns[0], chat=True) for p in prompts]
+    eos = sorted(model.tokenizer.eos_token_ids)
+    return ids, [p.category for p in prompts], eos, str(embedded_gguf_path("smollm2-135m-instruct"))
+
+
+def run_llama(args) -> None:
+    """llama.cpp's part (in its own environment): plain and prompt-lookup greedy decoding."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    job = json.loads(Path(args.job).read_text())
+    out = {}
+    for label, draft in (("llama.cpp plain", None), ("llama.cpp prompt lookup k=10", 10)):
+        llm = Llama(
+            model_path=job["gguf"], n_ctx=4096, n_threads=job["threads"],
+            n_threads_batch=job["threads"], n_batch=512, verbose=False,
+            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None,
+        )  # fmt: skip
+
+        def decode(ids, llm=llm):
+            tokens, start, first = [], time.perf_counter(), None
+            for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+                first = first or time.perf_counter() - start
+                if token in job["eos"]:
+                    break
+                tokens.append(token)
+                if len(tokens) >= job["max_new_tokens"]:
+                    break
+            return tokens, first
+
+        decode(job["prompts"][0])  # warm-up
+        rows = []
+        for ids in job["prompts"]:
+            start = time.perf_counter()
+            try:
+                (tokens, first), error = decode(ids), None
+            except Exception as exc:  # reported, not hidden
+                tokens, first, error = [], None, f"{type(exc).__name__}: {exc}"[:200]
+            rows.append({
+                "seconds": time.perf_counter() - start, "tokens": tokens, "error": error,
+                "prompt_s": first,  # prompt processing and the first token's step
+            })  # fmt: skip
+        out[label] = rows
+        del llm
+    Path(args.result).write_text(json.dumps(out))
+
+
+def run_specdec(prompts, max_new_tokens: int) -> dict:
+    """specdec's part: each configuration of :data:`SPECDEC_METHODS`, one prompt at a time."""
+    from specdec import LLM, SamplingParams, SpeculativeConfig
+
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    out, models = {}, {}
+    for label, quantization, method, k, controller in SPECDEC_METHODS:
+        if quantization not in models:
+            models.clear()
+            models[quantization] = LLM(backend="native", quantization=quantization)
+        llm = models[quantization]
+        config = SpeculativeConfig(
+            method=method, num_speculative_tokens=max(k, 1), controller=controller
+        )
+        llm.generate(prompts[0], params, speculative=config)  # warm-up
+        rows = []
+        for ids in prompts:
+            start = time.perf_counter()
+            result = llm.generate(ids, params, speculative=config)
+            seconds = time.perf_counter() - start
+            tau = result.metrics.mean_acceptance_length if method != "none" else None
+            rows.append({
+                "seconds": seconds, "tokens": list(result.token_ids), "tau": tau,
+                "prompt_s": result.metrics.prefill_s,  # the prompt's prefill forwards
+            })  # fmt: skip
+        out[label] = rows
+        out["_dtype"] = str(llm.target.dtype).replace("torch.", "")
+    return out
+
+
+def summarize(results: dict, reference: str, llama_reference: str) -> list[dict]:
+    rows = []
+    ref = results[reference]
+    for label, runs in results.items():
+        if label.startswith("_"):
+            continue
+        tokens = sum(len(r["tokens"]) for r in runs)
+        seconds = sum(r["seconds"] for r in runs)
+        same = sum(r["tokens"] == b["tokens"] for r, b in zip(runs, ref, strict=True))
+        own = results[llama_reference] if label.startswith("llama.cpp") else ref
+        same_own = sum(r["tokens"] == b["tokens"] for r, b in zip(runs, own, strict=True))
+        taus = [r["tau"] for r in runs if r.get("tau")]
+        ok = [r for r in runs if r.get("prompt_s") is not None and r["tokens"]]
+        decode_s = sum(r["seconds"] - r["prompt_s"] for r in ok)
+        rows.append({
+            "method": label,
+            "tok_per_s": tokens / seconds,
+            "decode_tok_per_s": sum(len(r["tokens"]) for r in ok) / decode_s,
+            "prompt_s": sum(r["prompt_s"] for r in ok),
+            "tokens": tokens,
+            "seconds": seconds,
+            "identical_to_specdec_plain": same,
+            "identical_to_own_plain": same_own,
+            "errors": sum(1 for r in runs if r.get("error")),
+            "mean_acceptance_length": sum(taus) / len(taus) if taus else None,
+            "prompts": len(runs),
+        })  # fmt: skip
+    return rows
+
+
+def report(summary: list[dict], config: dict) -> str:
+    llama = next(r for r in summary if r["method"] == "llama.cpp plain")
+    base, dbase = llama["tok_per_s"], llama["decode_tok_per_s"]
+    lines = [
+        "# specdec vs llama.cpp on the embedded model's Q4_1 GGUF (one request at a time)",
+        "",
+        f"Machine: {config['machine']}, {config['threads']} threads. "
+        f"{config['prompts']} Spec-Bench prompts ({config['per_category']} per category), "
+        f"greedy, up to {config['max_new_tokens']} new tokens, stop at end of turn; "
+        f"tok/s = generated tokens / wall seconds including prompt processing; decoding tok/s "
+        f"excludes it. "
+        f"specdec: native backend, exact mode, {config['dtype']} activations.",
+        "",
+        "| method | tok/s | vs llama.cpp plain | decoding tok/s (after the prompt) | vs "
+        "llama.cpp plain | prompt seconds (all prompts) | identical to specdec plain | "
+        "identical to its own plain | mean acceptance length | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary:
+        tau = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
+        lines.append(
+            f"| {r['method']} | {r['tok_per_s']:.1f} | {r['tok_per_s'] / base:.2f}x | "
+            f"{r['decode_tok_per_s']:.1f} | {r['decode_tok_per_s'] / dbase:.2f}x | "
+            f"{r['prompt_s']:.1f} | "
+            f"{r['identical_to_specdec_plain']}/{r['prompts']} | "
+            f"{r['identical_to_own_plain']}/{r['prompts']} | {tau} | {r['errors']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-python", help="python of the environment with llama-cpp-python")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--part", choices=["llama"], help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.part == "llama":
+        run_llama(args)
+        return 0
+    if not args.llama_python:
+        parser.error("--llama-python is required (an environment with llama-cpp-python)")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    ids, categories, eos, gguf = prompt_ids(args.per_category)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    job, result = out / "llama_job.json", out / "llama_result.json"
+    job.write_text(json.dumps({
+        "gguf": gguf, "prompts": ids, "eos": eos, "threads": args.threads,
+        "max_new_tokens": args.max_new_tokens,
+    }))  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    subprocess.run(
+        [args.llama_python, __file__, "--part", "llama", "--job", str(job),
+         "--result", str(result)],
+        check=True, env=env,
+    )  # fmt: skip
+    results = json.loads(result.read_text())
+    job.unlink()
+    result.unlink()
+    mine = run_specdec(ids, args.max_new_tokens)
+    dtype = mine.pop("_dtype")
+    results.update(mine)
+    summary = summarize(results, "specdec plain", "llama.cpp plain")
+    from specdec.runtime.linear import cpu_name
+
+    config = {
+        "machine": f"{cpu_name()} ({platform.machine()}), {os.cpu_count()} cores",
+        "threads": args.threads, "prompts": len(ids), "per_category": args.per_category,
+        "max_new_tokens": args.max_new_tokens, "dtype": dtype, "categories": categories,
+    }  # fmt: skip
+    (out / "results.json").write_text(
+        json.dumps({"config": config, "summary": summary, "runs": results}, indent=1)
+    )
+    text = report(summary, config)
+    (out / "report.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

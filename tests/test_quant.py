@@ -1,0 +1,245 @@
+"""Weight-only quantized products (GGUF Q4_1 / Q8_0 blocks, specdec.runtime.quant).
+
+Oracles: the kernel's expansion equals gguf-py's reference dequantizer bit for bit; a
+quantized product equals the dense float32 ``stream`` product on the dequantized matrix,
+cast to the activations' dtype, bit for bit (float32, bfloat16, float16 activations; any
+row count); a row's bits do not depend on the rows
+beside it; the embedded GGUF's own blocks, read and un-permuted, dequantize to exactly the
+weights transformers loads from the same file; and a quantized native model keeps greedy
+speculative decoding identical to its plain decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.runtime.kernels import kernel_available
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="needs specdec's C++ kernels")
+
+from specdec.runtime.kernels import dequantize_blocks, quant_gemm, small_gemm  # noqa: E402
+from specdec.runtime.quant import (  # noqa: E402
+    KINDS,
+    QuantizedMatrix,
+    QuantLinear,
+    check_row_invariance,
+    concat,
+    dequantize,
+    quantize,
+    reference_dequantize,
+)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _matrix(kind: str, n: int, k: int, seed: int = 0) -> QuantizedMatrix:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    weight[0, :32] = 0.0  # a constant block (d = 0)
+    return quantize(weight, kind)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expansion_equals_gguf_reference(kind, dtype):
+    matrix = _matrix(kind, 37, 96)
+    reference = reference_dequantize(matrix)
+    assert torch.equal(dequantize(matrix, torch.float32), reference)
+    got = dequantize_blocks(matrix.blocks, KINDS[kind][0], 96, dtype)
+    assert torch.equal(got, reference.to(dtype))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_quantize_error_is_bounded(kind):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(16, 64, generator=gen)
+    back = reference_dequantize(quantize(weight, kind))
+    blocks = weight.view(16, 2, 32)
+    if kind == "q8_0":
+        step = blocks.abs().amax(-1, keepdim=True) / 127
+    else:
+        step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 15
+    # half a quantization step, plus float16 rounding of the scales
+    assert ((back.view(16, 2, 32) - blocks).abs() <= 0.51 * step + 2e-3).all()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 64])
+def test_product_equals_float32_stream_product_on_the_dequantized_matrix(kind, dtype, rows):
+    matrix = _matrix(kind, 37, 576)  # N not a multiple of the kernel's 4-row blocks
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    dense = dequantize(matrix, torch.float32)  # the file's weights exactly
+    expected = small_gemm(x.float(), dense).to(dtype)  # float32 arithmetic, then the cast
+    assert torch.equal(quant_gemm(x, matrix.blocks, KINDS[kind][0]), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_in_any_batch(dtype):
+    assert check_row_invariance("q4_1", 1536, dtype)
+    matrix = _matrix("q4_1", 64, 1536, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 1536, generator=gen).to(dtype)
+    alone = torch.cat([quant_gemm(x[i : i + 1], matrix.blocks, 0) for i in range(40)])
+    assert torch.equal(quant_gemm(x, matrix.blocks, 0), alone)
+    assert torch.equal(quant_gemm(x[3:30], matrix.blocks, 0), alone[3:30])
+
+
+def test_quant_linear_prefill_and_bias():
+    matrix = _matrix("q8_0", 40, 64)
+    bias = torch.randn(40)
+    linear = QuantLinear(matrix, bias, torch.float32)
+    x = torch.randn(20, 64)
+    dense = reference_dequantize(matrix)
+    torch.testing.assert_close(linear(x, exact=True), x @ dense.T + bias, rtol=1e-5, atol=1e-5)
+    # a long prompt chunk: one dense product on the expanded matrix
+    torch.testing.assert_close(linear.prefill(x), x @ dense.T + bias, rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear.prefill(x[:3]), linear(x[:3]))  # short chunks: the kernel
+
+
+def test_concat_and_rows():
+    a, b = _matrix("q4_1", 8, 64, 5), _matrix("q4_1", 4, 64, 6)
+    both = concat([a, b])
+    assert both.shape == (12, 64)
+    assert torch.equal(
+        reference_dequantize(both), torch.cat([reference_dequantize(a), reference_dequantize(b)])
+    )
+    order = torch.tensor([3, 0, 11])
+    assert torch.equal(reference_dequantize(both.rows(order)), reference_dequantize(both)[order])
+    with pytest.raises(ValueError, match="formats"):
+        concat([a, _matrix("q8_0", 4, 64)])
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 40), "q8_0")
+    with pytest.raises(ValueError, match="unknown block format"):
+        quantize(torch.randn(4, 64), "q3_k")
+    with pytest.raises(ValueError, match="do not hold"):
+        QuantizedMatrix("q4_1", torch.zeros(4, 30, dtype=torch.uint8), (4, 64))
+    matrix = _matrix("q4_1", 4, 64)
+    with pytest.raises(RuntimeError, match="quantized rows"):
+        quant_gemm(torch.randn(2, 96), matrix.blocks, 0)  # K does not match the blocks
+    with pytest.raises(RuntimeError, match="kind"):
+        quant_gemm(torch.randn(2, 64), matrix.blocks, 7)
+    with pytest.raises(RuntimeError, match="dtype"):
+        quant_gemm(torch.randn(2, 64, dtype=torch.float64), matrix.blocks, 0)
+
+
+# ------------------------------------------------------------------ the embedded GGUF
+
+
+@pytest.fixture(scope="module")
+def embedded_fp32():
+    from specdec.models.loading import load
+
+    return load("smollm2-135m-instruct", "float32", backend="hf")
+
+
+def test_gguf_blocks_are_the_weights_transformers_loads(embedded_fp32):
+    """The file's own Q4_1 / Q8_0 blocks, read and with llama.cpp's q/k row permutation
+    undone, dequantize to exactly the float32 weights transformers loads from it."""
+    from specdec.runtime.quant import gguf_matrices
+    from specdec.runtime.weights import extract_weights
+
+    weights = extract_weights(embedded_fp32.model, embedded_fp32.max_context)
+    cfg = weights.config
+    found, dense = gguf_matrices(
+        embedded_fp32.gguf_path, len(weights.layers), cfg.num_heads, cfg.num_kv_heads
+    )
+    assert dense == []
+    assert found["qkv"][0].kind == "q4_1" and found["lm_head"][0].kind == "q8_0"
+    for name in ("qkv", "o", "gate_up", "down"):
+        for i in (0, len(weights.layers) - 1):
+            assert torch.equal(
+                reference_dequantize(found[name][i]), getattr(weights.layers[i], name)
+            )
+    assert torch.equal(reference_dequantize(found["lm_head"][0]), weights.lm_head)
+
+
+def test_quantized_model_equals_the_dense_model_on_the_same_kernel(embedded_fp32):
+    """A quantized float32 native model is the dense model of the dequantized weights: with
+    the dense products forced onto the same kernel (``stream``), every logit is
+    bit-identical (decoding and verification rows after a short prompt)."""
+    from specdec.models.base import BatchItem
+    from specdec.models.native import NativeModel
+    from specdec.runtime.linear import BUCKETS, KernelChoice
+
+    hf = embedded_fp32
+    stream = KernelChoice(["stream"] * len(BUCKETS), "stream", 64, 1)
+    names = ("qkv", "o", "gate_up", "down", "lm_head")
+    dense = NativeModel(hf, choices=dict.fromkeys(names, stream))
+    quantized = NativeModel(hf, quantization="gguf")
+    assert quantized.decoder.layers[0]["qkv"].matrix.kind == "q4_1"
+    outs = []
+    for model in (dense, quantized):
+        cache = model.new_cache(64)
+        first = model.forward_batch([BatchItem(list(range(200, 210)), cache, num_logits=1)])
+        step = model.forward_batch([BatchItem([300, 301, 302, 303], cache)])
+        outs.append((first[0], step[0]))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_greedy_speculation_equals_plain_decoding(dtype):
+    """Exact mode on the GGUF's own blocks: a batch of prompts with speculation gives each
+    prompt its plain one-at-a-time greedy output, token for token."""
+    from specdec import LLM, SamplingParams, SpeculativeConfig
+
+    llm = LLM(
+        backend="native",
+        dtype=dtype,
+        quantization="gguf",
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=6),
+    )
+    assert llm.target.quantization == "gguf"
+    prompts = [
+        "Repeat twice: the quick brown fox jumps over the lazy dog.",
+        "List the numbers from one to twelve, separated by commas.",
+        "def fib(n):\n    # return the n-th Fibonacci number\n",
+    ]
+    params = SamplingParams(max_new_tokens=24)
+    batch = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, batch, strict=True):
+        plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
+        assert out.token_ids == plain.token_ids, prompt
+
+
+def test_quantization_errors():
+    from conftest import make_model, make_tokenizer
+    from specdec import LLM
+    from specdec.models.loading import check_quantization
+    from specdec.models.native import NativeModel
+
+    with pytest.raises(ValueError, match="unknown quantization"):
+        check_quantization("q2", "native")
+    with pytest.raises(ValueError, match="native backend"):
+        check_quantization("q4_1", "hf")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        LLM(quantization="int3")
+    tiny = make_model(make_tokenizer(), seed=0)
+    with pytest.raises(ValueError, match="needs a model loaded from a GGUF"):
+        NativeModel(tiny, quantization="gguf")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        NativeModel(tiny, quantization="q5_k")
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+def test_quantized_at_load_is_lossless_under_speculation(kind):
+    """A dense model quantized at load (``q8_0`` / ``q4_1``): the products run from the
+    blocks, and greedy speculation equals plain decoding of the quantized model."""
+    from conftest import make_model, make_tokenizer
+    from specdec import LLM, SamplingParams, SpeculativeConfig
+    from specdec.models.native import NativeModel
+
+    tokenizer = make_tokenizer()
+    model = NativeModel(make_model(tokenizer, seed=0), quantization=kind)
+    assert model.decoder.layers[0]["down"].matrix.kind == kind
+    assert model.decoder.lm_head.matrix.kind == "q8_0"
+    llm = LLM(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    params = SamplingParams(max_new_tokens=20)
+    prompt = "w5 w6 w7 w5 w6 w7 w5 w6"
+    plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
+    assert llm.generate(prompt, params).token_ids == plain.token_ids
