@@ -196,6 +196,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "backend": llm.target.backend,
         "dtype": str(llm.target.dtype).replace("torch.", ""),
         "exact": bool(getattr(llm.target, "exact", False)),
+        "quantization": getattr(llm.target, "quantization", "none"),
         "threads": threads.num_threads,
     }
     run = _Run()
@@ -341,9 +342,11 @@ def _print_metrics(
     print("-" * 60)
     if meta:  # what ran: the defaults (backend auto, dtype auto) resolve per machine
         mode = ", exact" if meta["exact"] else ""
+        quant = meta.get("quantization", "none")
+        weights = f", {quant} weights" if quant != "none" else ""
         plural = "s" if meta["threads"] != 1 else ""
-        print(f"ran on                   {meta['backend']} backend, {meta['dtype']}{mode}, "
-              f"{meta['threads']} thread{plural}")  # fmt: skip
+        print(f"ran on                   {meta['backend']} backend, {meta['dtype']}{mode}"
+              f"{weights}, {meta['threads']} thread{plural}")  # fmt: skip
     print(f"finish reason            {output.finish_reason}")
     print(f"tokens / steps           {m.num_output_tokens} / {m.num_steps}")
     print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")

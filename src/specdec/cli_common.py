@@ -158,18 +158,19 @@ def add_quantization_arg(
     parser: argparse.ArgumentParser, default: str = DEFAULT_QUANTIZATION
 ) -> None:
     """``--quantization`` (see :func:`specdec.models.load`)."""
-    what = {
-        "auto": "auto (default): a GGUF model (like the embedded one) runs its own Q4_1 / "
-        "Q8_0 blocks, others run dense",
-        "none": "none (default here: a batch of many sequences runs faster on dense weights, "
-        "whose products use the CPU's matrix units)",
+    why = {
+        "auto": "",
+        "none": " (here: a batch of many sequences runs faster on dense weights, whose "
+        "products use the CPU's matrix units)",
     }[default]
     parser.add_argument(
         "--quantization",
         default=default,
         choices=QUANTIZATION_CHOICES,
-        help=f"native backend: weight-only quantized products. {what}; auto, none, gguf (the "
-        "GGUF's own blocks), q8_0 / q4_1 (quantize at load). Products use the dequantized "
+        help=f"native backend, weight-only quantized products (default: {default}{why}): "
+        "auto = a GGUF model (like the embedded one) runs its own Q4_1 / Q8_0 blocks, others "
+        "run dense; none = dense; gguf = the GGUF's own blocks; q8_0 / q4_1 = quantize the "
+        "loaded (for a GGUF: dequantized) weights again at load. Products use the quantized "
         "weights exactly, in float32 arithmetic; exact mode holds",
     )
 

@@ -366,12 +366,12 @@ def check_quantization(quantization: str, backend: str) -> None:
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"unknown quantization {quantization!r}; choose one of "
-            f"{', '.join(QUANTIZATION_CHOICES)}"
+            f"{', '.join(QUANTIZATION_CHOICES)} (lower case; 'none' for dense weights)"
         )
     if backend == "hf" and quantization not in ("auto", "none"):
         raise ValueError(
-            f"quantization {quantization!r} runs on the native backend (--backend native or "
-            "auto), not on transformers"
+            f"quantization {quantization!r} runs on the native backend (backend 'native' or "
+            "'auto'), not on transformers ('hf')"
         )
 
 
