@@ -25,6 +25,7 @@ import torch
 
 from specdec.models.base import Backend
 from specdec.models.hf import HFModel
+from specdec.runtime.quant import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +355,7 @@ def load(
 
 
 #: ``quantization`` values of :func:`load` (``auto`` and those of the native runtime).
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0", "q4_1")
+QUANTIZATION_CHOICES = ("auto", *QUANTIZATIONS)
 
 
 def check_quantization(quantization: str, backend: str) -> None:
