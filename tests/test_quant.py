@@ -26,11 +26,19 @@ from specdec.runtime.quant import (  # noqa: E402
     check_row_invariance,
     concat,
     dequantize,
+    kernel_layout,
     quantize,
     reference_dequantize,
 )
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LAYOUTS = ("ggml", "kernel")
+
+
+def _blocks(matrix: QuantizedMatrix, layout: str) -> tuple[torch.Tensor, int]:
+    """The blocks and kernel code of ``matrix`` as GGUF stores them or as the kernel reads
+    them fastest (Q4_1 rewritten by :func:`kernel_layout`)."""
+    return kernel_layout(matrix) if layout == "kernel" else (matrix.blocks, KINDS[matrix.kind][0])
 
 
 def _matrix(kind: str, n: int, k: int, seed: int = 0) -> QuantizedMatrix:
@@ -40,14 +48,31 @@ def _matrix(kind: str, n: int, k: int, seed: int = 0) -> QuantizedMatrix:
     return quantize(weight, kind)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_expansion_equals_gguf_reference(kind, dtype):
+def test_expansion_equals_gguf_reference(kind, dtype, layout):
     matrix = _matrix(kind, 37, 96)
     reference = reference_dequantize(matrix)
     assert torch.equal(dequantize(matrix, torch.float32), reference)
-    got = dequantize_blocks(matrix.blocks, KINDS[kind][0], 96, dtype)
+    blocks, code = _blocks(matrix, layout)
+    got = dequantize_blocks(blocks, code, 96, dtype)
     assert torch.equal(got, reference.to(dtype))
+
+
+def test_kernel_layout_of_q4_1():
+    matrix = _matrix("q4_1", 5, 64)
+    blocks, code = kernel_layout(matrix)
+    assert code == 2 and blocks.shape == (5, 2 * 24) and blocks.dtype == torch.uint8
+    raw = matrix.blocks.view(5, 2, 20)
+    packed = blocks.view(5, 2, 24)
+    # d and m as float32, exactly the float16 values
+    assert torch.equal(packed[..., :4].contiguous().view(torch.float32),
+                       raw[..., :2].contiguous().view(torch.float16).float())  # fmt: skip
+    # the nibble bytes: a transposed 4 x 4 array of ggml's
+    assert torch.equal(packed[..., 8:].reshape(5, 2, 4, 4), raw[..., 4:].reshape(5, 2, 4, 4).mT)
+    q8 = _matrix("q8_0", 5, 64)
+    assert kernel_layout(q8) == (q8.blocks, 1)  # Q8_0 runs as stored
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -64,27 +89,29 @@ def test_quantize_error_is_bounded(kind):
     assert ((back.view(16, 2, 32) - blocks).abs() <= 0.51 * step + 2e-3).all()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 64])
-def test_product_equals_float32_stream_product_on_the_dequantized_matrix(kind, dtype, rows):
+def test_product_equals_float32_stream_product_on_the_dequantized_matrix(kind, dtype, rows, layout):
     matrix = _matrix(kind, 37, 576)  # N not a multiple of the kernel's 4-row blocks
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     dense = dequantize(matrix, torch.float32)  # the file's weights exactly
     expected = small_gemm(x.float(), dense).to(dtype)  # float32 arithmetic, then the cast
-    assert torch.equal(quant_gemm(x, matrix.blocks, KINDS[kind][0]), expected)
+    assert torch.equal(quant_gemm(x, *_blocks(matrix, layout)), expected)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_gets_the_same_bits_in_any_batch(dtype):
+def test_a_row_gets_the_same_bits_in_any_batch(dtype, layout):
     assert check_row_invariance("q4_1", 1536, dtype)
-    matrix = _matrix("q4_1", 64, 1536, seed=3)
+    blocks, code = _blocks(_matrix("q4_1", 64, 1536, seed=3), layout)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(40, 1536, generator=gen).to(dtype)
-    alone = torch.cat([quant_gemm(x[i : i + 1], matrix.blocks, 0) for i in range(40)])
-    assert torch.equal(quant_gemm(x, matrix.blocks, 0), alone)
-    assert torch.equal(quant_gemm(x[3:30], matrix.blocks, 0), alone[3:30])
+    alone = torch.cat([quant_gemm(x[i : i + 1], blocks, code) for i in range(40)])
+    assert torch.equal(quant_gemm(x, blocks, code), alone)
+    assert torch.equal(quant_gemm(x[3:30], blocks, code), alone[3:30])
 
 
 def test_quant_linear_prefill_and_bias():
@@ -124,6 +151,8 @@ def test_bad_input_is_refused():
         quant_gemm(torch.randn(2, 96), matrix.blocks, 0)  # K does not match the blocks
     with pytest.raises(RuntimeError, match="kind"):
         quant_gemm(torch.randn(2, 64), matrix.blocks, 7)
+    with pytest.raises(RuntimeError, match="quantized rows"):  # ggml's blocks as code 2
+        quant_gemm(torch.randn(2, 64), matrix.blocks, 2)
     with pytest.raises(RuntimeError, match="dtype"):
         quant_gemm(torch.randn(2, 64, dtype=torch.float64), matrix.blocks, 0)
 

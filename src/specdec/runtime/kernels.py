@@ -298,7 +298,8 @@ def quant_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor
     Args:
         x: ``[M, K]`` with contiguous rows (float32, bfloat16 or float16), K a multiple of 32.
         blocks: ``[N, K / 32 * bytes per block]`` uint8 (see :mod:`specdec.runtime.quant`).
-        kind: 0 = Q4_1 (20 bytes per block of 32 weights), 1 = Q8_0 (34 bytes).
+        kind: 0 = Q4_1 (20 bytes per block of 32 weights), 1 = Q8_0 (34 bytes), 2 = Q4_1
+            in the kernel's own layout (24 bytes; :func:`specdec.runtime.quant.kernel_layout`).
 
     Returns:
         ``[M, N]`` contiguous, ``x``'s dtype.

@@ -153,6 +153,36 @@ def reference_dequantize(matrix: QuantizedMatrix) -> torch.Tensor:
 
 # ------------------------------------------------------------------ the product
 
+#: Kernel code of Q4_1 in the kernel's own layout (``csrc/gemm.cpp``, ``Q4_1K``).
+Q4_1_KERNEL_LAYOUT = 2
+# The 16 nibble bytes of a Q4_1 block as a transposed 4 x 4 array: byte 4c + i of the
+# kernel's layout is byte c + 4i of ggml's.
+_TRANSPOSE_16 = torch.tensor([b // 4 + 4 * (b % 4) for b in range(16)])
+
+
+def kernel_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
+    """The blocks as the product kernel reads them fastest, and their kernel code.
+
+    Q4_1 blocks are rewritten once (24 bytes per 32 weights instead of 20): ``d`` and
+    ``m`` as float32 (exact: every float16 is a float32) and the 16 nibble bytes in the
+    order that lets the kernel expand a block with a broadcast, two shifts and two
+    permutes (see ``csrc/gemm.cpp``). The weights they stand for are the same bits, so the
+    product's result is too (tested). Q8_0 blocks are used as they are.
+
+    Returns:
+        ``(blocks, code)``: ``[N, K / 32 * bytes per block]`` uint8 and the ``kind`` for
+        :func:`~specdec.runtime.kernels.quant_gemm`.
+    """
+    if matrix.kind != "q4_1":
+        return matrix.blocks, KINDS[matrix.kind][0]
+    n, k = matrix.shape
+    raw = matrix.blocks.reshape(n, k // BLOCK, 20)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float().view(torch.uint8)
+    m = raw[..., 2:4].contiguous().view(torch.float16).float().view(torch.uint8)
+    nibbles = raw[..., 4:20][..., _TRANSPOSE_16]
+    packed = torch.cat([d, m, nibbles], dim=-1).reshape(n, k // BLOCK * 24).contiguous()
+    return packed, Q4_1_KERNEL_LAYOUT
+
 
 _INVARIANT: dict[tuple[str, int, torch.dtype], bool] = {}
 
@@ -167,12 +197,11 @@ def check_row_invariance(kind: str, k: int, dtype: torch.dtype, most_rows: int =
         from specdec.runtime.kernels import quant_gemm
 
         gen = torch.Generator().manual_seed(0)
-        matrix = quantize(torch.randn(40, k, generator=gen), kind)
+        blocks, code = kernel_layout(quantize(torch.randn(40, k, generator=gen), kind))
         x = torch.randn(most_rows + 7, k, generator=gen).to(dtype)
-        code = KINDS[kind][0]
-        alone = torch.cat([quant_gemm(x[i : i + 1], matrix.blocks, code) for i in range(len(x))])
+        alone = torch.cat([quant_gemm(x[i : i + 1], blocks, code) for i in range(len(x))])
         ok = all(
-            torch.equal(quant_gemm(x[s : s + m], matrix.blocks, code), alone[s : s + m])
+            torch.equal(quant_gemm(x[s : s + m], blocks, code), alone[s : s + m])
             for m in range(2, most_rows + 1)
             for s in (0, 7)
         )
@@ -203,7 +232,7 @@ class QuantLinear:
     def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype):
         self.matrix = matrix
         self.bias = bias
-        self.code = KINDS[matrix.kind][0]
+        self.blocks, self.code = kernel_layout(matrix)
         self.tile = 64 if check_row_invariance(matrix.kind, matrix.shape[1], dtype) else 1
 
     def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
@@ -211,17 +240,20 @@ class QuantLinear:
         from specdec.runtime.kernels import quant_gemm
 
         if exact and self.tile < x.shape[0]:
-            y = torch.cat([quant_gemm(x[i : i + self.tile], self.matrix.blocks, self.code)
+            y = torch.cat([quant_gemm(x[i : i + self.tile], self.blocks, self.code)
                            for i in range(0, x.shape[0], self.tile)])  # fmt: skip
         else:
-            y = quant_gemm(x, self.matrix.blocks, self.code)
+            y = quant_gemm(x, self.blocks, self.code)
         return y if self.bias is None else y + self.bias
 
     def prefill(self, x: torch.Tensor) -> torch.Tensor:
         """A prompt chunk's product (the same call for the same chunk, so the same bits)."""
         if x.shape[0] < PREFILL_DENSE_ROWS:
             return self(x)
-        return F.linear(x, dequantize(self.matrix, x.dtype), self.bias)
+        from specdec.runtime.kernels import dequantize_blocks
+
+        dense = dequantize_blocks(self.blocks, self.code, self.matrix.shape[1], x.dtype)
+        return F.linear(x, dense, self.bias)
 
 
 # ------------------------------------------------------------------ GGUF files

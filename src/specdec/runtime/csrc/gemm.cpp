@@ -16,6 +16,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <memory>
 #include <vector>
 
 namespace {
@@ -30,6 +31,14 @@ constexpr int64_t kGrainCols = 64;  // outputs per thread task, at least
 // rows on (measured on a 2-core Xeon with AMX: a one-row pass over SmolLM2's 269 MB of
 // bfloat16 weights went from 13 to 19 GB/s, the machine's read bandwidth being 20).
 constexpr int64_t kPrefetchRows = 4;
+// The quantized products read 5-6 bits per weight, so a few rows ahead is too close: they
+// prefetch this many bytes ahead in the (contiguous) block stream instead (measured on the
+// same Xeon, one-row Q4_1 products over 30 layers' matrices with 2 threads: 4 rows ahead
+// (1.7 KB at K = 576) read at 10.6 GB/s, 14 KB ahead at 14.4).
+#ifndef SPECDEC_QUANT_PREFETCH
+#define SPECDEC_QUANT_PREFETCH 16384
+#endif
+constexpr int64_t kQuantPrefetchBytes = SPECDEC_QUANT_PREFETCH;
 
 #if defined(__AVX512F__)
 // 16 elements of a row from k as float32, zeros past K (`left` = K - k).
@@ -181,11 +190,21 @@ void run(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) {
 // Layouts (ggml's block_q4_1 / block_q8_0, 32 weights per block along K):
 //   Q4_1: float16 d, float16 m, 16 bytes: byte j holds q_j (low nibble), q_{j+16} (high)
 //   Q8_0: float16 d, 32 int8 q_j
+// and the kernel's own layout of a Q4_1 block (specdec.runtime.quant.kernel_layout), made
+// once at load so that expanding a block costs fewer instructions (about 2x faster, so a
+// one-row product is no longer bound by the expansion):
+//   Q4_1K: float32 d, float32 m, 16 bytes: byte 4c + i holds q_{c + 4i} (low nibble) and
+//          q_{c + 4i + 16} (high); the same 16 bytes as Q4_1's, as a transposed 4 x 4 array.
+// Broadcast to the 16 lanes of a register, lane l's 32 bits then hold the nibbles of
+// weights l and l + 16 at bit 8 (l / 4) and 8 (l / 4) + 4: one variable shift per 16
+// weights brings each lane's nibble to its low bits, where the permute reads its index.
 
 constexpr int64_t kBlock = 32;
-enum QuantKind : int64_t { kQ4_1 = 0, kQ8_0 = 1 };
+enum QuantKind : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ4_1K = 2 };
 
-inline int64_t block_bytes(int64_t kind) { return kind == kQ4_1 ? 20 : 34; }
+constexpr int64_t block_bytes(int64_t kind) {
+  return kind == kQ4_1 ? 20 : kind == kQ8_0 ? 34 : 24;
+}
 
 inline float half_bits_to_float(const uint8_t* p) {
   uint16_t h;
@@ -201,9 +220,23 @@ inline float half_bits_to_float(const uint8_t* p) {
 // One block's 32 weights as float32: lo = weights 0..15, hi = 16..31. A Q4_1 block holds
 // at most 16 distinct weights, d q + m for q = 0..15: those 16 are computed (the same
 // float32 product and sum) and each weight picked by its nibble with one permute.
-inline void expand_f32(const uint8_t* b, int64_t kind, __m512& lo, __m512& hi) {
+template <int64_t kind>
+inline void expand_f32(const uint8_t* b, __m512& lo, __m512& hi) {
+  if constexpr (kind == kQ4_1K) {  // the same values: d q + m for q = 0..15, picked by nibble
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    float d, m;
+    std::memcpy(&d, b, sizeof(d));
+    std::memcpy(&m, b + 4, sizeof(m));
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), iota), _mm512_set1_ps(m));
+    const __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8)));
+    const __m512i shift_lo = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    const __m512i shift_hi = _mm512_add_epi32(shift_lo, _mm512_set1_epi32(4));
+    lo = _mm512_permutexvar_ps(_mm512_srlv_epi32(q, shift_lo), table);  // reads bits 0..3
+    hi = _mm512_permutexvar_ps(_mm512_srlv_epi32(q, shift_hi), table);
+    return;
+  }
   const __m512 dv = _mm512_set1_ps(half_bits_to_float(b));
-  if (kind == kQ4_1) {
+  if constexpr (kind == kQ4_1) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 table = _mm512_add_ps(_mm512_mul_ps(dv, iota),
                                        _mm512_set1_ps(half_bits_to_float(b + 2)));
@@ -222,19 +255,19 @@ inline void expand_f32(const uint8_t* b, int64_t kind, __m512& lo, __m512& hi) {
 
 // MB rows of x against NB quantized rows, each block expanded in registers once for the
 // MB rows: block_fma's arithmetic on the expanded matrix (so the same bits).
-template <int MB, int NB>
+template <int64_t kind, int MB, int NB>
 inline void qblock(const float* x, int64_t xs, const uint8_t* q, int64_t row_bytes,
-                   int64_t kind, int64_t K, float* y, int64_t ys) {
+                   int64_t K, float* y, int64_t ys) {
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-  const int64_t bb = block_bytes(kind);
+  constexpr int64_t bb = block_bytes(kind);
   for (int64_t blk = 0, k = 0; k < K; ++blk, k += kBlock) {
     __m512 lo[NB], hi[NB];
     for (int j = 0; j < NB; ++j) {
       const uint8_t* b = q + j * row_bytes + blk * bb;
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchRows * row_bytes), _MM_HINT_T0);
-      expand_f32(b, kind, lo[j], hi[j]);
+      _mm_prefetch(reinterpret_cast<const char*>(b + kQuantPrefetchBytes), _MM_HINT_T0);
+      expand_f32<kind>(b, lo[j], hi[j]);
     }
     for (int m = 0; m < MB; ++m) {
       const __m512 x0 = _mm512_loadu_ps(x + m * xs + k);
@@ -247,28 +280,40 @@ inline void qblock(const float* x, int64_t xs, const uint8_t* q, int64_t row_byt
     for (int j = 0; j < NB; ++j) y[m * ys + j] = _mm512_reduce_add_ps(acc[m][j]);
 }
 
-template <int NB>
+template <int64_t kind, int NB>
 inline void qrows(const float* x, int64_t xs, int64_t M, const uint8_t* q, int64_t row_bytes,
-                  int64_t kind, int64_t K, float* y, int64_t N) {
+                  int64_t K, float* y, int64_t N) {
   switch (M) {
-    case 1: qblock<1, NB>(x, xs, q, row_bytes, kind, K, y, N); break;
-    case 2: qblock<2, NB>(x, xs, q, row_bytes, kind, K, y, N); break;
-    case 3: qblock<3, NB>(x, xs, q, row_bytes, kind, K, y, N); break;
-    default: qblock<4, NB>(x, xs, q, row_bytes, kind, K, y, N); break;
+    case 1: qblock<kind, 1, NB>(x, xs, q, row_bytes, K, y, N); break;
+    case 2: qblock<kind, 2, NB>(x, xs, q, row_bytes, K, y, N); break;
+    case 3: qblock<kind, 3, NB>(x, xs, q, row_bytes, K, y, N); break;
+    default: qblock<kind, 4, NB>(x, xs, q, row_bytes, K, y, N); break;
   }
 }
 #endif
 
 // One block (32 weights) into out[0..32) as float32.
-inline void expand_block(const uint8_t* b, int64_t kind, float* out) {
+template <int64_t kind>
+inline void expand_block(const uint8_t* b, float* out) {
 #if defined(__AVX512F__)
   __m512 lo, hi;
-  expand_f32(b, kind, lo, hi);
+  expand_f32<kind>(b, lo, hi);
   _mm512_storeu_ps(out, lo);
   _mm512_storeu_ps(out + kLanes, hi);
 #else
+  if constexpr (kind == kQ4_1K) {
+    float d, m;
+    std::memcpy(&d, b, sizeof(d));
+    std::memcpy(&m, b + 4, sizeof(m));
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t byte = b[8 + 4 * (j % 4) + j / 4];
+      out[j] = d * static_cast<float>(byte & 0x0F) + m;
+      out[j + 16] = d * static_cast<float>(byte >> 4) + m;
+    }
+    return;
+  }
   const float d = half_bits_to_float(b);
-  if (kind == kQ4_1) {
+  if constexpr (kind == kQ4_1) {
     const float m = half_bits_to_float(b + 2);
     for (int j = 0; j < 16; ++j) {
       out[j] = d * static_cast<float>(b[4 + j] & 0x0F) + m;
@@ -281,24 +326,26 @@ inline void expand_block(const uint8_t* b, int64_t kind, float* out) {
 }
 
 // Rows [n, n + rows) of the quantized matrix into buf ([rows, K] float32).
-inline void expand_rows(const uint8_t* q, int64_t row_bytes, int64_t kind, int64_t n,
+template <int64_t kind>
+inline void expand_rows(const uint8_t* q, int64_t row_bytes, int64_t n,
                         int64_t rows, int64_t K, float* buf) {
-  const int64_t bb = block_bytes(kind);
+  constexpr int64_t bb = block_bytes(kind);
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row = q + (n + r) * row_bytes;
     for (int64_t blk = 0; blk < K / kBlock; ++blk) {
 #if defined(__AVX512F__)
-      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes + blk * bb),
+      _mm_prefetch(reinterpret_cast<const char*>(row + kQuantPrefetchBytes + blk * bb),
                    _MM_HINT_T0);
 #endif
-      expand_block(row + blk * bb, kind, buf + r * K + blk * kBlock);
+      expand_block<kind>(row + blk * bb, buf + r * K + blk * kBlock);
     }
   }
 }
 
 // y [M, N] = x [M, K] W^T, all float32.
+template <int64_t kind>
 void run_quant(const float* xp, int64_t xs, int64_t M, int64_t K, const uint8_t* qp,
-               int64_t row_bytes, int64_t N, int64_t kind, float* yp) {
+               int64_t row_bytes, int64_t N, float* yp) {
   at::parallel_for(0, (N + kColBlock - 1) / kColBlock, kGrainCols / kColBlock,
                    [&](int64_t b0, int64_t b1) {
     const int64_t n1 = std::min(N, b1 * kColBlock);
@@ -306,31 +353,100 @@ void run_quant(const float* xp, int64_t xs, int64_t M, int64_t K, const uint8_t*
 #if defined(__AVX512F__)
     if (M <= kRowBlock) {  // few rows: each block expanded in registers, once for all
       for (; n + kColBlock <= n1; n += kColBlock)
-        qrows<kColBlock>(xp, xs, M, qp + n * row_bytes, row_bytes, kind, K, yp + n, N);
-      for (; n < n1; ++n) qrows<1>(xp, xs, M, qp + n * row_bytes, row_bytes, kind, K, yp + n, N);
+        qrows<kind, kColBlock>(xp, xs, M, qp + n * row_bytes, row_bytes, K, yp + n, N);
+      for (; n < n1; ++n) qrows<kind, 1>(xp, xs, M, qp + n * row_bytes, row_bytes, K, yp + n, N);
       return;
     }
 #endif
     // more rows: four rows of W expanded to a buffer that every row of x then reads
     std::vector<float> buf(kColBlock * K);
     for (; n + kColBlock <= n1; n += kColBlock) {
-      expand_rows(qp, row_bytes, kind, n, kColBlock, K, buf.data());
+      expand_rows<kind>(qp, row_bytes, n, kColBlock, K, buf.data());
       cols_against<float, kColBlock>(xp, xs, M, buf.data(), K, yp + n, N);
     }
     for (; n < n1; ++n) {
-      expand_rows(qp, row_bytes, kind, n, 1, K, buf.data());
+      expand_rows<kind>(qp, row_bytes, n, 1, K, buf.data());
       cols_against<float, 1>(xp, xs, M, buf.data(), K, yp + n, N);
     }
   });
 }
 
 void check_quant(const torch::Tensor& q, int64_t kind, int64_t K) {
-  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "quantization kind must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0 || kind == kQ4_1K,
+              "quantization kind must be 0 (Q4_1), 1 (Q8_0) or 2 (Q4_1, the kernel's layout)");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == torch::kUInt8,
               "quantized weights must be a contiguous uint8 [N, row bytes] tensor");
   TORCH_CHECK(K % kBlock == 0 && q.size(1) == K / kBlock * block_bytes(kind),
               "quantized rows hold ", q.size(1), " bytes; K = ", K, " needs ",
               K / kBlock * block_bytes(kind), " (K a multiple of 32)");
+}
+
+// n floats to T (n a multiple of 16 takes the vector path), rounded as PyTorch's cast.
+template <typename T>
+inline void round_to(const float* src, int64_t n, T* dst) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + kLanes <= n; i += kLanes) store16(dst + i, _mm512_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+// quant_gemm for x and y in T: 16-bit rows converted to float32 here and the float32
+// results rounded to T here (to nearest even, as PyTorch's cast), without two more
+// PyTorch operations and allocations per product.
+template <typename T>
+void quant_gemm_as(const torch::Tensor& x, const torch::Tensor& q, int64_t kind, torch::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), rb = q.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const float* x32 = nullptr;
+  float* y32 = nullptr;
+  int64_t xs = x.stride(0);
+  std::unique_ptr<float[]> xbuf, ybuf;
+  if constexpr (std::is_same_v<T, float>) {
+    x32 = xp;
+    y32 = yp;
+  } else {
+    xbuf.reset(new float[M * K]);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xbuf[m * K + k] = to_float(xp[m * xs + k]);
+    x32 = xbuf.get();
+    xs = K;
+    ybuf.reset(new float[M * N]);
+    y32 = ybuf.get();
+  }
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  switch (kind) {
+    case kQ4_1: run_quant<kQ4_1>(x32, xs, M, K, qp, rb, N, y32); break;
+    case kQ8_0: run_quant<kQ8_0>(x32, xs, M, K, qp, rb, N, y32); break;
+    default: run_quant<kQ4_1K>(x32, xs, M, K, qp, rb, N, y32); break;
+  }
+  if constexpr (!std::is_same_v<T, float>) {
+    round_to(y32, M * N, yp);
+  }
+}
+
+// The dequantized matrix in T, a row at a time through a float32 buffer (values rounded
+// to T as PyTorch's cast rounds them), with no [N, K] float32 copy.
+template <typename T>
+void dequantize_as(const torch::Tensor& q, int64_t kind, torch::Tensor& out) {
+  const int64_t K = out.size(1), row_bytes = q.size(1);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, q.size(0), 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : K);
+    for (int64_t n = n0; n < n1; ++n) {
+      float* dst = std::is_same_v<T, float> ? reinterpret_cast<float*>(op + n * K) : row.data();
+      switch (kind) {
+        case kQ4_1: expand_rows<kQ4_1>(qp, row_bytes, n, 1, K, dst); break;
+        case kQ8_0: expand_rows<kQ8_0>(qp, row_bytes, n, 1, K, dst); break;
+        default: expand_rows<kQ4_1K>(qp, row_bytes, n, 1, K, dst); break;
+      }
+      if constexpr (!std::is_same_v<T, float>) {
+        round_to(row.data(), K, op + n * K);
+      }
+    }
+  });
 }
 
 bool supported_dtype(torch::ScalarType t) {
@@ -358,7 +474,7 @@ void small_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
 }
 
 // x: [M, K] rows contiguous; q: [N, K / 32 * block bytes] uint8 (GGUF blocks, row-major);
-// y: [M, N] contiguous in x's dtype. kind: 0 = Q4_1, 1 = Q8_0.
+// y: [M, N] contiguous in x's dtype. kind: 0 = Q4_1, 1 = Q8_0, 2 = Q4_1K (above).
 void quant_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   TORCH_CHECK(supported_dtype(x.scalar_type()), "unsupported dtype ", x.scalar_type());
@@ -366,12 +482,11 @@ void quant_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y)
   TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) &&
                   y.size(1) == q.size(0) && y.scalar_type() == x.scalar_type(),
               "y must be a contiguous [M, N] tensor in x's dtype");
-  const bool f32 = x.scalar_type() == torch::kFloat32;
-  const torch::Tensor x32 = f32 ? x : x.to(torch::kFloat32).contiguous();
-  torch::Tensor y32 = f32 ? y : torch::empty({y.size(0), y.size(1)}, y.options().dtype(torch::kFloat32));
-  run_quant(x32.data_ptr<float>(), x32.stride(0), x.size(0), x.size(1), q.data_ptr<uint8_t>(),
-            q.size(1), q.size(0), kind, y32.data_ptr<float>());
-  if (!f32) y.copy_(y32);  // PyTorch's cast: round to nearest even
+  switch (x.scalar_type()) {
+    case torch::kFloat32: quant_gemm_as<float>(x, q, kind, y); break;
+    case torch::kBFloat16: quant_gemm_as<c10::BFloat16>(x, q, kind, y); break;
+    default: quant_gemm_as<c10::Half>(x, q, kind, y); break;
+  }
 }
 
 // The dequantized matrix: out [N, K] (float32, bfloat16 or float16) from q.
@@ -380,13 +495,9 @@ void dequantize(torch::Tensor q, int64_t kind, torch::Tensor out) {
               "out must be a contiguous [N, K] tensor");
   TORCH_CHECK(supported_dtype(out.scalar_type()), "unsupported dtype ", out.scalar_type());
   check_quant(q, kind, out.size(1));
-  const bool f32 = out.scalar_type() == torch::kFloat32;
-  torch::Tensor o32 = f32 ? out : torch::empty({out.size(0), out.size(1)}, out.options().dtype(torch::kFloat32));
-  const int64_t K = out.size(1), row_bytes = q.size(1);
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  float* op = o32.data_ptr<float>();
-  at::parallel_for(0, q.size(0), 16, [&](int64_t n0, int64_t n1) {
-    expand_rows(qp, row_bytes, kind, n0, n1 - n0, K, op + n0 * K);
-  });
-  if (!f32) out.copy_(o32);
+  switch (out.scalar_type()) {
+    case torch::kFloat32: dequantize_as<float>(q, kind, out); break;
+    case torch::kBFloat16: dequantize_as<c10::BFloat16>(q, kind, out); break;
+    default: dequantize_as<c10::Half>(q, kind, out); break;
+  }
 }
