@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -81,6 +82,12 @@ class NativeModel(BackendBase):
     def model(self):
         """The transformers module the weights came from (for transformers baselines)."""
         return self.hf.model
+
+    @property
+    def gguf_path(self) -> Path | None:
+        """The GGUF file the model was loaded from (``None`` if it was not), as
+        :attr:`HFModel.gguf_path <specdec.models.hf.HFModel.gguf_path>`."""
+        return self.hf.gguf_path
 
     @property
     def device(self) -> torch.device:
