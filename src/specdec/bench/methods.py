@@ -13,9 +13,16 @@ Method strings (``--method``):
   ``draft-model@dynamic:top_k=4,depth=5,budget=16+cost``; ``k`` (or the tree's depth) is
   then the most a step drafts;
 * ``hf-prompt-lookup[:k=10,max_ngram=2]``: transformers ``generate(prompt_lookup_num_tokens=k)``;
-* ``hf-assisted[:k=4]``: transformers ``generate(assistant_model=draft)``.
+* ``hf-assisted[:k=4]``: transformers ``generate(assistant_model=draft)``;
+* peers, each in a worker process under its own interpreter (:mod:`specdec.bench.peers`):
+  ``vllm-ar`` (vLLM plain decoding), ``vllm-ngram[:k=10,max_ngram=4]`` (vLLM's n-gram
+  speculative decoding: ``num_speculative_tokens=k``, ``prompt_lookup_max=max_ngram``,
+  ``prompt_lookup_min=1``), ``llama-cpp`` (llama.cpp plain decoding of the target's GGUF
+  file, through llama-cpp-python) and ``llama-cpp-lookup[:k=10]`` (its
+  ``LlamaPromptLookupDecoding(num_pred_tokens=k)``). A peer gets the same prompt token ids,
+  one request at a time; its time is the wall time of the library's generate call.
 
-A llama.cpp baseline is not implemented yet.
+External baselines and peers have no specdec stats (``RunResult.stats`` is ``None``).
 """
 
 from __future__ import annotations
@@ -32,8 +39,24 @@ from specdec.llm import LLM
 from specdec.metrics import SpecStats
 from specdec.trees.spec import TreeSpec
 
-#: External baselines and their integer options, with defaults.
-EXTERNAL = {"hf-prompt-lookup": {"k": 10, "max_ngram": 2}, "hf-assisted": {"k": 4}}
+#: Peer methods (vLLM, llama.cpp) and their integer options, with defaults.
+PEERS = {
+    "vllm-ar": {},
+    "vllm-ngram": {"k": 10, "max_ngram": 4},
+    "llama-cpp": {},
+    "llama-cpp-lookup": {"k": 10},
+}
+#: The library each peer method runs (``vllm`` or ``llama-cpp``).
+PEER_LIBRARY = {
+    "vllm-ar": "vllm",
+    "vllm-ngram": "vllm",
+    "llama-cpp": "llama-cpp",
+    "llama-cpp-lookup": "llama-cpp",
+}
+#: A peer's speculative method -> the same peer's plain decoding (compared turn by turn).
+OWN_PLAIN = {"vllm-ngram": "vllm-ar", "llama-cpp-lookup": "llama-cpp"}
+#: External baselines (transformers, then the peers) and their integer options, with defaults.
+EXTERNAL = {"hf-prompt-lookup": {"k": 10, "max_ngram": 2}, "hf-assisted": {"k": 4}, **PEERS}
 #: Draft tokens per step (``k``) when a method does not say; other drafters: 8.
 DEFAULT_K = {
     "ngram": 10,
@@ -93,6 +116,11 @@ class Method:
     @property
     def is_specdec(self) -> bool:
         return self.kind not in EXTERNAL
+
+    @property
+    def is_peer(self) -> bool:
+        """A vLLM or llama.cpp method (runs in a worker, see :mod:`specdec.bench.peers`)."""
+        return self.kind in PEERS
 
     @property
     def needs_draft_model(self) -> bool:
@@ -215,21 +243,28 @@ def parse_methods(texts: Sequence[str], controller: str = "fixed") -> list[Metho
 
 @dataclass
 class RunResult:
-    """One generation: output ids (EOS kept), wall seconds, and specdec's stats if any."""
+    """One generation: output ids (EOS kept), wall seconds, specdec's stats if any, and
+    for a peer whose generate call raised, the error (``"Type: message"``; the ids are
+    then what it generated before raising)."""
 
     token_ids: list[int]
     elapsed_s: float
     stats: SpecStats | None = field(default=None)
+    error: str | None = None
 
 
 class MethodRunner:
     """Runs one method on prompt ids; the wall time covers the whole generate call.
 
+    Peer methods run in :class:`~specdec.bench.peers.PeerRunner` instead.
+
     Raises:
-        ValueError: a method that needs a draft model without one.
+        ValueError: a method that needs a draft model without one, or a peer method.
     """
 
     def __init__(self, method: Method, llm: LLM, draft_llm_model=None):
+        if method.is_peer:
+            raise ValueError(f"peer method {method.name!r} runs in a PeerRunner")
         self.method = method
         self.llm = llm
         self.target = llm.target

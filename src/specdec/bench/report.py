@@ -6,6 +6,10 @@ Speedup conventions (both reported, always relative to the baseline method of th
   turn), averaged — Spec-Bench's convention;
 * ``speedup_total``: total tokens/s of the method over total tokens/s of the baseline
   (long outputs weigh more).
+
+A turn whose generate call raised an error (peers only: vLLM, llama.cpp) is counted in
+``num_errors``, left out of every speed figure (tokens/s and both speedups: its time and
+tokens are not a completed generation) and never counted as identical.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 from specdec.bench.datasets import GROUP_ORDER
 from specdec.bench.harness import Record
+from specdec.bench.methods import PEERS
 
 OVERALL = "overall"
 
@@ -27,14 +32,21 @@ class Summary:
     """Aggregates of one method over one group of turns (or ``overall``).
 
     Attributes:
-        num_turns, num_output_tokens, elapsed_s: totals.
-        tokens_per_s: total output tokens / total seconds.
+        num_turns: turns run (errored ones included).
+        num_output_tokens, elapsed_s: totals over the turns that did not raise an error.
+        tokens_per_s: total output tokens / total seconds (the same turns).
         speedup_mean, speedup_total: see the module docstring.
         mean_acceptance_length, acceptance_rate: pooled over all steps (specdec only).
         per_position_acceptance_rate: pooled, unconditional (specdec only).
         draft_share, verify_share: fractions of specdec's wall time in drafting and in
             verification (target forward + acceptance); prefill is the rest.
-        num_identical: greedy turns whose output equals the baseline's (None if unchecked).
+        num_identical: greedy turns whose output equals the baseline's (None if unchecked;
+            an errored turn is not identical).
+        num_identical_own_plain, num_compared_own_plain: a peer's speculative method
+            (``vllm-ngram``, ``llama-cpp-lookup``): greedy turns whose output equals the
+            same peer's plain decoding, of the turns compared (those where the plain one did
+            not raise); None when none was compared (e.g. that plain method did not run).
+        num_errors: turns whose generate call raised an error (see the module docstring).
         accepted_length_counts: histogram of accepted draft tokens per step.
         off_share: fraction of steps the speculation controller switched drafting off.
         mean_chosen_k: mean draft length the controller chose (over its choices).
@@ -55,6 +67,9 @@ class Summary:
     accepted_length_counts: list[int] = field(default_factory=list)
     off_share: float | None = None
     mean_chosen_k: float | None = None
+    num_identical_own_plain: int | None = None
+    num_compared_own_plain: int | None = None
+    num_errors: int = 0
 
 
 def summarize(records: Sequence[Record], baseline: str) -> dict[str, dict[str, Summary]]:
@@ -76,8 +91,15 @@ def summarize(records: Sequence[Record], baseline: str) -> dict[str, dict[str, S
     return out
 
 
-def _summary(records: Sequence[Record], base: dict) -> Summary:
-    s = Summary(num_turns=len(records))
+def _summary(all_records: Sequence[Record], base: dict) -> Summary:
+    s = Summary(num_turns=len(all_records))
+    records = [r for r in all_records if r.error is None]  # speed: completed turns only
+    s.num_errors = len(all_records) - len(records)
+    checked = [r.matches_baseline for r in all_records if r.matches_baseline is not None]
+    s.num_identical = sum(checked) if checked else None
+    own = [r.matches_own_plain for r in all_records if r.matches_own_plain is not None]
+    if own:
+        s.num_identical_own_plain, s.num_compared_own_plain = sum(own), len(own)
     if not records:
         return s
     s.num_output_tokens = sum(r.num_output_tokens for r in records)
@@ -93,8 +115,6 @@ def _summary(records: Sequence[Record], base: dict) -> Summary:
         mine_time = sum(r.elapsed_s for r, _ in pairs)
         if base_tokens and mine_time:
             s.speedup_total = (mine_tokens / mine_time) / (base_tokens / base_time)
-    checked = [r.matches_baseline for r in records if r.matches_baseline is not None]
-    s.num_identical = sum(checked) if checked else None
     _add_spec_metrics(s, [r.metrics for r in records if r.metrics is not None])
     return s
 
@@ -180,9 +200,41 @@ def markdown_tables(summary: dict[str, dict[str, Summary]], baseline: str) -> st
                 f"Outputs identical to {baseline} (greedy)",
                 lambda s: "-" if s.num_identical is None else f"{s.num_identical}/{s.num_turns}",
             ),
+            peer_tables(summary, table),
             per_position_table(summary),
         ]
     )
+
+
+def _is_peer(method: str) -> bool:
+    """``method`` (a report name such as ``vllm-ngram:k=5``) is a vLLM / llama.cpp method."""
+    return method.split(":")[0].split("@")[0].split("+")[0] in PEERS
+
+
+def peer_tables(summary: dict[str, dict[str, Summary]], table) -> str:
+    """When a peer (vLLM, llama.cpp) ran or a turn raised an error: identity of each peer's
+    speculative method with the same peer's plain decoding, and errors per method."""
+    overall = [s[OVERALL] for s in summary.values()]
+    if not any(map(_is_peer, summary)) and not any(s.num_errors for s in overall):
+        return ""
+    text = ""
+    if any(s.num_compared_own_plain is not None for s in overall):
+        text += table(
+            "Outputs identical to the peer's own plain decoding (greedy; vllm-ngram vs "
+            "vllm-ar, llama-cpp-lookup vs llama-cpp; turns where the plain one raised are "
+            "not compared)",
+            lambda s: (
+                "-"
+                if s.num_compared_own_plain is None
+                else f"{s.num_identical_own_plain}/{s.num_compared_own_plain}"
+            ),
+        )
+    text += table(
+        "Turns whose generate call raised an error (left out of every speed figure above; "
+        "never counted as identical)",
+        lambda s: f"{s.num_errors}/{s.num_turns}",
+    )
+    return text
 
 
 def per_position_table(summary: dict[str, dict[str, Summary]]) -> str:
@@ -207,12 +259,20 @@ def per_position_table(summary: dict[str, dict[str, Summary]]) -> str:
 
 
 def mismatches(records: Sequence[Record]) -> str:
-    """Markdown list of greedy turns whose output differs from the baseline's ('' if none)."""
-    bad = [r for r in records if r.matches_baseline is False]
-    if not bad:
-        return ""
-    lines = "".join(f"- {r.method}: {r.prompt_id} turn {r.turn + 1}\n" for r in bad)
-    return f"**Outputs that differ from the baseline ({len(bad)})**\n\n{lines}\n"
+    """Markdown lists of greedy turns whose output differs from the baseline's and of turns
+    that raised an error, with the error ('' if none)."""
+    text = ""
+    bad = [r for r in records if r.matches_baseline is False and r.error is None]
+    if bad:
+        lines = "".join(f"- {r.method}: {r.prompt_id} turn {r.turn + 1}\n" for r in bad)
+        text += f"**Outputs that differ from the baseline ({len(bad)})**\n\n{lines}\n"
+    failed = [r for r in records if r.error is not None]
+    if failed:
+        lines = "".join(
+            f"- {r.method}: {r.prompt_id} turn {r.turn + 1}: {r.error}\n" for r in failed
+        )
+        text += f"**Turns that raised an error ({len(failed)})**\n\n{lines}\n"
+    return text
 
 
 def write_outputs(
