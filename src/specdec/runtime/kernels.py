@@ -290,7 +290,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def quant_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """``y = x W^T`` with ``W`` in a GGUF block format (``csrc/gemm.cpp``), expanded block
-    by block inside the product (in registers for up to 4 rows of ``x``, else to a small
+    by block inside the product (in registers for up to 16 rows of ``x``, else to a small
     buffer per 4 rows of ``W``). The result equals
     ``small_gemm(x.float(), W).to(x.dtype)`` with ``W`` the float32 dequantized matrix, bit
     for bit, for any M: the file's weights exactly, float32 accumulation.

@@ -200,6 +200,7 @@ void run(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) {
 // weights brings each lane's nibble to its low bits, where the permute reads its index.
 
 constexpr int64_t kBlock = 32;
+constexpr int kRegisterRows = 16;  // rows of x whose products expand blocks in registers
 enum QuantKind : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ4_1K = 2 };
 
 constexpr int64_t block_bytes(int64_t kind) {
@@ -280,15 +281,28 @@ inline void qblock(const float* x, int64_t xs, const uint8_t* q, int64_t row_byt
     for (int j = 0; j < NB; ++j) y[m * ys + j] = _mm512_reduce_add_ps(acc[m][j]);
 }
 
-template <int64_t kind, int NB>
+// qblock for M <= MB rows (MB, MB - 1, ... instantiated down to 1).
+template <int64_t kind, int NB, int MB>
 inline void qrows(const float* x, int64_t xs, int64_t M, const uint8_t* q, int64_t row_bytes,
                   int64_t K, float* y, int64_t N) {
-  switch (M) {
-    case 1: qblock<kind, 1, NB>(x, xs, q, row_bytes, K, y, N); break;
-    case 2: qblock<kind, 2, NB>(x, xs, q, row_bytes, K, y, N); break;
-    case 3: qblock<kind, 3, NB>(x, xs, q, row_bytes, K, y, N); break;
-    default: qblock<kind, 4, NB>(x, xs, q, row_bytes, K, y, N); break;
+  if constexpr (MB > 1) {
+    if (M < MB) {
+      qrows<kind, NB, MB - 1>(x, xs, M, q, row_bytes, K, y, N);
+      return;
+    }
   }
+  qblock<kind, MB, NB>(x, xs, q, row_bytes, K, y, N);
+}
+
+// Up to 16 rows with every block expanded in registers once for all rows: NB rows of W at
+// a time, the MB x NB accumulators held in registers (4 x 4, 8 x 2, 16 x 1), so verifying
+// up to 16 tokens reads and expands each block once (no buffer round trip).
+template <int64_t kind, int NB, int MB>
+inline void qcols(const float* x, int64_t xs, int64_t M, const uint8_t* q, int64_t row_bytes,
+                  int64_t K, float* y, int64_t N, int64_t n, int64_t n1) {
+  for (; n + NB <= n1; n += NB)
+    qrows<kind, NB, MB>(x, xs, M, q + n * row_bytes, row_bytes, K, y + n, N);
+  for (; n < n1; ++n) qrows<kind, 1, MB>(x, xs, M, q + n * row_bytes, row_bytes, K, y + n, N);
 }
 #endif
 
@@ -351,10 +365,13 @@ void run_quant(const float* xp, int64_t xs, int64_t M, int64_t K, const uint8_t*
     const int64_t n1 = std::min(N, b1 * kColBlock);
     int64_t n = b0 * kColBlock;
 #if defined(__AVX512F__)
-    if (M <= kRowBlock) {  // few rows: each block expanded in registers, once for all
-      for (; n + kColBlock <= n1; n += kColBlock)
-        qrows<kind, kColBlock>(xp, xs, M, qp + n * row_bytes, row_bytes, K, yp + n, N);
-      for (; n < n1; ++n) qrows<kind, 1>(xp, xs, M, qp + n * row_bytes, row_bytes, K, yp + n, N);
+    if (M <= kRegisterRows) {  // few rows: each block expanded in registers, once for all
+      if (M <= 4)
+        qcols<kind, 4, 4>(xp, xs, M, qp, row_bytes, K, yp, N, n, n1);
+      else if (M <= 8)
+        qcols<kind, 2, 8>(xp, xs, M, qp, row_bytes, K, yp, N, n, n1);
+      else
+        qcols<kind, 1, kRegisterRows>(xp, xs, M, qp, row_bytes, K, yp, N, n, n1);
       return;
     }
 #endif
