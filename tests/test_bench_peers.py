@@ -20,6 +20,7 @@ from specdec.bench import BenchPrompt, markdown_tables, parse_method, run_benchm
 from specdec.bench.methods import MethodRunner
 from specdec.bench.peer_worker import clip
 from specdec.bench.peers import (
+    WARMUP,
     WORKER,
     PeerError,
     PeerRunner,
@@ -308,9 +309,9 @@ def test_vllm_worker_protocol_survives_junk_and_keeps_eos(llm, peer_env):
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     generated = _calls(peer_env, "vllm-generate")
-    assert len(generated) == 1 + 3  # the warm-up, then the three runs
+    assert len(generated) == len(WARMUP) + 3  # the warm-up generations, then the three runs
     assert generated[-1]["stop_token_ids"] == [2] and generated[-1]["seed"] == 7
-    assert generated[1]["temperature"] == 0.0 and generated[1]["seed"] is None
+    assert generated[-3]["temperature"] == 0.0 and generated[-3]["seed"] is None
 
 
 def test_llama_worker_records_a_raising_generation_and_goes_on(llm, peer_env):
@@ -325,7 +326,7 @@ def test_llama_worker_records_a_raising_generation_and_goes_on(llm, peer_env):
     assert load["n_threads"] == load["n_threads_batch"] == 2
     calls = _calls(peer_env, "llama-generate")
     assert all(c["top_k"] == 1 and c["temp"] == 0.0 and c["min_p"] == 0.0 for c in calls)
-    assert [c["resets"] for c in calls] == [1, 2, 3]  # every request from an empty cache
+    assert [c["resets"] for c in calls] == [1, 2, 3, 4]  # each request from an empty cache
 
 
 def test_worker_that_fails_to_load_or_dies_is_a_clear_error(llm, peer_env, monkeypatch):

@@ -229,6 +229,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if backend == "native" and str(draft_dtype).lower() == INT8_DYNAMIC:
             backend = "auto"  # as LLM does: int8 layers run on transformers
         draft = load(args.draft_model, draft_dtype, args.device, backend, args.exact)
+    if peers:  # the bar stands still meanwhile: say why
+        slow = any(m.is_peer and PEER_LIBRARY[m.kind] == "vllm" for m in methods)
+        print(
+            f"specdec: starting the peer workers ({', '.join(peers)})"
+            + ("; vLLM compiles its graphs as it starts (minutes)" if slow else ""),
+            file=sys.stderr,
+        )
     num_runs = len(methods) * sum(len(p.turns) for p in prompts)
     with tqdm(total=num_runs, desc="bench", unit="gen", file=sys.stderr) as bar:
         records = run_benchmark(

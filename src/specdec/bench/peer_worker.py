@@ -11,11 +11,14 @@ Protocol: one JSON object per line, UTF-8, in both directions.
 
       {"library": "vllm" | "llama-cpp", "method": "vllm-ar" | "vllm-ngram" | "llama-cpp"
        | "llama-cpp-lookup", "options": {"k": 10, "max_ngram": 4}, "model": PATH_OR_NAME,
-       "dtype": "bfloat16", "threads": 2, "max_context": 8192, "warmup_ids": [...],
-       "eos_ids": [2]}
+       "dtype": "bfloat16", "threads": 2, "max_context": 8192, "eos_ids": [2],
+       "warmup": [{"prompt_ids": [...], "max_new_tokens": 64}, ...]}
 
   ``model`` is a Hugging Face folder or hub id (vLLM) or a GGUF file (llama.cpp).
-  The worker loads the model once, generates 8 tokens for ``warmup_ids`` once, and
+  The worker loads the model once, runs the ``warmup`` generations once (greedy; a
+  repetitive prompt makes the speculative methods draft, accept and reject, so the
+  libraries compile those paths before the timed runs: vLLM's n-gram proposer and its
+  verification shapes compile on first use), and
   answers ``{"ready": true, "version": "0.32.0", "load_s": 41.2}`` or
   ``{"ready": false, "error": "..."}`` (then exits with status 1).
 * Each later line, a job::
@@ -56,9 +59,6 @@ import json
 import os
 import sys
 import time
-
-#: Tokens the warm-up generation asks for.
-WARMUP_TOKENS = 8
 
 
 def clip(token_ids: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int]:
@@ -216,11 +216,11 @@ def serve(requests, answer) -> int:
     start = time.perf_counter()
     try:
         peer = PEERS[load["library"]](load)
-        warmup = {"prompt_ids": load["warmup_ids"], "max_new_tokens": WARMUP_TOKENS,
-                  "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}  # fmt: skip
-        warm = run_job(peer, warmup)
-        if warm["error"]:
-            raise RuntimeError(f"warm-up generation failed: {warm['error']}")
+        for warmup in load["warmup"]:
+            job = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, **warmup}
+            warm = run_job(peer, job)
+            if warm["error"]:
+                raise RuntimeError(f"warm-up generation failed: {warm['error']}")
     except Exception as exc:
         answer({"ready": False, "error": error_text(exc)})
         return 1

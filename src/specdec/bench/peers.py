@@ -57,8 +57,14 @@ VLLM_KV_CACHE_GIB = 1
 LOAD_TIMEOUT_S = 1800.0
 #: Seconds a worker gets to exit after its standard input closes, then after SIGTERM.
 EXIT_TIMEOUT_S = 30.0
-#: Short text whose ids the worker's warm-up generation decodes.
-WARMUP_TEXT = "Write one sentence about the sea."
+#: The worker's warm-up generations: (text, new tokens). The repetitive one makes the
+#: speculative peers draft, accept and reject before the timed runs (vLLM compiles its
+#: n-gram proposer and verification shapes on first use: 10-30 s in the first timed turns
+#: without it).
+WARMUP = (
+    ("Write one sentence about the sea.", 8),
+    ("The quick brown fox jumps over the lazy dog. " * 6 + "The quick brown", 64),
+)
 
 
 class PeerError(ChildProcessError):
@@ -189,7 +195,10 @@ class PeerRunner:
             "dtype": peer_dtype(target),
             "threads": self.threads,
             "max_context": int(getattr(target, "max_context", 0) or 4096),
-            "warmup_ids": llm.encode(WARMUP_TEXT, chat=False),
+            "warmup": [
+                {"prompt_ids": llm.encode(text, chat=False), "max_new_tokens": n}
+                for text, n in WARMUP
+            ],
             "eos_ids": self.eos_ids,
         }
         self.load_s: float | None = None

@@ -178,7 +178,10 @@ def markdown_tables(summary: dict[str, dict[str, Summary]], baseline: str) -> st
                 f"Speedup over {baseline} (total tokens/s ratio)",
                 lambda s: _fmt(s.speedup_total, ".2f") + ("x" if s.speedup_total else ""),
             ),
-            table("Tokens per second", lambda s: _fmt(s.tokens_per_s, ".1f")),
+            table(
+                "Tokens per second",
+                lambda s: "-" if s.num_errors == s.num_turns else _fmt(s.tokens_per_s, ".1f"),
+            ),
             table(
                 "Mean acceptance length (tokens per verification step, bonus included)",
                 lambda s: _fmt(s.mean_acceptance_length, ".2f"),
