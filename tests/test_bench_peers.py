@@ -6,10 +6,14 @@ run for real."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +85,9 @@ class LLM:
     def __init__(self, model, **kwargs):
         if os.environ.get("FAKE_PEER_FAIL_LOAD"):
             raise RuntimeError("fake vLLM cannot load " + model)
+        if os.environ.get("FAKE_PEER_SLOW_LOAD"):
+            import time
+            time.sleep(float(os.environ["FAKE_PEER_SLOW_LOAD"]))
         log("vllm-load", model=model, env={k: os.environ.get(k) for k in (
             "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")},
             **kwargs)
@@ -92,7 +99,10 @@ class LLM:
         if ids[-1] == 31:
             os._exit(3)  # a crash: specdec must say so, not hang
         log("vllm-generate", stop_token_ids=params.stop_token_ids,
-            temperature=params.temperature, seed=params.seed)
+            temperature=params.temperature, seed=params.seed, pid=os.getpid())
+        if os.environ.get("FAKE_PEER_SLOW") and 30 in ids:  # "w27": not in the warm-ups
+            import time
+            time.sleep(float(os.environ["FAKE_PEER_SLOW"]))
         out = answer(ids)
         if 2 in params.stop_token_ids:
             out = out[: out.index(2) + 1]  # vLLM keeps the stop token
@@ -462,3 +472,46 @@ def test_no_worker_outlives_an_interrupted_run(llm, peer_env):
     (runner,) = started
     assert runner._process is None and not runner.log_path.exists()
     assert os.environ.get("PYTHONPATH")  # the fakes were in use
+
+
+def test_ctrl_c_stops_the_run_and_its_workers_at_once(tmp_path, peer_env, tiny_model_dir):
+    """Ctrl-C reaches specdec alone (the workers have their own session); specdec stops a
+    worker caught in a long generation right away and exits with status 130."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "w27 w1 w2"}\n')
+    env = {**os.environ, "FAKE_PEER_SLOW": "600"}
+    argv = ["bench", "--model", tiny_model_dir, "--dataset", str(data), "--method", "vllm-ar",
+            "--no-warmup", "--max-new-tokens", "4", "--threads", "1"]  # fmt: skip
+    code = "import sys; from specdec.cli import main; sys.exit(main(sys.argv[1:]))"
+    bench = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stderr=subprocess.PIPE)
+    worker = None
+    try:
+        deadline = time.monotonic() + 120
+        while len(_calls(peer_env, "vllm-generate")) < len(WARMUP) + 1:
+            assert bench.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        worker = _calls(peer_env, "vllm-generate")[-1]["pid"]  # asleep in its first timed run
+        start = time.monotonic()
+        bench.send_signal(signal.SIGINT)
+        _, err = bench.communicate(timeout=60)
+        assert bench.returncode == 130 and b"interrupted" in err
+        assert time.monotonic() - start < 15
+        with pytest.raises(ProcessLookupError):
+            os.kill(worker, 0)
+    finally:  # a failed test leaves nothing running
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+
+
+def test_closing_a_loading_worker_does_not_wait_for_the_load(llm, peer_env, monkeypatch):
+    monkeypatch.setenv("FAKE_PEER_SLOW_LOAD", "600")
+    runner = PeerRunner(parse_method("vllm-ar"), llm)
+    process = runner._process
+    start = time.monotonic()
+    runner.close()
+    assert time.monotonic() - start < 10 and process.poll() is not None
+    assert not runner.log_path.exists()

@@ -203,6 +203,7 @@ class PeerRunner:
         }
         self.load_s: float | None = None
         self._ready = False
+        self._in_flight = False
         self._buffer = b""
         log, name = tempfile.mkstemp(prefix=f"specdec-peer-{method.kind}-", suffix=".log")
         self.log_path = Path(name)
@@ -247,7 +248,9 @@ class PeerRunner:
     def close(self, keep_log: bool = False) -> None:
         """Shut the worker down: close its standard input (it frees the model and exits),
         then SIGTERM, then SIGKILL to its process group, each after
-        :data:`EXIT_TIMEOUT_S`. The log is deleted unless ``keep_log`` or the worker did
+        :data:`EXIT_TIMEOUT_S` (SIGTERM after a second when the worker is busy, still
+        loading or in a generation cut short, e.g. by Ctrl-C: it would finish that first).
+        The log is deleted unless ``keep_log`` or the worker, left to exit by itself, did
         not exit cleanly. Safe to call twice."""
         process = getattr(self, "_process", None)
         if process is None:
@@ -256,7 +259,8 @@ class PeerRunner:
         with contextlib.suppress(OSError):  # OSError: the worker is already gone
             if process.stdin and not process.stdin.closed:
                 process.stdin.close()
-        code = _wait(process, EXIT_TIMEOUT_S)
+        busy = self._in_flight or not self._ready
+        code = _wait(process, 1.0 if busy else EXIT_TIMEOUT_S)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if code is not None:
                 break
@@ -266,7 +270,7 @@ class PeerRunner:
             code = _wait(process, EXIT_TIMEOUT_S)
         if process.stdout:
             process.stdout.close()
-        if code == 0 and not keep_log:
+        if not keep_log and (code == 0 or busy):  # busy: we stopped it
             self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> PeerRunner:
@@ -312,7 +316,9 @@ class PeerRunner:
                 "eos_ids": sorted({*self.eos_ids, *params.stop_token_ids}),
             }
         )
+        self._in_flight = True  # until the answer is read: close() then need not wait
         answer = self._receive(None, "generation")
+        self._in_flight = False
         if "token_ids" not in answer:
             raise PeerError(f"{self.method.name}: the worker answered {answer!r}")
         return RunResult(
