@@ -76,18 +76,23 @@ def _seconds(f) -> float:
 def weight_stats(model) -> tuple[int, int]:
     """``(parameters read per forward, bytes)``: every matrix of the decoder layers plus
     the LM head (an embedding row gather is negligible; a tied LM head counts once). For
-    a native model with quantized products, their bytes are the blocks' bytes."""
+    a native model with quantized products, their bytes are the blocks' bytes in the
+    layout the kernel reads (Q4_1: 24 bytes per 32 weights, see
+    :func:`specdec.runtime.quant.kernel_layout`)."""
     module = model.model
     head = module.get_output_embeddings().weight
     params = head.numel()
     for layer in module.model.layers:
         params += sum(p.numel() for p in layer.parameters() if p.dim() == 2)
     weight_bytes = params * head.element_size()
-    quantized = getattr(getattr(model, "decoder", None), "weights", None)
-    quantized = getattr(quantized, "quantized", None) or {}
-    for matrices in quantized.values():
-        for m in matrices:
-            weight_bytes += m.nbytes - m.shape[0] * m.shape[1] * head.element_size()
+    decoder = getattr(model, "decoder", None)
+    if decoder is not None:  # quantized products stream their blocks as the kernel reads them
+        linears = [linear for layer in decoder.layers for linear in layer.values()]
+        for linear in [*linears, decoder.lm_head]:
+            blocks = getattr(linear, "blocks", None)
+            if blocks is not None:
+                n, k = linear.matrix.shape
+                weight_bytes += blocks.numel() - n * k * head.element_size()
     return params, weight_bytes
 
 
