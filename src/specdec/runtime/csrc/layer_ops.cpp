@@ -31,24 +31,6 @@ using namespace specdec;
 // off only for large batches.
 constexpr int64_t kGrain = 16;
 
-template <typename T>
-inline void row_to_float(const T* x, int64_t n, float* out) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + kLanes <= n; i += kLanes) _mm512_storeu_ps(out + i, load16(x + i));
-#endif
-  for (; i < n; ++i) out[i] = to_float(x[i]);
-}
-
-template <typename T>
-inline void float_to_row(const float* x, int64_t n, T* out) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + kLanes <= n; i += kLanes) store16(out + i, _mm512_loadu_ps(x + i));
-#endif
-  for (; i < n; ++i) out[i] = from_float<T>(x[i]);
-}
-
 // y = x * rstd * w over one row held as float in `xf` (16 partial sums of squares in a
 // fixed order, then a pairwise tree).
 template <typename T>
