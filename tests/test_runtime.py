@@ -184,6 +184,56 @@ def test_ragged_batch_equals_separate_forwards(pair):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prompt_chunks_in_a_batch_equal_alone(dtype):
+    """Exact mode runs each prompt chunk of a ragged batch as a forward of its own and the
+    decoding rows together: logits and cached keys and values are the bits each item gets
+    alone, whatever else is in the batch (two prompts, a later chunk of a prompt, a
+    decoding row, a chain)."""
+    native = NativeModel(tiny_hf("llama", dtype=dtype, head_dim=64), exact=True)
+    long = [1, *[(5 * i) % 23 + 2 for i in range(70)]]
+
+    def items():
+        caches = [native.new_cache(128) for _ in range(4)]
+        native.decoder.forward([BatchItem(long[:40], caches[2], prefill=True)])
+        native.decoder.forward([BatchItem(PROMPT, caches[3])])
+        return [
+            BatchItem(long[:50], caches[0], num_logits=1),  # a prompt from an empty cache
+            BatchItem(PROMPT[:5], caches[1]),  # another prompt
+            BatchItem(long[40:70], caches[2], prefill=True),  # a prompt's second chunk
+            BatchItem([3, 4, 5], caches[3]),  # a chain after a prompt
+        ]
+
+    batch = items()
+    together = native.decoder.forward_full(batch)
+    alone_items = items()
+    for item, mixed, single in zip(batch, together, alone_items, strict=True):
+        (own,) = native.decoder.forward_full([single])
+        assert torch.equal(mixed.logits, own.logits)
+        assert item.cache.num_tokens == single.cache.num_tokens
+        n = item.cache.num_tokens
+        assert torch.equal(item.cache.kv[:, :, :, :n], single.cache.kv[:, :, :, :n])
+
+
+def test_causal_prompt_attention_equals_the_masked_one():
+    """A prompt from an empty cache runs causal attention without a mask; it equals the
+    masked formulation (to rounding) and the mask builder says so only for that case."""
+    from specdec.runtime.attention import CAUSAL, attention_fast, visibility_mask
+
+    torch.manual_seed(0)
+    t, h, g, d = 37, 6, 2, 16
+    q, k, v = torch.randn(t, h, d), torch.randn(g, t, d), torch.randn(g, t, d)
+    visible = [i + 1 for i in range(t)]
+    assert visibility_mask(visible, t, "cpu") == CAUSAL
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    torch.testing.assert_close(
+        attention_fast(q, k, v, CAUSAL, 0.25), attention_fast(q, k, v, mask, 0.25)
+    )
+    later = visibility_mask([i + 4 for i in range(t)], t + 3, "cpu")  # a second chunk
+    assert isinstance(later, torch.Tensor) and later.shape == (t, t + 3)
+    assert visibility_mask([t], t, "cpu") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "attention, head_dim",
     [("kernel", 8), ("kernel", 64), ("reference", 8)],

@@ -23,11 +23,22 @@ import torch.nn.functional as F
 Visibility = int | torch.Tensor  # prefix length, or [n] int64 slots in position order
 
 
-def visibility_mask(visible: list[Visibility], num_slots: int, device) -> torch.Tensor | None:
-    """``[T, num_slots]`` bool mask for :func:`attention_fast` (``None``: one row that sees
-    every slot, the plain decoding step)."""
+#: :func:`visibility_mask`'s answer for rows that see exactly a causal prefix of the slots
+#: starting at slot 0 (a prompt chunk from an empty cache): no mask is built, and
+#: :func:`attention_fast` runs causal attention, which skips the masked blocks.
+CAUSAL = "causal"
+
+
+def visibility_mask(visible: list[Visibility], num_slots: int, device) -> torch.Tensor | str | None:
+    """``[T, num_slots]`` bool mask for :func:`attention_fast`; ``None``: one row that sees
+    every slot (the plain decoding step); :data:`CAUSAL`: row ``i`` sees slots ``0 .. i``
+    and there are as many rows as slots (a prompt from an empty cache)."""
     if len(visible) == 1 and isinstance(visible[0], int) and visible[0] == num_slots:
         return None
+    if len(visible) == num_slots and all(
+        isinstance(v, int) and v == i + 1 for i, v in enumerate(visible)
+    ):
+        return CAUSAL
     mask = torch.zeros((len(visible), num_slots), dtype=torch.bool)
     for row, vis in enumerate(visible):
         if isinstance(vis, int):
@@ -41,7 +52,7 @@ def attention_fast(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | str | None,
     scale: float,
 ) -> torch.Tensor:
     """Batched attention of T rows.
@@ -49,7 +60,8 @@ def attention_fast(
     Args:
         q: ``[T, H, d]`` queries (rotary applied).
         keys, values: ``[G, S, d]`` the cache slots written so far (new rows included).
-        mask: ``[T, S]`` bool from :func:`visibility_mask`, or ``None`` (all visible).
+        mask: ``[T, S]`` bool from :func:`visibility_mask`, ``None`` (all visible) or
+            :data:`CAUSAL` (T = S, row i sees slots 0 .. i).
         scale: softmax scale (``1 / sqrt(d)``).
 
     Returns:
@@ -58,9 +70,11 @@ def attention_fast(
     t, h, d = q.shape
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
     kh, vh = keys.unsqueeze(0), values.unsqueeze(0)
+    causal = isinstance(mask, str)
     out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=kh.shape[1] != h
-    )
+        qh, kh, vh, attn_mask=None if causal else mask, is_causal=causal, scale=scale,
+        enable_gqa=kh.shape[1] != h,
+    )  # fmt: skip
     return out[0].transpose(0, 1).reshape(t, h * d)
 
 

@@ -148,6 +148,15 @@ class NativeDecoder:
         capture = check_capture(capture, len(self.layers))
         if capture and layers is not None:
             raise ValueError("capture needs every layer (layers=None)")
+        if exact and len(items) > 1:
+            groups = _prefill_groups(items)
+            if len(groups) > 1:  # see _prefill_groups
+                out: list[ForwardOutput | None] = [None] * len(items)
+                for group in groups:
+                    results = self.forward_full([items[i] for i in group], exact, layers, capture)
+                    for i, result in zip(group, results, strict=True):
+                        out[i] = result
+                return out  # type: ignore[return-value]
         wanted = set(capture)
         kept: dict[int, torch.Tensor] = {}
         plans = [self._plan(item) for item in items]
@@ -394,6 +403,29 @@ class _Plan:
             else:
                 self._attention = visibility_mask(self.visible, self.start + self.length, device)
         return self._attention
+
+
+def _is_prefill(item: BatchItem) -> bool:
+    """:attr:`_Plan.prefill` before planning."""
+    if item.prefill is not None:
+        return bool(item.prefill)
+    return item.cache.num_tokens == 0 and item.tree_mask is None
+
+
+def _prefill_groups(items: Sequence[BatchItem]) -> list[list[int]]:
+    """Exact mode: the forwards a ragged batch runs as (indices into ``items``): every
+    decoding or verification row together, and each prompt chunk on its own.
+
+    Exact mode computes a prompt chunk's products as one product of its own anyway (see
+    :func:`_product`), so running it in the shared forward only adds the cost of
+    gathering every chunk's products back into one activation (measured on 8 prompts of
+    about 800 tokens, bf16, 2 threads: 14% of the forward). Every other row is computed
+    by row-invariant products and per-row kernels, so the bits are the same either way."""
+    chunks = [i for i, item in enumerate(items) if _is_prefill(item)]
+    if not chunks:
+        return [list(range(len(items)))]
+    rest = [i for i in range(len(items)) if i not in set(chunks)]
+    return ([rest] if rest else []) + [[i] for i in chunks]
 
 
 def _visibility(tree_mask, start: int, t: int, device) -> list[Visibility]:
