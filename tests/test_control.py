@@ -1121,6 +1121,28 @@ def test_cost_drafts_whole_cheap_deterministic_proposals_or_none():
     assert [bad.choose(view) for _ in range(3)] == [0, 0, 0]  # 1 token for 1.5x: off
 
 
+def test_cost_whole_proposals_pay_for_their_rows_in_a_batch():
+    """SmartSpec's batch goodput for whole proposals: 2 tokens per speculating step for 5
+    draft rows pays alone (and beside few sequences), but not beside 31 others in a
+    compute-bound forward, where its 5 rows slow down every other sequence's step."""
+    measured = CostModel()
+    for n in range(1, 80):
+        for _ in range(3):
+            measured.observe_forward(n, 0.010 + 0.0005 * n)  # weights + rows
+    control = CostController(CostOptions(shared=False)).start(info())
+    alone = StepView(MAX_K, measured)
+    for _ in range(20):  # measured: 5 rows drafted, 1 accepted (2 tokens) per step
+        k = control.choose(alone)
+        drafted = min(k, 5)
+        control.observe(StepOutcome(k=k, num_drafted=drafted, num_accepted=min(1, drafted),
+                                    num_emitted=2, deterministic=True))  # fmt: skip
+    assert control.choose(alone) == MAX_K  # 2 / 0.013 s beats 1 / 0.0105 s
+    few = StepView(MAX_K, measured, batch_size=2, other_tokens=1, other_expected=1.0)
+    assert control.choose(few) == MAX_K  # 3 / 0.0135 s beats 2 / 0.011 s
+    crowd = StepView(MAX_K, measured, batch_size=32, other_tokens=31, other_expected=31.0)
+    assert control.choose(crowd) == 0  # 33 / 0.0285 s loses to 32 / 0.026 s
+
+
 def test_timing_fit_takes_plain_forwards_only_and_infers_auxiliary_rows():
     def step(position, k, drafted, rows, seconds, step_s):
         return TraceStep(position, k, k, drafted, 0, 1, 0.0, seconds, rows, step_s=step_s)

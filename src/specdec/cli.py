@@ -361,7 +361,8 @@ def _print_metrics(
         print(f"accepted depth histogram {depths} (depth:steps)")
     if m.chosen_k_counts:
         chosen = " ".join(f"{k}:{n}" for k, n in enumerate(m.chosen_k_counts) if n)
-        print(f"speculation off          {m.num_steps_off} of {sum(m.chosen_k_counts)} steps")
+        choices = sum(m.chosen_k_counts)  # the steps that could draft (not the last one)
+        print(f"speculation off          {m.num_steps_off} of {choices} steps that could draft")
         print(f"chosen k histogram       {chosen} (k:steps)")
     print(f"time                     {m.elapsed_s:.2f} s ({m.tokens_per_s:.1f} tokens/s)")
     if baseline is None:

@@ -18,7 +18,7 @@ from specdec.bench.datasets import (
     select,
 )
 from specdec.bench.harness import check_unique, run_benchmark
-from specdec.bench.methods import PEER_LIBRARY, parse_methods
+from specdec.bench.methods import PEER_LIBRARY, parse_method, parse_methods
 from specdec.bench.peers import check_peers
 from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
 from specdec.cli_common import (
@@ -143,9 +143,11 @@ def add_parser(sub) -> None:
         "loopback and measure it under 1, 2, 4, 8, 16, 32 concurrent streaming clients "
         "(first turns of 6 --dataset prompts per group, at most 32; greedy), speculation "
         "off vs on (the first specdec "
-        "--method, default ngram:k=5); then, after the server exits, the same prompts one "
-        "at a time through the in-process API (speculation on) to show the server's "
-        "overhead; writes serving.{json,md,png} with --out",
+        "--method with its controller, default ngram:k=5 with --controller); then, after "
+        "the server exits, the same prompts one at a time through the in-process API "
+        "(speculation on) to show the server's overhead; with --vllm-python, vLLM's "
+        "OpenAI server on the same prompts and levels last; writes serving.{json,md,png} "
+        "with --out",
     )
     p.add_argument(
         "--controller",
@@ -322,34 +324,64 @@ def _forward_cost(args: argparse.Namespace, out_dir: Path | None) -> int:
     return 0
 
 
+def serving_config(args: argparse.Namespace, methods) -> SpeculativeConfig:
+    """What ``--serving`` serves: the first speculative specdec ``--method`` (drafter,
+    k, tree, controller), else ``ngram:k=5`` with ``--controller``."""
+    chosen = next((m for m in methods if m.is_specdec and m.kind != "ar"), None)
+    if chosen is None:
+        return SpeculativeConfig(
+            method="ngram", num_speculative_tokens=5, controller=args.controller
+        )
+    config = chosen.speculative_config()
+    return SpeculativeConfig(
+        method=config.spec,
+        num_speculative_tokens=config.num_speculative_tokens,
+        draft_model=args.draft_model,
+        tree=config.tree,
+        controller=config.controller,
+    )
+
+
+def serve_options(args: argparse.Namespace, speculative: SpeculativeConfig, threads: int) -> list:
+    """The ``specdec serve`` options that run ``speculative`` on the bench's model options
+    (model, dtype, device, backend, exact, quantization, threads, drafter, k, tree,
+    controller, draft model)."""
+    options = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+               "--backend", args.backend, "--exact" if args.exact else "--no-exact",
+               "--quantization", args.quantization, "--threads", str(threads),
+               "--drafter", speculative.spec,
+               "--num-speculative-tokens", str(speculative.num_speculative_tokens),
+               "--controller", speculative.controller]  # fmt: skip
+    if speculative.tree:
+        options += ["--tree", str(speculative.tree)]
+    if args.draft_model:
+        options += ["--draft-model", args.draft_model]
+    if args.draft_dtype:
+        options += ["--draft-dtype", args.draft_dtype]
+    return options
+
+
 def _serving(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
     from tqdm import tqdm
 
-    from specdec.bench.serving import CONCURRENCY, report_markdown, run_serving, write_serving
+    from specdec.bench.peers import check_peer_python, peer_dtype, peer_model
+    from specdec.bench.serving import (
+        CONCURRENCY,
+        report_markdown,
+        run_serving,
+        run_vllm_serving,
+        write_serving,
+    )
 
-    chosen = next((m for m in methods if m.is_specdec and m.kind != "ar"), None)
-    if chosen is None:
-        speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
-    else:
-        config = chosen.speculative_config()
-        speculative = SpeculativeConfig(
-            method=config.spec,
-            num_speculative_tokens=config.num_speculative_tokens,
-            draft_model=args.draft_model,
-            tree=config.tree,
-        )
+    speculative = serving_config(args, methods)
+    vllm_python = vllm_version = None
+    if args.vllm_python:  # checked before anything runs
+        vllm_python, vllm_version = check_peer_python(parse_method("vllm-ar"), args.vllm_python)
     prompts = [p.turns[0] for p in select(_load_prompts(args), 6)][:32]
-    serve_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
-                  "--backend", args.backend, "--exact" if args.exact else "--no-exact",
-                  "--drafter", speculative.spec,
-                  "--num-speculative-tokens", str(speculative.num_speculative_tokens)]  # fmt: skip
-    if speculative.tree:
-        serve_args += ["--tree", str(speculative.tree)]
-    if args.draft_model:
-        serve_args += ["--draft-model", args.draft_model]
-    if args.draft_dtype:
-        serve_args += ["--draft-dtype", args.draft_dtype]
-    total = 2 * len(CONCURRENCY) + 1
+    threads = choose_threads(args).num_threads
+    args.dtype = resolve_dtype(args.dtype, args.device)
+    serve_args = serve_options(args, speculative, threads)
+    total = (3 if vllm_python else 2) * len(CONCURRENCY) + 1
     with tqdm(total=total, desc="serving", unit="level", file=sys.stderr) as bar:
         holder = {}
 
@@ -360,10 +392,19 @@ def _serving(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
         result = run_serving(
             serve_args, make_llm, prompts, args.max_new_tokens, progress=bar.update
         )
-    print(report_markdown(result))
-    if out_dir is not None:
         env = environment(holder["llm"])
         env["speculative"] = str(speculative)
+        if vllm_python:
+            target = holder.pop("llm").target
+            model, dtype = peer_model(target, "vllm"), peer_dtype(target)
+            del target  # its memory, before vLLM preallocates its own
+            result.levels += run_vllm_serving(
+                vllm_python, model, dtype, threads, prompts, args.max_new_tokens,
+                progress=bar.update,
+            )  # fmt: skip
+            result.vllm_version = vllm_version
+    print(report_markdown(result))
+    if out_dir is not None:
         paths = write_serving(out_dir, result, env)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0

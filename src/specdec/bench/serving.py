@@ -13,17 +13,24 @@ request with the ``speculative`` extension (``{"enabled": false}`` for the off r
 one server serves both. Every greedy output with speculation on must equal the output
 with it off. A last measurement runs the same prompts one at a time in-process
 (``LLM.generate``) to show the server's own overhead at concurrency 1.
+
+With a vLLM interpreter (:func:`run_vllm_serving`), vLLM's own OpenAI server (``python -m
+vllm.entrypoints.openai.api_server``, its default multi-process engine) is measured the
+same way on the same prompts, after specdec's server has exited: the baseline a
+deployment would otherwise run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +52,7 @@ class Level:
         throughput: output tokens per second over the level's wall time.
         ttft_ms, tpot_ms, e2e_ms: medians over requests (and p90 of TTFT).
         outputs: each prompt's text, in prompt order.
+        server: ``"specdec"`` or ``"vllm"``.
     """
 
     speculative: bool
@@ -58,6 +66,7 @@ class Level:
     tpot_ms: float
     e2e_ms: float
     outputs: list[str] = field(repr=False)
+    server: str = "specdec"
 
 
 @dataclass
@@ -67,6 +76,7 @@ class ServingResult:
     in_process_outputs: list[str] = field(repr=False)
     max_new_tokens: int = 0
     num_prompts: int = 0
+    vllm_version: str | None = None
 
 
 def run_serving(
@@ -85,40 +95,12 @@ def run_serving(
         make_llm: builds the same model in this process, for the in-process measurement
             (called after the server has exited).
     """
-    import httpx
-
     port = _free_port()
     command = [sys.executable, "-m", "specdec.cli", "serve", *serve_args, "--port", str(port),
                "--served-model-name", "bench"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    levels = []
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"specdec serve exited: {server.stderr.read().decode()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("specdec serve did not start within 10 minutes")
-            time.sleep(0.25)
-        url = f"{base}/v1/chat/completions"
-        asyncio.run(_warmup(url, prompts[0]))
-        for speculative in (False, True):
-            for c in concurrency:
-                levels.append(asyncio.run(_level(url, prompts, max_new_tokens, c, speculative)))
-                if progress:
-                    progress()
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    levels = _measure_server(
+        command, None, port, prompts, max_new_tokens, concurrency, (False, True), progress
+    )
     llm = make_llm()
     params = SamplingParams(max_new_tokens=max_new_tokens)
     llm.generate(prompts[0], SamplingParams(max_new_tokens=8))  # the same warm-up
@@ -133,20 +115,117 @@ def run_serving(
     return ServingResult(levels, in_process, outputs, max_new_tokens, len(prompts))
 
 
+def run_vllm_serving(
+    python: str,
+    model: str,
+    dtype: str,
+    threads: int,
+    prompts: list[str],
+    max_new_tokens: int,
+    concurrency: tuple[int, ...] = CONCURRENCY,
+    progress=None,
+) -> list[Level]:
+    """Measure vLLM's OpenAI server on the same prompts and levels (``server="vllm"``,
+    ``speculative=False``: plain decoding, vLLM's default).
+
+    Args:
+        python: the interpreter of vLLM's environment.
+        model: what vLLM loads (:func:`specdec.bench.peers.peer_model`).
+        dtype: ``bfloat16``, ``float32`` or ``float16``.
+        threads: OpenMP threads of its engine (bound to this process's first CPUs).
+
+    Raises:
+        RuntimeError: the server exits or does not answer within 10 minutes.
+    """
+    port = _free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
+               "--served-model-name", "bench", "--max-model-len", "2048",
+               "--seed", "0"]  # fmt: skip
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_SERVING_KV_GIB))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cpus:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus[:threads])))
+    levels = _measure_server(
+        command, env, port, prompts, max_new_tokens, concurrency, (False,), progress,
+        extension=False,
+    )  # fmt: skip
+    for level in levels:
+        level.server = "vllm"
+    return levels
+
+
+#: vLLM's preallocated CPU KV cache for the serving baseline (GiB): 32 clients at once.
+VLLM_SERVING_KV_GIB = 4
+
+
+def _measure_server(
+    command, env, port, prompts, max_new_tokens, concurrency, modes, progress, extension=True
+) -> list[Level]:
+    """Start ``command`` (a server on ``port``), wait for ``/health``, warm it up, run
+    every (mode, concurrency) level, stop it. ``extension``: the requests may carry
+    specdec's ``speculative`` field (a vLLM server gets plain OpenAI requests)."""
+    import httpx
+
+    # the log goes to a file, not a pipe: a chatty server would fill a pipe and block
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+        )
+        base = f"http://127.0.0.1:{port}"
+        levels = []
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                if server.poll() is not None:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-2000:]
+                    raise RuntimeError(f"{' '.join(command[:4])} exited: {tail}")
+                try:
+                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{' '.join(command[:4])} did not start within 10 minutes")
+                time.sleep(0.25)
+            url = f"{base}/v1/chat/completions"
+            asyncio.run(_warmup(url, prompts[0], extension))
+            for speculative in modes:
+                for c in concurrency:
+                    levels.append(
+                        asyncio.run(_level(url, prompts, max_new_tokens, c, speculative, extension))
+                    )
+                    if progress:
+                        progress()
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return levels
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-async def _warmup(url: str, prompt: str) -> None:
+async def _warmup(url: str, prompt: str, extension: bool = True) -> None:
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as http:
-        await http.post(url, json=_body(prompt, 8, True, stream=False))
+        await http.post(url, json=_body(prompt, 8, True, stream=False, extension=extension))
 
 
-def _body(prompt: str, max_tokens: int, speculative: bool, stream: bool = True) -> dict:
+def _body(
+    prompt: str, max_tokens: int, speculative: bool, stream: bool = True, extension: bool = True
+) -> dict:
     body = {
         "model": "bench",
         "messages": [{"role": "user", "content": prompt}],
@@ -156,12 +235,12 @@ def _body(prompt: str, max_tokens: int, speculative: bool, stream: bool = True) 
     }
     if stream:
         body["stream_options"] = {"include_usage": True}
-    if not speculative:
+    if extension and not speculative:
         body["speculative"] = {"enabled": False}
     return body
 
 
-async def _level(url, prompts, max_tokens, concurrency, speculative) -> Level:
+async def _level(url, prompts, max_tokens, concurrency, speculative, extension=True) -> Level:
     import httpx
 
     pending = list(enumerate(prompts))
@@ -170,7 +249,8 @@ async def _level(url, prompts, max_tokens, concurrency, speculative) -> Level:
     async def client(http):
         while pending:
             index, prompt = pending.pop(0)
-            results[index] = await _one(http, url, _body(prompt, max_tokens, speculative))
+            body = _body(prompt, max_tokens, speculative, extension=extension)
+            results[index] = await _one(http, url, body)
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     start = time.perf_counter()
@@ -230,8 +310,10 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def report_markdown(result: ServingResult) -> str:
-    off = {lv.concurrency: lv for lv in result.levels if not lv.speculative}
-    on = {lv.concurrency: lv for lv in result.levels if lv.speculative}
+    own = [lv for lv in result.levels if lv.server == "specdec"]
+    off = {lv.concurrency: lv for lv in own if not lv.speculative}
+    on = {lv.concurrency: lv for lv in own if lv.speculative}
+    vllm = {lv.concurrency: lv for lv in result.levels if lv.server == "vllm"}
     lines = [
         "| concurrency | tokens/s off | tokens/s on | on / off | TTFT ms off / on (median) "
         "| TPOT ms off / on (median) | e2e ms off / on (median) | identical |",
@@ -257,6 +339,30 @@ def report_markdown(result: ServingResult) -> str:
         f"({server_1 / result.in_process_tokens_per_s:.2f}x); identical outputs "
         f"{same_in_process}/{len(result.in_process_outputs)}.",
     ]
+    if vllm:
+        version = f" {result.vllm_version}" if result.vllm_version else ""
+        lines += [
+            "",
+            f"Against vLLM{version}'s OpenAI server (plain decoding, its default), same "
+            "prompts and levels, measured after specdec's server exited:",
+            "",
+            "| concurrency | vLLM tokens/s | specdec off / vLLM | specdec on / vLLM | TTFT ms "
+            "vLLM (median) | TPOT ms vLLM (median) | vLLM identical to specdec off |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in sorted(vllm):
+            v = vllm[c]
+            cells = [str(c), f"{v.throughput:.1f}"]
+            for mine in (off.get(c), on.get(c)):
+                cells.append(f"{mine.throughput / v.throughput:.2f}x" if mine else "-")
+            same = (
+                f"{sum(x == y for x, y in zip(v.outputs, off[c].outputs, strict=True))}"
+                f"/{len(v.outputs)}"
+                if c in off
+                else "-"
+            )
+            cells += [f"{v.ttft_ms:.0f}", f"{v.tpot_ms:.1f}", same]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -275,10 +381,15 @@ def write_serving(out_dir: Path, result: ServingResult, env: dict) -> list[Path]
     )
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for speculative, style in ((False, "o--"), (True, "s-")):
-        levels = [lv for lv in result.levels if lv.speculative == speculative]
+    curves = (("specdec", False, "o--", "speculation off"), ("specdec", True, "s-",
+              "speculation on"), ("vllm", False, "^:", "vLLM"))  # fmt: skip
+    for server, speculative, style, label in curves:
+        levels = [
+            lv for lv in result.levels if lv.server == server and lv.speculative == speculative
+        ]
+        if not levels:
+            continue
         xs = [lv.concurrency for lv in levels]
-        label = "speculation on" if speculative else "speculation off"
         axes[0].plot(xs, [lv.throughput for lv in levels], style, label=label)
         axes[1].plot(xs, [lv.ttft_ms for lv in levels], style, label=label)
         axes[2].plot(xs, [lv.tpot_ms for lv in levels], style, label=label)

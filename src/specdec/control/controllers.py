@@ -414,17 +414,20 @@ def best_length(
 
 
 class Goodput:
-    """Decayed sums of tokens emitted and estimated seconds over speculating steps."""
+    """Decayed sums of tokens emitted, estimated seconds and rows drafted over
+    speculating steps."""
 
     def __init__(self) -> None:
         self.tokens = 0.0
         self.seconds = 0.0
         self.steps = 0.0
+        self.rows = 0.0
 
-    def add(self, tokens: float, seconds: float, decay: float) -> None:
+    def add(self, tokens: float, seconds: float, decay: float, rows: float = 0.0) -> None:
         self.tokens = self.tokens * decay + tokens
         self.seconds = self.seconds * decay + seconds
         self.steps = self.steps * decay + 1.0
+        self.rows = self.rows * decay + rows
 
     def rate(self) -> float | None:
         """Tokens per second (``None`` before any step)."""
@@ -453,7 +456,7 @@ class CostControl:
             g = shared["goodput"]
             scale = min(1.0, 2.0 / g.steps)
             self.goodput.tokens, self.goodput.seconds = g.tokens * scale, g.seconds * scale
-            self.goodput.steps = g.steps * scale
+            self.goodput.steps, self.goodput.rows = g.steps * scale, g.rows * scale
         self.deterministic = False  # its drafts carry no distribution
         # what the last probe cost beyond a plain step (relative; measured, so never for
         # isolated requests, whose choices must not depend on timing)
@@ -475,12 +478,21 @@ class CostControl:
         info = self.info
         plain = cost.forward_time(view.other_tokens + 1)
         if self._whole(cost, view):
-            rate = self.goodput.rate()
-            if rate is None or rate * plain >= 1.0:
+            g = self.goodput
+            if g.steps <= 0:
                 self.off_steps = 0
                 return view.max_k
-            per_step = self.goodput.seconds / max(self.goodput.steps, 1e-9)
-            extra = max(0.0, per_step - plain) / plain
+            # SmartSpec's batch goodput (eq. 3) with this sequence's measured means: the
+            # batch's tokens over the forward's time, with and without its draft rows
+            tokens, rows = g.tokens / g.steps, g.rows / g.steps
+            drafted = round(rows) + (info.aux_rows if rows else 0)
+            spec_s = cost.forward_time(view.other_tokens + 1 + drafted) + cost.draft_time(
+                info.drafter, round(rows)
+            )
+            if (view.other_expected + tokens) * plain >= (view.other_expected + 1.0) * spec_s:
+                self.off_steps = 0
+                return view.max_k
+            extra = max(0.0, spec_s - plain) / plain
             k = view.max_k
         else:
             prior = self.shared["rates"].rates(view.max_k) if self.shared is not None else None
@@ -539,9 +551,9 @@ class CostControl:
                 view.other_tokens + 1 + drafted + info.aux_rows
             ) + cost.draft_time(info.drafter, drafted)
             tokens = outcome.num_accepted + 1
-            self.goodput.add(tokens, seconds, self.options.goodput_decay)
+            self.goodput.add(tokens, seconds, self.options.goodput_decay, drafted)
             if self.shared is not None:
-                self.shared["goodput"].add(tokens, seconds, self.shared_decay)
+                self.shared["goodput"].add(tokens, seconds, self.shared_decay, drafted)
 
 
 class CostController:
@@ -557,8 +569,12 @@ class CostController:
     Deterministic drafters whose drafts cost next to nothing (n-gram, suffix, recycling,
     retrieval) choose their own draft length (a long suffix or n-gram match is a
     confident one), so for them the choice is between their whole proposal (up to k) and
-    none: speculate while the measured goodput of speculating steps (tokens emitted over
-    the cost model's time for the rows they verified) beats a plain step's.
+    none: speculate while the batch goodput with this sequence's measured means (tokens
+    per speculating step, rows drafted per speculating step) beats the batch goodput
+    without its draft: ``(O + E) / T(R + D) >= (O + 1) / T(R)``, O the other sequences'
+    expected tokens, R the forward's other rows plus one, T the cost model's forward
+    time. Alone (O = 0) that is "a speculating step's tokens per second beat a plain
+    step's"; in a large batch a draft must pay for the rows it adds to everyone's forward.
     """
 
     name = "cost"
