@@ -1093,6 +1093,32 @@ def test_cost_probes_cost_at_most_the_probe_budget():
     assert lookahead_like.aux_rows == 0
 
 
+def test_cost_probes_in_a_batch_wait_batch_size_times_longer():
+    """Every sequence's probe slows down the shared forward: in a batch of 16 each
+    sequence's probes are spaced 16 times further apart by the probe budget (beyond the
+    rejection backoff, which alone would allow one per 65 steps)."""
+    measured = CostModel()
+    for n in range(1, 40):
+        for _ in range(3):
+            measured.observe_forward(n, 0.010 + 0.002 * n)
+
+    def probes(batch_size: int) -> int:
+        control = CostController(CostOptions(shared=False)).start(info())
+        view = StepView(MAX_K, measured, batch_size, batch_size - 1, batch_size - 1.0)
+        chosen = []
+        for _ in range(2000):
+            k = control.choose(view)
+            chosen.append(k)
+            drafted = min(k, 5)  # a cheap deterministic drafter, never accepted
+            control.observe(StepOutcome(k=k, num_drafted=drafted, num_accepted=0,
+                                        num_emitted=1, deterministic=True))  # fmt: skip
+        return sum(1 for k in chosen[200:] if k)
+
+    alone, batched = probes(1), probes(16)
+    assert alone >= 20  # the backoff's one per 65 steps
+    assert batched <= alone / 2.5  # 5 rows = 24% of a 16-row step, x 16 / 2%: one per 190
+
+
 def test_cost_requests_share_what_they_learned_unless_isolated():
     controller = CostController()
     drive(controller, accept_all, 50)

@@ -5,7 +5,9 @@ the server's process would compete with its engine for the CPU and the GIL); cli
 asyncio ``httpx`` streams of ``/v1/chat/completions`` (greedy,
 ``stream_options.include_usage``).
 For each concurrency c, the same prompts are sent by c concurrent clients, each taking the
-next prompt when its previous one finishes. Measured per request: time to first token
+next prompt when its previous one finishes; speculation off and on run back to back at each
+level (off 1, on 1, off 2, on 2, ...), so a change in the machine's speed during the run
+hits both alike. Measured per request: time to first token
 (TTFT: first non-empty content chunk), time per output token after the first (TPOT =
 (end - first token) / (tokens - 1), vLLM's definition), end-to-end latency; per level:
 output tokens per second over the wall time of the level. Speculation is switched per
@@ -194,8 +196,8 @@ def _measure_server(
                 time.sleep(0.25)
             url = f"{base}/v1/chat/completions"
             asyncio.run(_warmup(url, prompts[0], extension))
-            for speculative in modes:
-                for c in concurrency:
+            for c in concurrency:  # off and on alternate: drift hits both alike
+                for speculative in modes:
                     levels.append(
                         asyncio.run(_level(url, prompts, max_new_tokens, c, speculative, extension))
                     )

@@ -333,7 +333,8 @@ class CostOptions:
             the time spent with speculation off (a probe of a drafter that adds rows,
             like Lookahead's window, or whose first draft must catch up with the whole
             sequence, like a draft model's, waits longer; the last probe's measured cost
-            counts), in (0, 1].
+            counts; in a batch, every sequence's probes slow down the shared forward, so
+            each sequence waits batch-size times longer), in (0, 1].
         shared: requests that are not isolated learn a per-position acceptance profile
             of the drafter together (decaying slowly), toward which each request's own
             estimate shrinks; otherwise every request starts from ``prior``.
@@ -513,8 +514,10 @@ class CostControl:
         # rejected and cost at most ``probe_budget`` of the time spent off.
         self.off_steps += 1
         # a probe may cost more than a steady draft (a draft model first catches up with
-        # everything generated while it was off): charge what the last probe really cost
-        extra = max(extra, self.probe_extra)
+        # everything generated while it was off): charge what the last probe really cost.
+        # In a batch of B sequences each probing once per W steps, probes add B * extra / W
+        # of a step to everyone's time: W >= B * extra / budget keeps that within budget
+        extra = max(extra, self.probe_extra) * max(1, view.batch_size)
         wait = max(self.backoff, math.ceil(extra / self.options.probe_budget))
         if self.off_steps > wait:
             self.off_steps, self.probing = 0, True
