@@ -89,6 +89,7 @@ def run_specdec(ids: list[list[int]], counts: dict[int, int], max_new: int) -> d
     llm.generate(ids[:2], params)  # warm-up: kernels, calibration, caches
     out = {"engine": "specdec", "backend": llm.target.backend,
            "dtype": str(llm.target.dtype).replace("torch.", ""),
+           "quantization": getattr(llm.target, "quantization", "none"),
            "threads": torch.get_num_threads(), "runs": {}}  # fmt: skip
     for c, n in counts.items():
         llm.generate(ids[-c:], SamplingParams(max_new_tokens=8))  # this batch size's shapes
@@ -140,7 +141,8 @@ def report(spec: dict, vllm: dict | None, max_new: int, alone_n: int) -> str:
         "# Batched throughput: specdec vs vLLM (CPU)\n",
         f"Plain greedy decoding, {max_new} new tokens, Spec-Bench first turns. Machine: "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; specdec "
-        f"{spec['backend']} {spec['dtype']} ({spec['threads']} threads)"
+        f"{spec['backend']} {spec['dtype']}, {spec.get('quantization', 'none')} weights "
+        f"({spec['threads']} threads)"
         + (f", vLLM {vllm['version']} bfloat16 ({vllm['threads']} threads)" if vllm else "")
         + ".\n",
         "| concurrency | prompts | specdec tok/s | vLLM tok/s | specdec / vLLM | specdec "
@@ -189,6 +191,8 @@ def main() -> int:
     p.add_argument("--small", type=int, default=16, help="prompts at c = 4")
     p.add_argument("--concurrency", default="1,4,16,64", help="levels (default: %(default)s)")
     p.add_argument("--out", type=Path, default=HERE)
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite report.md from --out's results.json")  # fmt: skip
     p.add_argument("--engine", choices=("specdec", "vllm"), help=argparse.SUPPRESS)
     p.add_argument("--ids", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -199,6 +203,12 @@ def main() -> int:
         counts = {int(c): n for c, n in job["counts"].items()}
         result = run_vllm(job["ids"], counts, job["max_new"], job["folder"])
         args.ids.with_suffix(".out.json").write_text(json.dumps(result))
+        return 0
+    if args.report_only:
+        saved = json.loads((args.out / "results.json").read_text())
+        text = report(saved["specdec"], saved["vllm"], args.max_new_tokens, counts[1])
+        (args.out / "report.md").write_text(text)
+        print(text)
         return 0
     ids, folder = prompt_ids(max(counts.values()))
     vllm = None

@@ -14,6 +14,10 @@ specdec runs the file's own Q4_1 / Q8_0 blocks (``quantization gguf``), native b
 exact mode, bfloat16 activations, plain and with its lossless drafters; the dense bfloat16
 copy is the reference line.
 
+Methods are interleaved: every method decodes prompt 1, then every method prompt 2, and so
+on (llama.cpp in a worker process that keeps both of its configurations loaded), so a
+change in the machine's speed during the run (a shared VM) hits all of them alike.
+
 Identity: every specdec method's output is compared with specdec's plain decoding (greedy
 speculative decoding must not change a token); llama.cpp's outputs with specdec's plain
 decoding (different arithmetic: equal only where neither rounding flips a choice) and
@@ -66,75 +70,123 @@ def prompt_ids(per_category: int) -> tuple[list[list[int]], list[str], int, str]
     return ids, [p.category for p in prompts], eos, str(embedded_gguf_path("smollm2-135m-instruct"))
 
 
+#: llama.cpp configurations: (label, prompt-lookup draft length or None).
+LLAMA_METHODS = (("llama.cpp plain", None), ("llama.cpp prompt lookup k=10", 10))
+#: Prefix of the llama.cpp worker's answer lines (anything else it prints is ignored).
+ANSWER = "@@answer "
+
+
 def run_llama(args) -> None:
-    """llama.cpp's part (in its own environment): plain and prompt-lookup greedy decoding."""
+    """llama.cpp's part, a worker in its own environment: loads both configurations, warms
+    each up, then answers one ``{"label", "index"}`` request per line on standard input
+    (a greedy decoding of that prompt) with one :data:`ANSWER` line on standard output."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     job = json.loads(Path(args.job).read_text())
-    out = {}
-    for label, draft in (("llama.cpp plain", None), ("llama.cpp prompt lookup k=10", 10)):
-        llm = Llama(
+    models = {}
+    for label, draft in LLAMA_METHODS:
+        models[label] = Llama(
             model_path=job["gguf"], n_ctx=4096, n_threads=job["threads"],
             n_threads_batch=job["threads"], n_batch=512, verbose=False,
             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None,
         )  # fmt: skip
 
-        def decode(ids, llm=llm):
-            tokens, start, first = [], time.perf_counter(), None
-            for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-                first = first or time.perf_counter() - start
-                if token in job["eos"]:
-                    break
-                tokens.append(token)
-                if len(tokens) >= job["max_new_tokens"]:
-                    break
-            return tokens, first
+    def decode(llm, ids):
+        tokens, start, first = [], time.perf_counter(), None
+        for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            first = first or time.perf_counter() - start
+            if token in job["eos"]:
+                break
+            tokens.append(token)
+            if len(tokens) >= job["max_new_tokens"]:
+                break
+        return tokens, first
 
-        decode(job["prompts"][0])  # warm-up
-        rows = []
-        for ids in job["prompts"]:
-            start = time.perf_counter()
-            try:
-                (tokens, first), error = decode(ids), None
-            except Exception as exc:  # reported, not hidden
-                tokens, first, error = [], None, f"{type(exc).__name__}: {exc}"[:200]
-            rows.append({
-                "seconds": time.perf_counter() - start, "tokens": tokens, "error": error,
-                "prompt_s": first,  # prompt processing and the first token's step
-            })  # fmt: skip
-        out[label] = rows
-        del llm
-    Path(args.result).write_text(json.dumps(out))
+    for llm in models.values():
+        decode(llm, job["prompts"][0])  # warm-up
+    print(ANSWER + "ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        ids = job["prompts"][request["index"]]
+        start = time.perf_counter()
+        try:
+            (tokens, first), error = decode(models[request["label"]], ids), None
+        except Exception as exc:  # reported, not hidden
+            tokens, first, error = [], None, f"{type(exc).__name__}: {exc}"[:200]
+        row = {
+            "seconds": time.perf_counter() - start, "tokens": tokens, "error": error,
+            "prompt_s": first,  # prompt processing and the first token's step
+        }  # fmt: skip
+        print(ANSWER + json.dumps(row), flush=True)
 
 
-def run_specdec(prompts, max_new_tokens: int) -> dict:
-    """specdec's part: each configuration of :data:`SPECDEC_METHODS`, one prompt at a time."""
-    from specdec import LLM, SamplingParams, SpeculativeConfig
+class LlamaWorker:
+    """The llama.cpp worker process (:func:`run_llama`), asked one decoding at a time."""
 
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    out, models = {}, {}
-    for label, quantization, method, k, controller in SPECDEC_METHODS:
-        if quantization not in models:
-            models.clear()
-            models[quantization] = LLM(backend="native", quantization=quantization)
-        llm = models[quantization]
-        config = SpeculativeConfig(
-            method=method, num_speculative_tokens=max(k, 1), controller=controller
-        )
-        llm.generate(prompts[0], params, speculative=config)  # warm-up
-        rows = []
-        for ids in prompts:
-            start = time.perf_counter()
-            result = llm.generate(ids, params, speculative=config)
-            seconds = time.perf_counter() - start
-            tau = result.metrics.mean_acceptance_length if method != "none" else None
-            rows.append({
-                "seconds": seconds, "tokens": list(result.token_ids), "tau": tau,
-                "prompt_s": result.metrics.prefill_s,  # the prompt's prefill forwards
-            })  # fmt: skip
-        out[label] = rows
-        out["_dtype"] = str(llm.target.dtype).replace("torch.", "")
+    def __init__(self, python: str, job: Path, threads: int) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.process = subprocess.Popen(
+            [python, __file__, "--part", "llama", "--job", str(job)], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self._answer()  # loaded and warmed up
+
+    def _answer(self) -> str:
+        for line in self.process.stdout:
+            if line.startswith(ANSWER):
+                return line[len(ANSWER) :]
+        raise RuntimeError(f"the llama.cpp worker exited ({self.process.wait()})")
+
+    def decode(self, label: str, index: int) -> dict:
+        self.process.stdin.write(json.dumps({"label": label, "index": index}) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._answer())
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def specdec_models() -> dict:
+    """specdec's two targets: the GGUF file's own blocks and the dense bfloat16 copy."""
+    from specdec import LLM
+
+    return {q: LLM(backend="native", quantization=q) for q in ("gguf", "none")}
+
+
+def run_specdec_one(models: dict, method: tuple, ids: list[int], max_new_tokens: int) -> dict:
+    """One prompt with one configuration of :data:`SPECDEC_METHODS`."""
+    from specdec import SamplingParams, SpeculativeConfig
+
+    _, quantization, name, k, controller = method
+    config = SpeculativeConfig(method=name, num_speculative_tokens=max(k, 1), controller=controller)
+    start = time.perf_counter()
+    result = models[quantization].generate(
+        ids, SamplingParams(max_new_tokens=max_new_tokens), speculative=config
+    )
+    return {
+        "seconds": time.perf_counter() - start, "tokens": list(result.token_ids),
+        "tau": result.metrics.mean_acceptance_length if name != "none" else None,
+        "prompt_s": result.metrics.prefill_s,  # the prompt's prefill forwards
+    }  # fmt: skip
+
+
+def run_interleaved(prompts, max_new_tokens: int, worker: LlamaWorker) -> dict:
+    """Every method on prompt 1, then every method on prompt 2, ...: drift in the
+    machine's speed (a shared VM) hits every method alike. One warm-up per method first."""
+    models = specdec_models()
+    for method in SPECDEC_METHODS:
+        run_specdec_one(models, method, prompts[0], max_new_tokens)  # warm-up
+    labels = [label for label, _ in LLAMA_METHODS] + [m[0] for m in SPECDEC_METHODS]
+    out: dict = {label: [] for label in labels}
+    for index, ids in enumerate(prompts):
+        for label, _ in LLAMA_METHODS:
+            out[label].append(worker.decode(label, index))
+        for method in SPECDEC_METHODS:
+            out[method[0]].append(run_specdec_one(models, method, ids, max_new_tokens))
+        print(f"prompt {index + 1}/{len(prompts)}", file=sys.stderr)
+    out["_dtype"] = str(models["gguf"].target.dtype).replace("torch.", "")
     return out
 
 
@@ -207,7 +259,6 @@ def main() -> int:
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument("--part", choices=["llama"], help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.part == "llama":
         run_llama(args)
@@ -220,23 +271,18 @@ def main() -> int:
     ids, categories, eos, gguf = prompt_ids(args.per_category)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    job, result = out / "llama_job.json", out / "llama_result.json"
+    job = out / "llama_job.json"
     job.write_text(json.dumps({
         "gguf": gguf, "prompts": ids, "eos": eos, "threads": args.threads,
         "max_new_tokens": args.max_new_tokens,
     }))  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    subprocess.run(
-        [args.llama_python, __file__, "--part", "llama", "--job", str(job),
-         "--result", str(result)],
-        check=True, env=env,
-    )  # fmt: skip
-    results = json.loads(result.read_text())
-    job.unlink()
-    result.unlink()
-    mine = run_specdec(ids, args.max_new_tokens)
-    dtype = mine.pop("_dtype")
-    results.update(mine)
+    worker = LlamaWorker(args.llama_python, job, args.threads)
+    try:
+        results = run_interleaved(ids, args.max_new_tokens, worker)
+    finally:
+        worker.close()
+        job.unlink()
+    dtype = results.pop("_dtype")
     summary = summarize(results, "specdec plain", "llama.cpp plain")
     from specdec.runtime.linear import cpu_name
 

@@ -464,5 +464,6 @@ def environment(llm: LLM | None) -> dict:
             dtype=str(llm.target.dtype).replace("torch.", ""),
             backend=llm.target.backend,
             exact=getattr(llm.target, "exact", False),
+            quantization=getattr(llm.target, "quantization", "none"),
         )
     return facts

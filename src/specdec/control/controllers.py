@@ -362,7 +362,9 @@ class CostOptions:
         "probe; >= 1)",
     )
     probe_budget: float = option(
-        0.02, "probes cost at most this fraction of the time spent off, in (0, 1]"
+        0.02,
+        "probes cost at most this fraction of the time spent off (in a batch: of the "
+        "batch's time), in (0, 1]",
     )
     shared: bool = option(
         True, "requests (not isolated ones) learn a per-position acceptance profile together"
