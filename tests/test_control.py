@@ -1093,6 +1093,36 @@ def test_cost_probes_cost_at_most_the_probe_budget():
     assert lookahead_like.aux_rows == 0
 
 
+def test_cost_trims_long_proposals_where_rows_cost_more_than_they_bring():
+    """Whole proposals of a cheap deterministic drafter: where each verified row costs a
+    lot (a 4-bit kernel: 16 rows cost 4.7x one) and later tokens are rarely accepted, the
+    controller verifies a short prefix; where rows are nearly free, all of it; with
+    ``trim=false``, always all of it."""
+
+    def control_after(cost: CostModel, trim: bool = True):
+        control = CostController(CostOptions(shared=False, trim=trim)).start(info(12))
+        view = StepView(12, cost)
+        for _ in range(40):  # measured: position 0 accepted 60%, later ones 50% each
+            k = control.choose(view)
+            drafted = control.trim(k) if k > 1 else k  # as the engine does
+            accepted = min([0, 1, 1, 2, 3][_ % 5], drafted)
+            control.observe(StepOutcome(k=k, num_drafted=drafted, num_accepted=accepted,
+                                        num_emitted=accepted + 1, deterministic=True))  # fmt: skip
+        control.choose(view)
+        return control
+
+    steep, flat = CostModel(), CostModel()
+    for n in range(1, 20):
+        for _ in range(3):
+            steep.observe_forward(n, 0.010 * (1 + 0.25 * (n - 1)))
+            flat.observe_forward(n, 0.010 * (1 + 0.001 * (n - 1)))
+    steep_control = control_after(steep)
+    assert steep_control.choose(StepView(12, steep)) == 12  # it speculates ...
+    assert 1 <= steep_control.trim(12) <= 4  # ... a short prefix
+    assert control_after(flat).trim(12) == 12
+    assert control_after(steep, trim=False).trim(12) == 12
+
+
 def test_cost_probes_in_a_batch_wait_batch_size_times_longer():
     """Every sequence's probe slows down the shared forward: in a batch of 16 each
     sequence's probes are spaced 16 times further apart by the probe budget (beyond the

@@ -222,6 +222,62 @@ def test_a_controller_choosing_outside_its_range_is_a_clear_error(native, value)
             engine.step()
 
 
+class TrimControl:
+    """Drafts k, then verifies only the first 2 tokens (``keep=2``) or answers ``keep``."""
+
+    def __init__(self, keep):
+        self.keep = keep
+        self.lengths = []
+
+    def choose(self, view):
+        return view.max_k
+
+    def trim(self, length):
+        self.lengths.append(length)
+        return min(self.keep, length) if self.keep == 2 else self.keep  # others: as given
+
+    def observe(self, outcome):
+        pass
+
+
+class TrimController:
+    name = "trim-test"
+
+    def __init__(self, keep):
+        self.keep = keep
+        self.controls = []
+
+    def start(self, info):
+        self.controls.append(TrimControl(self.keep))
+        return self.controls[-1]
+
+
+def test_a_trimmed_proposal_is_verified_as_its_prefix(native):
+    """A controller's ``trim`` cuts a chain proposal to its first tokens: the output stays
+    plain decoding's, no step verifies more than the prefix, and a bad length is refused."""
+    expected = _plain(native, PROMPT, 40)
+    engine = Engine(native, EngineConfig(record_trace=True))
+    controller = TrimController(2)
+    seq = engine.add_request(
+        "0", PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True), drafter=NgramDrafter(),
+        num_speculative_tokens=6, controller=controller,
+    )  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_ids == expected
+    assert any(n > 2 for n in controller.controls[0].lengths)  # there was something to cut
+    assert max(step.num_drafted for step in seq.stats.trace) == 2
+    for bad in (0, 9, 1.5):
+        engine = Engine(native)
+        engine.add_request(
+            "0", PROMPT, SamplingParams(max_new_tokens=20, ignore_eos=True),
+            drafter=NgramDrafter(), num_speculative_tokens=6, controller=TrimController(bad),
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="trim"):
+            for _ in range(10):
+                engine.step()
+
+
 def test_cost_controller_sees_the_batch():
     """SmartSpec: with a forward that costs much more past 8 rows, a sequence in a full
     batch drafts less than alone."""

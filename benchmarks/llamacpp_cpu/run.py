@@ -54,6 +54,7 @@ SPECDEC_METHODS = (
     ("specdec prompt lookup k=10", "gguf", "ngram", 10, "fixed"),
     ("specdec prompt lookup, cost controller", "gguf", "ngram", 10, "cost"),
     ("specdec suffix, cost controller", "gguf", "suffix", 10, "cost"),
+    ("specdec suffix, cost controller, no trim", "gguf", "suffix", 10, "cost:trim=false"),
 )
 
 

@@ -291,7 +291,9 @@ class LLM:
                 raise ValueError("prompt is empty")
             return self.tokenizer.encode(prompt, chat)
         if not prompt:
-            raise ValueError("prompt is empty")
+            raise ValueError(
+                "prompt is empty (an empty list is neither a prompt nor a batch of prompts)"
+            )
         if all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
             if bad:

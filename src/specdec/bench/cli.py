@@ -142,19 +142,22 @@ def add_parser(sub) -> None:
         help="instead of single generations: start `specdec serve` in a subprocess on "
         "loopback and measure it under 1, 2, 4, 8, 16, 32 concurrent streaming clients "
         "(first turns of 6 --dataset prompts per group, at most 32; greedy), speculation "
-        "off vs on (the first specdec "
-        "--method with its controller, default ngram:k=5 with --controller); then, after "
-        "the server exits, the same prompts one at a time through the in-process API "
-        "(speculation on) to show the server's overhead; with --vllm-python, vLLM's "
-        "OpenAI server on the same prompts and levels last; writes serving.{json,md,png} "
-        "with --out",
+        "off vs on, back to back at each level. 'On' serves the first speculative "
+        "--method given (with its own controller, or --controller); with none given, "
+        "ngram:k=5 with --controller. The server gets this command's model options "
+        "(--quantization auto here: a GGUF model's own blocks; `specdec serve` alone "
+        "defaults to none). Then, after the server exits, the same prompts one at a time "
+        "through the in-process API (speculation on) to show the server's overhead; with "
+        "--vllm-python, vLLM's OpenAI server on the same prompts and levels last; writes "
+        "serving.{json,md,png} with --out",
     )
     p.add_argument(
         "--controller",
         default="fixed",
         metavar="NAME[:OPTS]",
-        help="speculation controller of every specdec method that does not name one "
-        "after '+' (e.g. --method ngram:k=10+cost); default: fixed",
+        help="speculation controller of every specdec method that does not name its own "
+        "after '+' (--controller cost runs ngram:k=10 with cost; --method ngram:k=10+bandit "
+        "keeps bandit); default: fixed",
     )
     p.add_argument(
         "--simulate",

@@ -127,7 +127,10 @@ class SpeculationController(Protocol):
     bandit's arm statistics). A control may also define
     ``stop_drafting(position, confidence) -> bool``: asked before the draft token at
     ``position`` (0-based) is kept, with the top probability of its draft distribution;
-    True ends the draft there (SpecDec++-style confidence stops)."""
+    True ends the draft there (SpecDec++-style confidence stops). It may also define
+    ``trim(length) -> int``: given a chain proposal of ``length`` >= 2 tokens (after any
+    confidence stop), how many of its first tokens to verify, in ``[1, length]`` (a
+    prefix of a draft is verified exactly as the draft would be: lossless)."""
 
     name: str
 

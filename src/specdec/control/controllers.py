@@ -338,6 +338,9 @@ class CostOptions:
         shared: requests that are not isolated learn a per-position acceptance profile
             of the drafter together (decaying slowly), toward which each request's own
             estimate shrinks; otherwise every request starts from ``prior``.
+        trim: for cheap deterministic drafters (whole proposals, see
+            :class:`CostController`), verify only the prefix of the proposal that
+            maximizes the step's expected tokens per second (:meth:`CostControl.trim`).
     """
 
     prior: float = option(0.3, "acceptance rate of a first draft token before evidence, in [0, 1]")
@@ -368,6 +371,10 @@ class CostOptions:
     )
     shared: bool = option(
         True, "requests (not isolated ones) learn a per-position acceptance profile together"
+    )
+    trim: bool = option(
+        True,
+        "verify the prefix of a free deterministic proposal that pays best; false: all of it",
     )
 
     def __post_init__(self) -> None:
@@ -468,6 +475,7 @@ class CostControl:
         self.backoff = 1  # off steps before the next probe
         self.probing = False
         self._view: StepView | None = None
+        self._whole_step = False  # this step's choice took the whole-proposal path
 
     def _whole(self, cost: CostModel, view: StepView) -> bool:
         """Draft whole proposals or nothing: drafts are deterministic and cheap."""
@@ -480,7 +488,8 @@ class CostControl:
         cost = self.frozen or view.cost
         info = self.info
         plain = cost.forward_time(view.other_tokens + 1)
-        if self._whole(cost, view):
+        self._whole_step = self._whole(cost, view)
+        if self._whole_step:
             g = self.goodput
             if g.steps <= 0:
                 self.off_steps = 0
@@ -525,6 +534,26 @@ class CostControl:
             self.off_steps, self.probing = 0, True
             return k
         return 0
+
+    def trim(self, length: int) -> int:
+        """How many tokens of a chain proposal of ``length`` tokens to verify.
+
+        Whole-proposal steps (cheap deterministic drafters) only, with ``trim`` on: the
+        prefix length j in ``1..length`` that maximizes this step's batch goodput,
+        ``(O + E_j) / (T(R + j) + draft time)``, where ``E_j`` comes from the per-position
+        acceptance estimates (:meth:`AcceptanceEstimator.expected_tokens`, shrunk toward
+        the shared profile) and T from the cost model, as :func:`best_length` does for
+        other drafters. A prefix of a point-mass draft is verified as the draft itself
+        would be, so this is lossless. Otherwise ``length``.
+        """
+        view = self._view
+        if not (self._whole_step and self.options.trim and view is not None and length > 1):
+            return length
+        cost, info = self.frozen or view.cost, self.info
+        prior = self.shared["rates"].rates(length) if self.shared is not None else None
+        expected = self.estimator.expected_tokens(length, prior)
+        best = best_length(expected, cost, info.drafter, view, 1.0, info.aux_rows)
+        return max(1, best)
 
     def observe(self, outcome: StepOutcome) -> None:
         drafted = outcome.k if outcome.tree else outcome.num_drafted

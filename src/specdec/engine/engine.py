@@ -536,7 +536,13 @@ class Engine:
     def _propose(self, seq: Sequence, k: int) -> DraftProposal:
         """A chain of at most ``k`` tokens, ended early where the controller's
         ``stop_drafting`` says so (inside the drafter when it declares
-        ``confidence_stop``, else on the proposal's confidences)."""
+        ``confidence_stop``, else on the proposal's confidences), then cut to the prefix
+        its ``trim`` chooses, if it has one.
+
+        Raises:
+            ValueError: a proposal the drafter should not make, or a ``trim`` outside
+                ``[1, length]``.
+        """
         state = seq.drafter_state
         stop = getattr(seq.control, "stop_drafting", None) if k else None
         if stop is not None and getattr(seq.drafter, "confidence_stop", False):
@@ -549,6 +555,15 @@ class Engine:
         keep = len(draft)
         if confidences:
             keep = next((i for i, c in enumerate(confidences) if stop(i, c)), len(draft))
+        trim = getattr(seq.control, "trim", None) if keep > 1 else None
+        if trim is not None:  # a controller may verify a prefix only (lossless)
+            chosen = trim(keep)
+            if isinstance(chosen, bool) or not isinstance(chosen, int) or not 1 <= chosen <= keep:
+                raise ValueError(
+                    f"{type(seq.control).__name__}.trim({keep}) returned {chosen!r}; it must "
+                    f"be an int in [1, {keep}]"
+                )
+            keep = chosen
         if keep < len(draft):
             probs, confidence = draft.draft_probs, draft.confidence
             draft = DraftProposal(
