@@ -203,6 +203,12 @@ def test_malformed_json_and_the_openai_client_error(server, client):
     )
     assert response.status_code == 400
     assert "not valid JSON (error at character" in response.json()["error"]["message"]
+    form = httpx.post(  # valid JSON sent as curl -d sends it: form-encoded
+        f"{url}/v1/completions", content=b'{"model": "x", "prompt": "w1"}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )  # fmt: skip
+    assert form.status_code == 400
+    assert "Content-Type: application/json" in form.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="does not exist"):
         client.completions.create(model="nope", prompt="w1")
     assert httpx.get(f"{url}/v1/nothing").status_code == 404

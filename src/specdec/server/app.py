@@ -133,6 +133,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError):
+        kind = request.headers.get("content-type", "")
+        if "json" not in kind.lower():  # e.g. curl -d's default form encoding
+            message = (
+                "the request body must be a JSON object sent with Content-Type: "
+                f"application/json (got {kind or 'no Content-Type'})"
+            )
+            return JSONResponse(error_body(message), status_code=400)
         message, param = describe_errors(error.errors(), error.body)
         return JSONResponse(error_body(message, param=param), status_code=400)
 
