@@ -488,7 +488,12 @@ def test_ctrl_c_stops_the_run_and_its_workers_at_once(tmp_path, peer_env, tiny_m
     argv = ["bench", "--model", tiny_model_dir, "--dataset", str(data), "--method", "vllm-ar",
             "--no-warmup", "--max-new-tokens", "4", "--threads", "1"]  # fmt: skip
     code = "import sys; from specdec.cli import main; sys.exit(main(sys.argv[1:]))"
-    bench = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stderr=subprocess.PIPE)
+    # SIGINT back to its default in the child: a test run started as a background job
+    # (`make test &`) inherits SIGINT ignored, and Python then installs no Ctrl-C handler
+    bench = subprocess.Popen(
+        [sys.executable, "-c", code, *argv], env=env, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     worker = None
     try:
         deadline = time.monotonic() + 120
