@@ -390,9 +390,7 @@ class _Plan:
         mode. Every run of the same prompt makes this same call, so it gives the same
         bits; exact mode is about rows computed in different shapes across runs (decoding
         vs verification), which all come after it."""
-        if self.item.prefill is not None:
-            return bool(self.item.prefill)
-        return self.start == 0 and self.item.tree_mask is None
+        return _is_prefill(self.item, self.start)
 
     def attention(self, exact: bool):
         """What attention needs about visibility, built once per forward for all layers."""
@@ -405,11 +403,11 @@ class _Plan:
         return self._attention
 
 
-def _is_prefill(item: BatchItem) -> bool:
-    """:attr:`_Plan.prefill` before planning."""
+def _is_prefill(item: BatchItem, start: int) -> bool:
+    """:attr:`_Plan.prefill` of ``item`` whose rows start at cache slot ``start``."""
     if item.prefill is not None:
         return bool(item.prefill)
-    return item.cache.num_tokens == 0 and item.tree_mask is None
+    return start == 0 and item.tree_mask is None
 
 
 def _prefill_groups(items: Sequence[BatchItem]) -> list[list[int]]:
@@ -421,10 +419,10 @@ def _prefill_groups(items: Sequence[BatchItem]) -> list[list[int]]:
     gathering every chunk's products back into one activation (measured on 8 prompts of
     about 800 tokens, bf16, 2 threads: 14% of the forward). Every other row is computed
     by row-invariant products and per-row kernels, so the bits are the same either way."""
-    chunks = [i for i, item in enumerate(items) if _is_prefill(item)]
+    chunks = [i for i, item in enumerate(items) if _is_prefill(item, item.cache.num_tokens)]
     if not chunks:
         return [list(range(len(items)))]
-    rest = [i for i in range(len(items)) if i not in set(chunks)]
+    rest = [i for i in range(len(items)) if i not in chunks]
     return ([rest] if rest else []) + [[i] for i in chunks]
 
 
