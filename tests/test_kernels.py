@@ -233,6 +233,54 @@ def test_small_gemm_equals_the_product_and_a_row_gets_the_same_bits_in_any_batch
     assert torch.equal(kernels.small_gemm(wide[:, :k], w), y)
 
 
+needs_amx = pytest.mark.skipif(
+    not kernels.amx_available(), reason="no AMX-BF16 here (or the tile state is refused)"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (37, 40), (70, 1536), (16, 32)])
+def test_amx_gemm_equals_the_product_and_a_row_gets_the_same_bits_for_any_row_count(n, k):
+    """The AMX product: float32 accumulation of bfloat16 products (close to the float32
+    product of the same values), and every row bit-identical alone, at every place of
+    every row count up to 70 (several tiles of 16, odd remainders), and in a batch of 300
+    (prefill-sized; N, K not multiples of the tile: zero padding adds exact zeros)."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(300, k, generator=gen).bfloat16()
+    packed = kernels.amx_pack(w)
+    y = kernels.amx_gemm(x, packed, n)
+    assert y.shape == (300, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    ref = x.float() @ w.float().t()
+    # float32 accumulation, one rounding to bfloat16: half an ulp of bfloat16 plus slack
+    torch.testing.assert_close(y.float(), ref, atol=1e-3 * ref.abs().max().item(), rtol=2**-8)
+    alone = torch.cat([kernels.amx_gemm(x[i : i + 1], packed, n) for i in range(80)])
+    assert torch.equal(alone, y[:80])
+    for m in range(2, 71):
+        for start in (0, 9):
+            got = kernels.amx_gemm(x[start : start + m], packed, n)
+            assert torch.equal(got, y[start : start + m])
+    wide = torch.cat([x, x], dim=1)  # rows of a wider buffer read in place
+    assert torch.equal(kernels.amx_gemm(wide[:, :k], packed, n), y)
+    assert kernels.amx_gemm(x[:0], packed, n).shape == (0, n)
+
+
+@needs_amx
+def test_amx_gemm_refuses_what_it_cannot_compute():
+    w = torch.randn(20, 64).bfloat16()
+    packed = kernels.amx_pack(w)
+    with pytest.raises(ValueError, match="bfloat16 weight"):
+        kernels.amx_pack(w.float())
+    with pytest.raises(RuntimeError, match="bfloat16 \\[M, K\\]"):
+        kernels.amx_gemm(torch.zeros(2, 64), packed, 20)
+    with pytest.raises(RuntimeError, match="packed holds 64"):
+        kernels.amx_gemm(torch.zeros(2, 96).bfloat16(), packed, 20)
+    with pytest.raises(RuntimeError, match="matching packed's N"):
+        kernels.amx_gemm(torch.zeros(2, 64).bfloat16(), packed, 40)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16 \\[N/16"):
+        kernels.amx_gemm(torch.zeros(2, 64).bfloat16(), w, 20)
+
+
 def test_bad_inputs_are_clear_errors():
     caches = _caches(torch.float32, 8, [64])
     one = torch.zeros(1, dtype=torch.long)

@@ -119,3 +119,28 @@ def test_the_stream_formulation_is_row_invariant_by_construction(dtype):
         atol=0.05 if dtype == torch.bfloat16 else 1e-4,
         rtol=0.02 if dtype == torch.bfloat16 else 1e-5,
     )
+
+
+def test_the_amx_formulation_runs_any_row_count_as_one_exact_product():
+    """``amx`` (bfloat16 on AMX tiles): available only for bfloat16 where the CPU has
+    AMX-BF16; chosen as exact, it passes the check at the largest tile and then gets
+    ``ANY_ROWS``: 200 rows in one product, each with the bits it has alone."""
+    from specdec.runtime.kernels import amx_available
+
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(72, 64, generator=gen).bfloat16()
+    assert "amx" not in linear.available_formulations(weight.float())
+    if not amx_available():
+        assert "amx" not in linear.available_formulations(weight)
+        pytest.skip("no AMX-BF16 here")
+    x = torch.randn(max(linear.TILES) + 8, 64, generator=gen).bfloat16()
+    only_amx = {"amx": [1.0] * len(BUCKETS)}
+    name, tile, min_rows = _exact_choice(weight, x, only_amx)
+    assert (name, tile, min_rows) == ("amx", linear.ANY_ROWS, 1)
+    prepared = linear.FORMULATIONS["amx"].prepare(weight)
+    many = torch.randn(200, 64, generator=gen).bfloat16()
+    y = linear.exact_product(many, prepared, name, tile, min_rows)
+    for i in (0, 17, 199):
+        one = linear.exact_product(many[i : i + 1], prepared, name, tile, 1)
+        assert torch.equal(one, y[i : i + 1])
+    torch.testing.assert_close(y.float(), many.float() @ weight.float().t(), atol=0.05, rtol=0.02)

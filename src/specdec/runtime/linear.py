@@ -45,16 +45,22 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 #: Exact-mode tiles tried, largest first.
 TILES = (64, 32, 16, 8, 4, 2)
 #: Bump when the calibration procedure changes (invalidates cached choices).
-_VERSION = 7
+_VERSION = 8
 
 
 @dataclass(frozen=True)
 class Formulation:
     """One way to compute ``y = x W^T``: ``prepare(W)`` once (a transposed or packed copy,
-    or ``W`` itself), then ``apply(x, prepared)`` per call."""
+    or ``W`` itself), then ``apply(x, prepared)`` per call.
 
-    prepare: Callable[[torch.Tensor], torch.Tensor]
-    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ``any_rows``: the kernel computes each row in a fixed order whatever M (specdec's own
+    kernels). Calibration still checks it up to the largest tile; exact mode then runs any
+    number of rows as one product (one pass over the weights) instead of tiles.
+    """
+
+    prepare: Callable[[torch.Tensor], object]
+    apply: Callable[[torch.Tensor, object], torch.Tensor]
+    any_rows: bool = False
 
 
 def _onednn_available(weight: torch.Tensor) -> bool:
@@ -78,9 +84,35 @@ def _stream(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return small_gemm(x, weight)
 
 
+def _amx_available(weight: torch.Tensor) -> bool:
+    from specdec.runtime.kernels import amx_available
+
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and amx_available()
+
+
+@dataclass(frozen=True)
+class _AmxWeight:
+    packed: torch.Tensor
+    n: int
+
+
+def _amx_prepare(weight: torch.Tensor) -> _AmxWeight:
+    from specdec.runtime.kernels import amx_pack
+
+    return _AmxWeight(amx_pack(weight), weight.shape[0])
+
+
+def _amx(x: torch.Tensor, weight: _AmxWeight) -> torch.Tensor:
+    from specdec.runtime.kernels import amx_gemm
+
+    return amx_gemm(x, weight.packed, weight.n)
+
+
 #: The formulations calibration chooses from (``onednn``: oneDNN's inner product on a
 #: weight packed once, CPU only; ``stream``: specdec's own product for few rows,
-#: :func:`specdec.runtime.kernels.small_gemm`, CPU only, where the extension builds).
+#: :func:`specdec.runtime.kernels.small_gemm`, CPU only, where the extension builds;
+#: ``amx``: specdec's own bfloat16 product on AMX tiles, :func:`specdec.runtime.kernels.
+#: amx_gemm`, bfloat16 on CPUs with AMX-BF16 only).
 FORMULATIONS = {
     "linear": Formulation(lambda w: w, lambda x, w: F.linear(x, w)),
     "w_xt": Formulation(lambda w: w, lambda x, w: (w @ x.t()).t()),
@@ -89,13 +121,17 @@ FORMULATIONS = {
         lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
         lambda x, packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
     ),
-    "stream": Formulation(lambda w: w.contiguous(), _stream),
+    "stream": Formulation(lambda w: w.contiguous(), _stream, any_rows=True),
+    "amx": Formulation(_amx_prepare, _amx, any_rows=True),
 }
+#: The exact tile of an ``any_rows`` formulation that passed the check at the largest tile:
+#: every row count in one product.
+ANY_ROWS = 1 << 30
 
 
 def available_formulations(weight: torch.Tensor) -> list[str]:
     """Formulation names usable for ``weight`` on its device."""
-    usable = {"onednn": _onednn_available, "stream": _stream_available}
+    usable = {"onednn": _onednn_available, "stream": _stream_available, "amx": _amx_available}
     return [n for n in FORMULATIONS if n not in usable or usable[n](weight)]
 
 
@@ -108,7 +144,8 @@ class KernelChoice:
         fast_rows: per bucket, the row count a product is padded to (0: not padded;
             the next bucket's size when its measured time is lower).
         exact: the exact-mode formulation.
-        tile: exact-mode tile T (most rows per product; 1 = one row at a time).
+        tile: exact-mode tile T (most rows per product; 1 = one row at a time;
+            :data:`ANY_ROWS` = all rows in one product, for an ``any_rows`` formulation).
         min_rows: exact mode pads a product of fewer rows up to this many (1 or 2): 2 when
             the formulation's one-row path gives other bits than its multi-row path.
         times_ms: measured milliseconds, ``{formulation: [per bucket]}`` (for reports).
@@ -291,7 +328,8 @@ def _exact_choice(weight, x, times) -> tuple[str, int, int]:
     (verification) plus a quarter of its 64-row time (a batch of sequences, and prefill
     chunks: exact mode runs every row through this one formulation, so one that is fast for
     one row but compute-bound for many would starve batches) among those invariant up to a
-    tile >= 16; padding is required when the one-row kernel gives other bits, and chosen
+    tile >= 16 (an ``any_rows`` formulation invariant up to the largest tile gets
+    :data:`ANY_ROWS`); padding is required when the one-row kernel gives other bits, and chosen
     when it is faster."""
     candidates = []
     for name in times:
@@ -307,6 +345,8 @@ def _exact_choice(weight, x, times) -> tuple[str, int, int]:
     for _, name, min_rows in sorted(candidates):
         prepared = FORMULATIONS[name].prepare(weight)
         tile = next((t for t in TILES if is_row_invariant(x, prepared, name, t, min_rows)), 1)
+        if tile == TILES[0] and FORMULATIONS[name].any_rows:
+            tile = ANY_ROWS
         if tile >= 16:
             return name, tile, min_rows
     name = min(times, key=lambda n: times[n][1])

@@ -218,6 +218,9 @@ void silu_mul(torch::Tensor gate_up, torch::Tensor out);
 void small_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y);
 void quant_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y);
 void dequantize(torch::Tensor q, int64_t kind, torch::Tensor out);
+// amx.cpp
+bool amx_available();
+void amx_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor y);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
@@ -227,5 +230,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "x W^T for few rows, weights streamed once");
   m.def("quant_gemm", &quant_gemm, "x W^T with W in GGUF blocks (Q4_1, Q8_0), expanded per call");
   m.def("dequantize", &dequantize, "GGUF blocks (Q4_1, Q8_0) to a dense matrix");
+  m.def("amx_available", &amx_available, "whether amx_gemm runs here (AMX-BF16 and the tile state)");
+  m.def("amx_gemm", &amx_gemm, "bfloat16 x W^T on AMX tiles, W packed; row-invariant for any M");
   m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
 }
