@@ -6,7 +6,9 @@ cast to the activations' dtype, bit for bit (float32, bfloat16, float16 activati
 row count); a row's bits do not depend on the rows
 beside it; the embedded GGUF's own blocks, read and un-permuted, dequantize to exactly the
 weights transformers loads from the same file; and a quantized native model keeps greedy
-speculative decoding identical to its plain decoding.
+speculative decoding identical to its plain decoding, with either quantized kernel
+(``fma``, ``amx``); the ``amx`` kernel is the float64 product within bfloat16 rounding and
+row-invariant for any row count.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ pytestmark = pytest.mark.skipif(not kernel_available(), reason="needs specdec's 
 from specdec.runtime.kernels import dequantize_blocks, quant_gemm, small_gemm  # noqa: E402
 from specdec.runtime.quant import (  # noqa: E402
     KINDS,
+    QUANT_ROWS,
     QuantizedMatrix,
     QuantLinear,
+    amx_layout,
+    available_quant_kernels,
     check_row_invariance,
+    choose_quant_kernel,
     concat,
     dequantize,
     kernel_layout,
+    quant_kernel_choices,
     quantize,
     reference_dequantize,
 )
@@ -211,11 +218,18 @@ def test_quantized_model_equals_the_dense_model_on_the_same_kernel(embedded_fp32
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantized_greedy_speculation_equals_plain_decoding(dtype):
-    """Exact mode on the GGUF's own blocks: a batch of prompts with speculation gives each
-    prompt its plain one-at-a-time greedy output, token for token."""
+@pytest.mark.parametrize(
+    ("dtype", "kernel"), [("float32", "fma"), ("bfloat16", "fma"), ("bfloat16", "amx")]
+)
+def test_quantized_greedy_speculation_equals_plain_decoding(dtype, kernel, monkeypatch):
+    """Exact mode on the GGUF's own blocks, with each quantized kernel: a batch of prompts
+    with speculation gives each prompt its plain one-at-a-time greedy output, token for
+    token."""
     from specdec import LLM, SamplingParams, SpeculativeConfig
+
+    if kernel not in available_quant_kernels(getattr(torch, dtype)):
+        pytest.skip(f"the {kernel} kernel is not available here")
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", kernel)
 
     llm = LLM(
         backend="native",
@@ -224,6 +238,7 @@ def test_quantized_greedy_speculation_equals_plain_decoding(dtype):
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=6),
     )
     assert llm.target.quantization == "gguf"
+    assert llm.target.decoder.layers[0]["qkv"].kernel == kernel
     prompts = [
         "Repeat twice: the quick brown fox jumps over the lazy dog.",
         "List the numbers from one to twelve, separated by commas.",
@@ -272,3 +287,78 @@ def test_quantized_at_load_is_lossless_under_speculation(kind):
     prompt = "w5 w6 w7 w5 w6 w7 w5 w6"
     plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
     assert llm.generate(prompt, params).token_ids == plain.token_ids
+
+
+needs_amx = pytest.mark.skipif(
+    "amx" not in available_quant_kernels(torch.bfloat16), reason="no AMX-BF16 here"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (576, 1536)])
+def test_amx_quantized_product_is_the_weights_product_and_row_invariant(kind, n, k):
+    """The AMX kernel (integer weights on tiles, the file's weights exactly, float32
+    accumulation): within bfloat16 rounding of the float64 product on the dequantized
+    matrix, including a block of zeros (d = 0); every row bit-identical alone and at every
+    place of every row count up to 80 (one row tile, and groups of up to four)."""
+    from specdec.runtime.kernels import amx_quant_gemm
+
+    matrix = _matrix(kind, n, k, seed=7)
+    tiles, code = amx_layout(matrix)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(90, k, generator=gen).bfloat16()
+    y = amx_quant_gemm(x, tiles, code, n)
+    ref = x.double() @ reference_dequantize(matrix).double().t()
+    assert ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-4 * ref.abs().max()).all()
+    alone = torch.cat([amx_quant_gemm(x[i : i + 1], tiles, code, n) for i in range(90)])
+    assert torch.equal(alone, y)
+    for m in range(2, 81):
+        for start in (0, 9):
+            assert torch.equal(
+                amx_quant_gemm(x[start : start + m], tiles, code, n), y[start : start + m]
+            )
+
+
+@needs_amx
+def test_amx_quant_linear_and_its_refusals():
+    matrix = _matrix("q4_1", 48, 64)
+    bias = torch.randn(48).bfloat16()
+    linear = QuantLinear(matrix, bias, torch.bfloat16, kernel="amx")
+    assert linear.tile == 64 and linear.kernel == "amx"
+    x = torch.randn(20, 64).bfloat16()
+    ref = x.float() @ reference_dequantize(matrix).t() + bias.float()
+    torch.testing.assert_close(linear(x, exact=True).float(), ref, rtol=0.02, atol=0.02)
+    assert torch.equal(linear(x[:1], exact=True), linear(x, exact=True)[:1])
+    with pytest.raises(ValueError, match="computes in bfloat16"):
+        QuantLinear(matrix, None, torch.float32, kernel="amx")
+    with pytest.raises(ValueError, match="unknown quantized kernel"):
+        QuantLinear(matrix, None, torch.bfloat16, kernel="int8")
+    with pytest.raises(RuntimeError, match="tiles hold 64"):
+        from specdec.runtime.kernels import amx_quant_gemm
+
+        amx_quant_gemm(torch.zeros(1, 96).bfloat16(), *amx_layout(matrix), 48)
+
+
+def test_the_quantized_kernel_is_chosen_by_its_exact_mode_score():
+    """One row counts fully, 16 and 64 rows a quarter each (as dense exact choices)."""
+    assert len(QUANT_ROWS) == 3
+    assert choose_quant_kernel({"fma": [7.0, 40.0, 150.0], "amx": [10.0, 17.0, 55.0]}) == "amx"
+    assert choose_quant_kernel({"fma": [7.0, 9.0, 12.0], "amx": [10.0, 10.0, 12.0]}) == "fma"
+
+
+def test_quant_kernel_choices_measure_once_and_obey_the_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    products = {"o": [_matrix("q4_1", 32, 64, s) for s in range(2)]}
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "fma")
+    assert quant_kernel_choices(products, torch.bfloat16) == {"o": "fma"}
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "int4")
+    with pytest.raises(ValueError, match="SPECDEC_QUANT_KERNEL"):
+        quant_kernel_choices(products, torch.bfloat16)
+    monkeypatch.delenv("SPECDEC_QUANT_KERNEL")
+    assert quant_kernel_choices(products, torch.float32) == {"o": "fma"}  # amx: bf16 only
+    first = quant_kernel_choices(products, torch.bfloat16)
+    assert first["o"] in available_quant_kernels(torch.bfloat16)
+    if len(available_quant_kernels(torch.bfloat16)) == 2:  # measured, then read back
+        assert (tmp_path / "kernels.json").exists()
+        assert quant_kernel_choices(products, torch.bfloat16) == first

@@ -395,6 +395,33 @@ def amx_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def amx_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -> torch.Tensor:
+    """``y = x W^T`` in bfloat16 on AMX tiles with ``W`` in GGUF blocks laid out as tiles
+    (:func:`specdec.runtime.quant.amx_layout`, ``csrc/amx.cpp``): each call expands the
+    weights (ggml's float32 arithmetic, then rounded to bfloat16) into B tiles once,
+    whatever M, and runs :func:`amx_gemm`'s tiles on them. The result is bit for bit
+    ``amx_gemm(x, amx_pack(W.bfloat16()), n)`` with ``W`` the float32 dequantized matrix,
+    so it is row-invariant for any M.
+
+    Args:
+        x: ``[M, K]`` bfloat16 with contiguous rows.
+        tiles: ``[ceil(N / 16), K / 32, 384]`` (Q4_1) or ``[.., .., 576]`` (Q8_0) uint8.
+        kind: 0 = Q4_1, 1 = Q8_0.
+        n: N.
+
+    Returns:
+        ``[M, N]`` bfloat16, contiguous.
+
+    Raises:
+        RuntimeError: AMX is not available, or shapes, kinds, layouts or dtypes differ.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    _module_or_raise().amx_quant_gemm(x, tiles, kind, out)
+    return out
+
+
 def _module_or_raise():
     module = _load()
     if module is None:

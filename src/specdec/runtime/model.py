@@ -34,7 +34,7 @@ from specdec.runtime.kernels import (
     silu_mul,
 )
 from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
-from specdec.runtime.quant import QuantLinear
+from specdec.runtime.quant import QuantLinear, quant_kernel_choices
 from specdec.runtime.weights import ModelWeights
 
 #: Fast mode: a sequence with at most this many new rows (after its prefill) goes through
@@ -71,10 +71,14 @@ class NativeDecoder:
         dense = {name: ws for name, ws in products.items() if name not in quantized}
         self.choices = choices or (kernel_choices(dense) if dense else {})
         self.dtype = weights.embed.dtype
+        #: the kernel of each quantized product (measured once, see quant_kernel_choices)
+        self.quant_kernels = quant_kernel_choices(quantized, self.dtype) if quantized else {}
 
         def linear(name: str, index: int, weight, bias):
             if name in quantized:
-                return QuantLinear(quantized[name][index], bias, self.dtype)
+                return QuantLinear(
+                    quantized[name][index], bias, self.dtype, self.quant_kernels[name]
+                )
             return Linear(weight, bias, self.choices[name])
 
         self.layers = [

@@ -19,6 +19,17 @@ kernel's arithmetic on those values), so exact mode holds; :class:`QuantLinear` 
 that once per shape before exact mode uses it, as calibration checks every dense
 formulation.
 
+With bfloat16 activations on a CPU with AMX-BF16 there is a second kernel, ``amx``
+(:func:`~specdec.runtime.kernels.amx_quant_gemm`): ``y = sum over blocks of d (x . q) +
+m S(x)`` with the integers ``q`` on AMX tiles (exact in bfloat16: still the file's weights
+exactly), float32 accumulation. It reads the same bytes, costs about 1.1-1.4x the float32
+kernel for one row but about the same from 4 rows and 2.3x / 2.8x less for 16 / 64 rows
+(measured on a 2-core Xeon), so verification and batches get cheap. The two round
+differently, so a model runs one of them per product, for every row count:
+:func:`quant_kernel_choices` measures both once per machine and model and keeps the
+better exact-mode score (one row, plus a quarter of 16 and of 64 rows, as for dense
+products); ``SPECDEC_QUANT_KERNEL=fma|amx`` forces one.
+
 Sources of quantized matrices:
 
 * :func:`gguf_matrices`: a GGUF file's own Q4_1 / Q8_0 tensors (llama.cpp's layout; the
@@ -184,76 +195,245 @@ def kernel_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     return packed, Q4_1_KERNEL_LAYOUT
 
 
-_INVARIANT: dict[tuple[str, int, torch.dtype], bool] = {}
+#: Tile kinds of :func:`amx_layout` (``csrc/amx.cpp``) and bytes per tile of 16 x 32 weights.
+AMX_KINDS = {"q4_1": (0, 384), "q8_0": (1, 576)}
 
 
-def check_row_invariance(kind: str, k: int, dtype: torch.dtype, most_rows: int = 64) -> bool:
+# Q4_1 tiles store output j's byte of a row at position pos(j): outputs 0, 1, 4, 5, 8, 9,
+# 12, 13, then 2, 3, 6, 7, 10, 11, 14, 15 (so one byte-shuffle instruction expands a row;
+# see csrc/amx.cpp). Position i holds output _AMX_NIBBLE_ORDER[i].
+_AMX_NIBBLE_ORDER = torch.tensor([0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15])
+
+
+def amx_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
+    """The blocks as AMX tiles of 16 outputs x 32 k (:func:`~specdec.runtime.kernels.
+    amx_quant_gemm`): per tile the 16 outputs' ``d`` (and ``m`` for Q4_1) as float32
+    (exact: every float16 is a float32), then 16 rows, row ``p`` holding each output's
+    ``q[2p]``, ``q[2p + 1]`` (Q4_1: as the low and high nibble of one byte, the 16 bytes
+    in the order of ``_AMX_NIBBLE_ORDER``; Q8_0: two int8). The weights are the same
+    values; N is padded with zero weights to a multiple of 16. Made once per matrix at
+    load (Q4_1: 6 bits per weight, Q8_0: 9).
+
+    Returns:
+        ``(tiles, kind)``: ``[ceil(N / 16), K / 32, bytes per tile]`` uint8 and the kind.
+    """
+    n, k = matrix.shape
+    nb, kb = -(-n // 16), k // BLOCK
+    code, _ = AMX_KINDS[matrix.kind]
+    raw = matrix.blocks.reshape(n, kb, KINDS[matrix.kind][1])
+    if nb * 16 != n:
+        raw = torch.cat([raw, raw.new_zeros((nb * 16 - n, kb, raw.shape[-1]))])
+
+    def scales(lo: int) -> torch.Tensor:  # [nb, kb, 16] float32 as bytes
+        v = raw[..., lo : lo + 2].contiguous().view(torch.float16).float().reshape(nb, 16, kb)
+        return v.transpose(1, 2).contiguous().view(torch.uint8).reshape(nb, kb, 64)
+
+    if matrix.kind == "q4_1":
+        nibbles = raw[..., 4:20]  # byte i: q_i (low), q_{i + 16} (high)
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # [N, kb, 32]: q_0 .. q_31
+        q = q.reshape(nb, 16, kb, 16, 2).permute(0, 2, 3, 1, 4)  # [nb, kb, p, j, e]
+        rows = (q[..., 0] | (q[..., 1] << 4))[..., _AMX_NIBBLE_ORDER].reshape(nb, kb, 256)
+        parts = [scales(0), scales(2), rows]
+    else:
+        q = raw[..., 2:34].reshape(nb, 16, kb, 16, 2).permute(0, 2, 3, 1, 4)
+        parts = [scales(0), q.reshape(nb, kb, 512)]
+    return torch.cat(parts, dim=-1).contiguous(), code
+
+
+#: The quantized product kernels: ``fma`` (:func:`~specdec.runtime.kernels.quant_gemm`,
+#: float32 FMAs on the dequantized weights, any dtype) and ``amx`` (:func:`~specdec.
+#: runtime.kernels.amx_quant_gemm`, integer weights on AMX tiles, bfloat16 on CPUs with
+#: AMX-BF16). Both are row-invariant for any M; they round differently, so one model runs
+#: one kernel per product.
+QUANT_KERNELS = ("fma", "amx")
+
+_INVARIANT: dict[tuple[str, str, int, torch.dtype], bool] = {}
+
+
+def _quant_runner(kernel: str, matrix: QuantizedMatrix):
+    """``(layout, apply)`` for ``kernel`` on ``matrix``: the blocks in that kernel's layout
+    and ``apply(x, layout) -> y``."""
+    from specdec.runtime import kernels
+
+    n = matrix.shape[0]
+    if kernel == "amx":
+        return amx_layout(matrix), lambda x, t: kernels.amx_quant_gemm(x, t[0], t[1], n)
+    return kernel_layout(matrix), lambda x, t: kernels.quant_gemm(x, t[0], t[1])
+
+
+def check_row_invariance(
+    kind: str, k: int, dtype: torch.dtype, most_rows: int = 64, kernel: str = "fma"
+) -> bool:
     """Does a row of a quantized product give the bits it gives alone, for every row count
     up to ``most_rows`` and two windows of the input? (Checked once per process and
-    ``(kind, K, dtype)`` on a random matrix of 40 rows: the kernel's arithmetic per output
-    does not depend on N.)"""
-    key = (kind, k, dtype)
+    ``(kernel, kind, K, dtype)`` on a random matrix of 40 rows: the kernels' arithmetic
+    per output does not depend on N.)"""
+    key = (kernel, kind, k, dtype)
     if key not in _INVARIANT:
-        from specdec.runtime.kernels import quant_gemm
-
         gen = torch.Generator().manual_seed(0)
-        blocks, code = kernel_layout(quantize(torch.randn(40, k, generator=gen), kind))
+        layout, apply = _quant_runner(kernel, quantize(torch.randn(40, k, generator=gen), kind))
         x = torch.randn(most_rows + 7, k, generator=gen).to(dtype)
-        alone = torch.cat([quant_gemm(x[i : i + 1], blocks, code) for i in range(len(x))])
+        alone = torch.cat([apply(x[i : i + 1], layout) for i in range(len(x))])
         ok = all(
-            torch.equal(quant_gemm(x[s : s + m], blocks, code), alone[s : s + m])
+            torch.equal(apply(x[s : s + m], layout), alone[s : s + m])
             for m in range(2, most_rows + 1)
             for s in (0, 7)
         )
         if not ok:
             logger.error(
-                "the quantized product (%s, K=%d, %s) is not row-invariant here: exact mode "
-                "runs it one row at a time",
-                kind, k, dtype,
+                "the quantized product (%s, %s, K=%d, %s) is not row-invariant here: exact "
+                "mode runs it one row at a time",
+                kernel, kind, k, dtype,
             )  # fmt: skip
         _INVARIANT[key] = ok
     return _INVARIANT[key]
+
+
+def available_quant_kernels(dtype: torch.dtype) -> list[str]:
+    """The quantized product kernels usable for activations of ``dtype`` here."""
+    from specdec.runtime.kernels import amx_available, kernel_available
+
+    if not kernel_available():
+        return []
+    return ["fma", "amx"] if dtype == torch.bfloat16 and amx_available() else ["fma"]
+
+
+#: Row counts a quantized kernel is timed at: a decoding step, a verification, a batch.
+QUANT_ROWS = (1, 16, 64)
+
+
+def choose_quant_kernel(times: dict[str, list[float]]) -> str:
+    """The kernel with the best exact-mode score, as :func:`specdec.runtime.linear.
+    _exact_choice` scores dense formulations: its one-row time plus a quarter of its
+    16-row time (verification) plus a quarter of its 64-row time (batches).
+
+    Args:
+        times: ``{kernel: [ms at each of QUANT_ROWS]}``.
+    """
+    return min(times, key=lambda k: times[k][0] + 0.25 * times[k][1] + 0.25 * times[k][2])
+
+
+def quant_kernel_choices(
+    quantized: dict[str, list[QuantizedMatrix]], dtype: torch.dtype, repeats: int = 2
+) -> dict[str, str]:
+    """The kernel each quantized product runs: measured once per machine, dtype and model
+    (all layers' matrices, one pass per kernel and row count, the fastest of ``repeats``
+    passes kept) and cached in the kernel table beside the dense choices
+    (:func:`specdec.runtime.linear.kernel_table_path`); ``SPECDEC_QUANT_KERNEL=fma|amx``
+    forces one where it is available.
+
+    Returns:
+        ``{product: "fma" | "amx"}``.
+    """
+    import os
+    import time
+
+    from specdec.runtime import linear
+
+    usable = available_quant_kernels(dtype)
+    forced = os.environ.get("SPECDEC_QUANT_KERNEL", "").lower()
+    if forced and forced not in QUANT_KERNELS:
+        raise ValueError(f"SPECDEC_QUANT_KERNEL={forced!r}: expected one of {QUANT_KERNELS}")
+    if forced in usable:
+        return dict.fromkeys(quantized, forced)
+    if len(usable) < 2:
+        return dict.fromkeys(quantized, "fma")
+    key = f"quant|{linear.machine_key(dtype, torch.device('cpu'))}|{','.join(usable)}"
+    model_key = ";".join(
+        f"{name}={m[0].kind}:{'x'.join(map(str, m[0].shape))}*{len(m)}"
+        for name, m in quantized.items()
+    )
+    path = linear.kernel_table_path()
+    table = linear._read_table(path)
+    entries = table.setdefault(key, {})
+    if model_key not in entries:
+        logger.info("timing the quantized product kernels (%s)", model_key)
+        gen = torch.Generator().manual_seed(0)
+        chosen = {}
+        for name, matrices in quantized.items():
+            k = matrices[0].shape[1]
+            x = torch.randn(max(QUANT_ROWS), k, generator=gen).to(dtype)
+            times = {}
+            for kernel in usable:
+                runs = [_quant_runner(kernel, m) for m in matrices]
+                times[kernel] = []
+                for rows in QUANT_ROWS:
+                    best = float("inf")
+                    for _ in range(repeats + 1):  # the first pass warms up
+                        start = time.perf_counter()
+                        for layout, apply in runs:
+                            apply(x[:rows], layout)
+                        best = min(best, time.perf_counter() - start)
+                    times[kernel].append(best * 1e3 / len(runs))
+                del runs
+            ok = [kn for kn in times if check_row_invariance(matrices[0].kind, k, dtype, kernel=kn)]
+            chosen[name] = {"kernel": choose_quant_kernel({kn: times[kn] for kn in ok} or times),
+                            "times_ms": times}  # fmt: skip
+        entries[model_key] = chosen
+        linear._write_table(path, table)
+    return {name: entry["kernel"] for name, entry in entries[model_key].items()}
 
 
 class QuantLinear:
     """``y = x W^T + b`` with ``W`` a :class:`QuantizedMatrix` (the interface of
     :class:`specdec.runtime.linear.Linear`).
 
-    Decoding and verification rows run :func:`~specdec.runtime.kernels.quant_gemm` in
-    both modes; :meth:`prefill` runs a prompt chunk of at least
-    :data:`PREFILL_DENSE_ROWS` rows as one dense product on the expanded matrix.
+    Decoding and verification rows run the chosen kernel (:data:`QUANT_KERNELS`) in both
+    modes; :meth:`prefill` runs a prompt chunk of at least :data:`PREFILL_DENSE_ROWS` rows
+    as one dense product on the expanded matrix.
 
     Args:
         matrix: the quantized ``[N, K]`` weight.
         bias: ``[N]`` or ``None``.
         dtype: the compute dtype (activations and outputs).
+        kernel: ``"fma"`` or ``"amx"`` (bfloat16 only; see :func:`quant_kernel_choices`).
+
+    Raises:
+        ValueError: an unknown kernel, or ``amx`` for another dtype than bfloat16.
     """
 
-    def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(
+        self,
+        matrix: QuantizedMatrix,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        kernel: str = "fma",
+    ):
+        if kernel not in QUANT_KERNELS:
+            raise ValueError(f"unknown quantized kernel {kernel!r}; known: {QUANT_KERNELS}")
+        if kernel == "amx" and dtype != torch.bfloat16:
+            raise ValueError(f"the amx quantized kernel computes in bfloat16, not {dtype}")
         self.matrix = matrix
         self.bias = bias
-        self.blocks, self.code = kernel_layout(matrix)
-        self.tile = 64 if check_row_invariance(matrix.kind, matrix.shape[1], dtype) else 1
+        self.kernel = kernel
+        self.layout, self._apply = _quant_runner(kernel, matrix)
+        invariant = check_row_invariance(matrix.kind, matrix.shape[1], dtype, kernel=kernel)
+        self.tile = 64 if invariant else 1
 
     def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """``x``: ``[M, K]``; returns ``[M, N]`` in ``x``'s dtype."""
-        from specdec.runtime.kernels import quant_gemm
-
         if exact and self.tile < x.shape[0]:
-            y = torch.cat([quant_gemm(x[i : i + self.tile], self.blocks, self.code)
+            y = torch.cat([self._apply(x[i : i + self.tile], self.layout)
                            for i in range(0, x.shape[0], self.tile)])  # fmt: skip
         else:
-            y = quant_gemm(x, self.blocks, self.code)
+            y = self._apply(x, self.layout)
         return y if self.bias is None else y + self.bias
 
     def prefill(self, x: torch.Tensor) -> torch.Tensor:
         """A prompt chunk's product (the same call for the same chunk, so the same bits)."""
         if x.shape[0] < PREFILL_DENSE_ROWS:
             return self(x)
-        from specdec.runtime.kernels import dequantize_blocks
+        return F.linear(x, self.dense(x.dtype), self.bias)
 
-        dense = dequantize_blocks(self.blocks, self.code, self.matrix.shape[1], x.dtype)
-        return F.linear(x, dense, self.bias)
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized ``[N, K]`` matrix in ``dtype`` (expanded per call; from the
+        ``fma`` kernel's own layout where it has it, the fastest to expand)."""
+        if self.kernel == "fma":
+            from specdec.runtime.kernels import dequantize_blocks
+
+            blocks, code = self.layout
+            return dequantize_blocks(blocks, code, self.matrix.shape[1], dtype)
+        return dequantize(self.matrix, dtype)
 
 
 # ------------------------------------------------------------------ GGUF files

@@ -31,6 +31,7 @@
 #include <ATen/Parallel.h>
 
 #include <utility>
+#include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define SPECDEC_AMX 1
@@ -50,6 +51,8 @@ constexpr int64_t kTileN = 16;     // outputs per B tile
 constexpr int64_t kBlockElems = kTileRows * kTileK;  // bfloat16 values in one B tile
 // Bytes ahead in a column block's stream that each step asks the cache for.
 constexpr int64_t kPrefetchBytes = 4096;
+// The same for the quantized tiles' stream (bytes ahead of the tile being expanded).
+constexpr int64_t kQuantPrefetchBytes = 8192;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -98,6 +101,7 @@ inline void tile_dot(int c, int a, int b) {
   SPECDEC_DOT(1, 2, 6) SPECDEC_DOT(1, 2, 7) SPECDEC_DOT(1, 3, 6) SPECDEC_DOT(1, 3, 7)
   SPECDEC_DOT(0, 4, 6) SPECDEC_DOT(1, 4, 7) SPECDEC_DOT(2, 5, 6) SPECDEC_DOT(3, 5, 7)
   SPECDEC_DOT(0, 4, 7) SPECDEC_DOT(1, 4, 6) SPECDEC_DOT(2, 5, 7) SPECDEC_DOT(3, 5, 6)
+  SPECDEC_DOT(1, 5, 6) SPECDEC_DOT(2, 4, 6) SPECDEC_DOT(3, 4, 7)  // the quantized kernels
 #undef SPECDEC_DOT
   __builtin_trap();
 }
@@ -113,8 +117,9 @@ inline void unroll(F&& f) {
 
 // R tiles of 16 rows of x against C blocks of 16 outputs, over all of K. Tiles: C at
 // r * C + c, A at R * C + r, B alternating at 6 and 7 (R * C <= 4, R <= 2).
-//   a: the first row, a_stride bytes between rows; b: the first block of the first column
-//   block, b_stride bfloat16 values between column blocks; out: float32 [16 R][ldo].
+//   a: x's first row tile, packed (pack_rows: 1 KiB per 16 rows x 32 k, k blocks
+//   consecutive, a_stride values between row tiles); b: the first block of the first
+//   column block, b_stride values between column blocks; out: float32 [16 R][ldo].
 template <int R, int C>
 inline void tile_kernel(const c10::BFloat16* a, int64_t a_stride, const c10::BFloat16* b,
                         int64_t b_stride, int64_t kblocks, float* out, int64_t ldo) {
@@ -124,7 +129,7 @@ inline void tile_kernel(const c10::BFloat16* a, int64_t a_stride, const c10::BFl
   for (int64_t kb = 0; kb < kblocks; ++kb) {
     unroll<R>([&](auto r) {
       constexpr int ri = decltype(r)::value;
-      tile_load(R * C + ri, a + ri * kTileRows * (a_stride / 2) + kb * kTileK, a_stride);
+      tile_load(R * C + ri, a + ri * a_stride + kb * kBlockElems, 64);
     });
     unroll<C>([&](auto c) {
       constexpr int ci = decltype(c)::value;
@@ -143,6 +148,29 @@ inline void tile_kernel(const c10::BFloat16* a, int64_t a_stride, const c10::BFl
     constexpr int t = decltype(i)::value;
     tile_store(t, out + (t / C) * kTileRows * ldo + (t % C) * kTileN, ldo * 4);
   });
+}
+
+// x [M, K] (row stride xs values) as A tiles: [ceil(M / 16)][kblocks][16][32], rows past M
+// and k past K zero. Each tile is then one contiguous KiB (a strided tile load touches 16
+// lines 2 KiB apart; measured slower once x outgrows the L1 cache).
+void pack_rows(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, int64_t kblocks,
+               c10::BFloat16* a) {
+  const int64_t mtiles = (M + kTileRows - 1) / kTileRows;
+  for (int64_t mt = 0; mt < mtiles; ++mt)
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      c10::BFloat16* tile = a + (mt * kblocks + kb) * kBlockElems;
+      const int64_t k0 = kb * kTileK, width = std::min<int64_t>(kTileK, K - k0);
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        const int64_t m = mt * kTileRows + r;
+        c10::BFloat16* row = tile + r * kTileK;
+        if (m < M && width == kTileK) {
+          std::memcpy(row, x + m * xs + k0, 64);
+        } else {
+          std::memset(row, 0, 64);
+          if (m < M) std::memcpy(row, x + m * xs + k0, width * 2);
+        }
+      }
+    }
 }
 
 // The float32 tile results [16 R][ldo] into y (rows m0.., columns n0..), rounded to
@@ -172,40 +200,322 @@ bool amx_usable() {
 // leave a 2-core machine with too few tasks on a 576-wide matrix).
 constexpr int64_t kColsPerTask = 2;
 
-void run_amx(const c10::BFloat16* xp, int64_t xs_bytes, int64_t M, int64_t kblocks,
-             const c10::BFloat16* wp, int64_t N, c10::BFloat16* yp) {
+// One task's column blocks nb, nb + 1 (cols of them), B tiles at b (b_stride values
+// between the two), against every row tile of the packed x.
+inline void column_task(const c10::BFloat16* ap, int64_t M, int64_t kblocks,
+                        const c10::BFloat16* b, int64_t b_stride, int64_t nb, int64_t cols,
+                        int64_t N, c10::BFloat16* yp, float* out) {
+  const int64_t a_stride = kblocks * kBlockElems;
+  const int64_t mtiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t ldo = 2 * kTileN;
+  const int64_t width = std::min<int64_t>(cols * kTileN, N - nb * kTileN);
+  int64_t mt = 0;
+  for (; mt + 2 <= mtiles; mt += 2) {
+    const c10::BFloat16* a = ap + mt * a_stride;
+    if (cols == 2) tile_kernel<2, 2>(a, a_stride, b, b_stride, kblocks, out, ldo);
+    else tile_kernel<2, 1>(a, a_stride, b, b_stride, kblocks, out, ldo);
+    write_out(out, ldo, std::min<int64_t>(2 * kTileRows, M - mt * kTileRows), width,
+              yp + mt * kTileRows * N + nb * kTileN, N);
+  }
+  if (mt < mtiles) {
+    const c10::BFloat16* a = ap + mt * a_stride;
+    if (cols == 2) tile_kernel<1, 2>(a, a_stride, b, b_stride, kblocks, out, ldo);
+    else tile_kernel<1, 1>(a, a_stride, b, b_stride, kblocks, out, ldo);
+    write_out(out, ldo, M - mt * kTileRows, width, yp + mt * kTileRows * N + nb * kTileN, N);
+  }
+}
+
+void run_amx(const c10::BFloat16* ap, int64_t M, int64_t kblocks, const c10::BFloat16* wp,
+             int64_t N, c10::BFloat16* yp) {
   const int64_t nblocks = (N + kTileN - 1) / kTileN;
   const int64_t b_stride = kblocks * kBlockElems;
-  const int64_t mtiles = (M + kTileRows - 1) / kTileRows;
   const int64_t tasks = (nblocks + kColsPerTask - 1) / kColsPerTask;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     configure_tiles();
     alignas(64) float out[2 * kTileRows * 2 * kTileN];
-    const int64_t ldo = 2 * kTileN;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t nb = t * kColsPerTask;
       const int64_t cols = std::min<int64_t>(kColsPerTask, nblocks - nb);
-      const c10::BFloat16* b = wp + nb * b_stride;
-      int64_t mt = 0;
-      for (; mt + 2 <= mtiles; mt += 2) {
-        const c10::BFloat16* a = xp + mt * kTileRows * (xs_bytes / 2);
-        if (cols == 2) tile_kernel<2, 2>(a, xs_bytes, b, b_stride, kblocks, out, ldo);
-        else tile_kernel<2, 1>(a, xs_bytes, b, b_stride, kblocks, out, ldo);
-        write_out(out, ldo, std::min<int64_t>(2 * kTileRows, M - mt * kTileRows),
-                  std::min<int64_t>(cols * kTileN, N - nb * kTileN),
-                  yp + mt * kTileRows * N + nb * kTileN, N);
+      column_task(ap, M, kblocks, wp + nb * b_stride, b_stride, nb, cols, N, yp, out);
+    }
+    _tile_release();
+  });
+}
+
+// ---------------------------------------------------------------- GGUF blocks on tiles
+//
+// The quantized products (Q4_1, Q8_0) with bfloat16 activations. A block of 32 weights
+// of output n is w = d q + m (Q4_1, q in 0..15) or w = d q (Q8_0, q in -128..127), with
+// d, m per block (float16 in the file, exact in float32). So
+//   y[m, n] = sum over blocks b of  d[n, b] (x[m, b] . q[n, b])  +  m[n, b] S[m, b]
+// where S[m, b] is the sum of row m's 32 values of block b. The integers q are exact in
+// bfloat16, so one TDPBF16PS per block computes x . q of 16 rows x 16 outputs (float32
+// products of the file's weights exactly, no rounding of w), and each block's tile is
+// then scaled into float32 accumulators: acc = fma(C, d, acc), then acc = fma(S, m, acc),
+// blocks in increasing order, then one rounding to bfloat16. Every step of a row reads
+// that row only, so a row's bits do not depend on M (row-invariant by construction).
+// What streams from memory is 6 (Q4_1) or 9 (Q8_0) bits per weight, and expanding a
+// block's integers costs a few instructions per 32 weights (a table lookup), once per
+// call and group of 64 rows: verifying 16 rows costs about what one row costs.
+//
+// Tile layout (specdec.runtime.quant.amx_layout), per 16 outputs j x 32 k:
+//   Q4_1: float32 d[16], float32 m[16], then 16 rows p of 16 bytes: output j's byte
+//         holds q_j[2p] (low nibble) and q_j[2p + 1] (high), at position pos(j) below
+//                                                                    (384 bytes)
+//   Q8_0: float32 d[16], then 16 rows p of 32 int8: q_j[2p], q_j[2p + 1] for each j
+//                                                                    (576 bytes)
+// so row p of the B tile (the pairs of k 2p, 2p + 1 for the 16 outputs) expands from
+// one 16- or 32-byte load.
+enum TileKind : int64_t { kTileQ4_1 = 0, kTileQ8_0 = 1 };
+constexpr int64_t tile_bytes(int64_t kind) { return kind == kTileQ4_1 ? 384 : 576; }
+constexpr int64_t kGroupTiles = 4;  // row tiles per pass over a column block (C tiles 0-3)
+
+// The bfloat16 bits of 0..15 (a Q4_1 q), for a 16-bit table lookup.
+inline __m512i small_int_table() {
+  alignas(64) uint16_t bits[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = static_cast<float>(i & 15);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    bits[i] = static_cast<uint16_t>(u >> 16);  // exact: small integers fit bfloat16
+  }
+  return _mm512_load_si512(bits);
+}
+
+// Row p's 16 bytes are stored with output j's byte at position pos(j): j = 0, 1, 4, 5, 8,
+// 9, 12, 13 first, then 2, 3, 6, 7, 10, 11, 14, 15 (amx_layout), so that, broadcast to the
+// four 128-bit lanes, the 64-bit lane L of the row holds the bytes of outputs 2L and
+// 2L + 1: one VPMULTISHIFTQB then moves each nibble to its own 16-bit word, in the order
+// the B tile wants (output j's q[2p], q[2p + 1] at words 2j, 2j + 1).
+inline __m512i nibble_shifts() {
+  alignas(64) uint8_t control[64];
+  for (int lane = 0; lane < 8; ++lane) {
+    const int first = 2 * (lane / 2);  // byte position of output 2L within the lane
+    for (int w = 0; w < 4; ++w) {      // words: (2L, e0), (2L, e1), (2L+1, e0), (2L+1, e1)
+      control[8 * lane + 2 * w] = static_cast<uint8_t>(8 * (first + w / 2) + 4 * (w % 2));
+      control[8 * lane + 2 * w + 1] = 0;  // masked off below
+    }
+  }
+  return _mm512_load_si512(control);
+}
+
+inline void expand_q4_1(const uint8_t* t, __m512i table, __m512i shifts,
+                        c10::BFloat16* tile) {
+  const uint8_t* nibbles = t + 128;
+  const __m512i low = _mm512_set1_epi16(0x000F);
+  for (int64_t p = 0; p < kTileRows; ++p) {
+    const __m512i row = _mm512_broadcast_i32x4(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + 16 * p)));
+    const __m512i q = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, row), low);
+    _mm512_storeu_si512(tile + p * kTileK, _mm512_permutexvar_epi16(q, table));
+  }
+}
+
+inline void expand_q8_0(const uint8_t* t, c10::BFloat16* tile) {
+  const uint8_t* q = t + 64;
+  for (int64_t p = 0; p < kTileRows; ++p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    // exact: |q| <= 128 fits bfloat16
+    _mm512_storeu_si512(tile + p * kTileK,
+                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+}
+
+// S[m, b]: each row's sum over each block of 32 values, float32, k in increasing order.
+void block_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t kblocks, float* s) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < kblocks; ++b) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < kTileK; ++i) sum += to_float(x[m * xs + b * kTileK + i]);
+      s[m * kblocks + b] = sum;
+    }
+}
+
+// R row tiles (rows valid: `rows`, at most 16 R) of the packed x against one column block:
+// C tiles 0..R-1, A tiles 4 and 5, B tile 6; acc [16 R][16] float32.
+template <int R>
+inline void quant_group(const c10::BFloat16* a, int64_t a_stride, const float* sums,
+                        int64_t kblocks, const uint8_t* q, int64_t kind, int64_t rows,
+                        __m512i table, __m512i shifts, c10::BFloat16* buffer, float* cbuf,
+                        float* acc) {
+  const int64_t bytes = tile_bytes(kind);
+  for (int64_t i = 0; i < rows; ++i) _mm512_storeu_ps(acc + i * kTileN, _mm512_setzero_ps());
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    const uint8_t* tile = q + kb * bytes;
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(tile) + kQuantPrefetchBytes + line,
+                   _MM_HINT_T0);
+    if (kind == kTileQ4_1) expand_q4_1(tile, table, shifts, buffer);
+    else expand_q8_0(tile, buffer);
+    tile_load(6, buffer, 64);
+    unroll<R>([&](auto r) {
+      constexpr int ri = decltype(r)::value;
+      constexpr int at = 4 + (ri & 1);
+      tile_zero(ri);
+      tile_load(at, a + ri * a_stride + kb * kBlockElems, 64);
+      tile_dot(ri, at, 6);
+    });
+    unroll<R>([&](auto r) {
+      constexpr int ri = decltype(r)::value;
+      tile_store(ri, cbuf + ri * kTileRows * kTileN, kTileN * 4);
+    });
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(tile));
+    if (kind == kTileQ4_1) {
+      const __m512 mins = _mm512_loadu_ps(reinterpret_cast<const float*>(tile + 64));
+      for (int64_t i = 0; i < rows; ++i) {
+        __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(cbuf + i * kTileN), d,
+                                   _mm512_loadu_ps(acc + i * kTileN));
+        v = _mm512_fmadd_ps(_mm512_set1_ps(sums[i * kblocks + kb]), mins, v);
+        _mm512_storeu_ps(acc + i * kTileN, v);
       }
-      if (mt < mtiles) {
-        const c10::BFloat16* a = xp + mt * kTileRows * (xs_bytes / 2);
-        if (cols == 2) tile_kernel<1, 2>(a, xs_bytes, b, b_stride, kblocks, out, ldo);
-        else tile_kernel<1, 1>(a, xs_bytes, b, b_stride, kblocks, out, ldo);
-        write_out(out, ldo, M - mt * kTileRows,
-                  std::min<int64_t>(cols * kTileN, N - nb * kTileN),
-                  yp + mt * kTileRows * N + nb * kTileN, N);
+    } else {
+      for (int64_t i = 0; i < rows; ++i)
+        _mm512_storeu_ps(acc + i * kTileN,
+                         _mm512_fmadd_ps(_mm512_loadu_ps(cbuf + i * kTileN), d,
+                                         _mm512_loadu_ps(acc + i * kTileN)));
+    }
+  }
+}
+
+// Up to 16 rows (one row tile, A tile 4) against C column blocks at once (C tiles 0..C-1,
+// B tiles 6 and 7): C independent tile chains per block of k, and x's tile loaded once for
+// all of them. The same arithmetic per output as quant_group.
+template <int C>
+inline void quant_cols(const c10::BFloat16* a, const float* sums, int64_t kblocks,
+                       const uint8_t* q, int64_t kind, int64_t rows, __m512i table,
+                       __m512i shifts, c10::BFloat16* buffer, float* cbuf, float* acc) {
+  const int64_t bytes = tile_bytes(kind);
+  const int64_t col_bytes = kblocks * bytes;
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < rows; ++i)
+      _mm512_storeu_ps(acc + (c * kTileRows + i) * kTileN, _mm512_setzero_ps());
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    tile_load(4, a + kb * kBlockElems, 64);
+    unroll<C>([&](auto c) {
+      constexpr int ci = decltype(c)::value;
+      constexpr int bt = 6 + (ci & 1);
+      const uint8_t* tile = q + ci * col_bytes + kb * bytes;
+      for (int64_t line = 0; line < bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(tile) + kQuantPrefetchBytes + line,
+                     _MM_HINT_T0);
+      c10::BFloat16* b = buffer + ci * kBlockElems;
+      if (kind == kTileQ4_1) expand_q4_1(tile, table, shifts, b);
+      else expand_q8_0(tile, b);
+      tile_zero(ci);
+      tile_load(bt, b, 64);
+      tile_dot(ci, 4, bt);
+    });
+    unroll<C>([&](auto c) {
+      constexpr int ci = decltype(c)::value;
+      tile_store(ci, cbuf + ci * kTileRows * kTileN, kTileN * 4);
+    });
+    for (int64_t c = 0; c < C; ++c) {
+      const uint8_t* tile = q + c * col_bytes + kb * bytes;
+      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(tile));
+      const float* cb = cbuf + c * kTileRows * kTileN;
+      float* ac = acc + c * kTileRows * kTileN;
+      if (kind == kTileQ4_1) {
+        const __m512 mins = _mm512_loadu_ps(reinterpret_cast<const float*>(tile + 64));
+        for (int64_t i = 0; i < rows; ++i) {
+          __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(cb + i * kTileN), d,
+                                     _mm512_loadu_ps(ac + i * kTileN));
+          v = _mm512_fmadd_ps(_mm512_set1_ps(sums[i * kblocks + kb]), mins, v);
+          _mm512_storeu_ps(ac + i * kTileN, v);
+        }
+      } else {
+        for (int64_t i = 0; i < rows; ++i)
+          _mm512_storeu_ps(ac + i * kTileN,
+                           _mm512_fmadd_ps(_mm512_loadu_ps(cb + i * kTileN), d,
+                                           _mm512_loadu_ps(ac + i * kTileN)));
+      }
+    }
+  }
+}
+
+void run_amx_quant(const c10::BFloat16* ap, const float* sums, int64_t M, int64_t kblocks,
+                   const uint8_t* qp, int64_t kind, int64_t N, c10::BFloat16* yp) {
+  const int64_t nblocks = (N + kTileN - 1) / kTileN;
+  const int64_t bytes = tile_bytes(kind);
+  const int64_t a_stride = kblocks * kBlockElems;
+  const int64_t mtiles = (M + kTileRows - 1) / kTileRows;
+  // One row: tiles of one row (a C tile store is then 64 bytes, not 1 KiB).
+  const int tile_rows = static_cast<int>(std::min<int64_t>(M, kTileRows));
+  if (mtiles == 1) {  // decoding and verification: 4 column blocks at once
+    const int64_t groups = (nblocks + kGroupTiles - 1) / kGroupTiles;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      TileConfig config;
+      for (int t = 0; t < 8; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = t >= 6 ? kTileRows : tile_rows;
+      }
+      _tile_loadconfig(&config);
+      const __m512i table = small_int_table();
+      const __m512i shifts = nibble_shifts();
+      alignas(64) c10::BFloat16 buffer[kGroupTiles * kBlockElems];
+      alignas(64) float cbuf[kGroupTiles * kTileRows * kTileN];
+      alignas(64) float acc[kGroupTiles * kTileRows * kTileN];
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t nb = g * kGroupTiles;
+        const int64_t cols = std::min<int64_t>(kGroupTiles, nblocks - nb);
+        const uint8_t* q = qp + nb * kblocks * bytes;
+        switch (cols) {
+          case 1: quant_cols<1>(ap, sums, kblocks, q, kind, M, table, shifts, buffer, cbuf, acc); break;
+          case 2: quant_cols<2>(ap, sums, kblocks, q, kind, M, table, shifts, buffer, cbuf, acc); break;
+          case 3: quant_cols<3>(ap, sums, kblocks, q, kind, M, table, shifts, buffer, cbuf, acc); break;
+          default: quant_cols<4>(ap, sums, kblocks, q, kind, M, table, shifts, buffer, cbuf, acc); break;
+        }
+        for (int64_t c = 0; c < cols; ++c)
+          write_out(acc + c * kTileRows * kTileN, kTileN, M,
+                    std::min<int64_t>(kTileN, N - (nb + c) * kTileN), yp + (nb + c) * kTileN, N);
+      }
+      _tile_release();
+    });
+    return;
+  }
+  at::parallel_for(0, nblocks, 1, [&](int64_t n0, int64_t n1) {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) {
+      config.colsb[t] = 64;
+      config.rows[t] = t == 6 ? kTileRows : tile_rows;  // B tile: always 16 k pairs
+    }
+    _tile_loadconfig(&config);
+    const __m512i table = small_int_table();
+    const __m512i shifts = nibble_shifts();
+    alignas(64) c10::BFloat16 buffer[kBlockElems];
+    alignas(64) float cbuf[kGroupTiles * kTileRows * kTileN];
+    alignas(64) float acc[kGroupTiles * kTileRows * kTileN];
+    for (int64_t nb = n0; nb < n1; ++nb) {
+      const uint8_t* q = qp + nb * kblocks * bytes;
+      const int64_t width = std::min<int64_t>(kTileN, N - nb * kTileN);
+      for (int64_t mt = 0; mt < mtiles; mt += kGroupTiles) {
+        const int64_t row0 = mt * kTileRows;
+        const int64_t rows = std::min<int64_t>(kGroupTiles * kTileRows, M - row0);
+        const c10::BFloat16* a = ap + mt * a_stride;
+        const float* s = sums + row0 * kblocks;
+        switch (std::min<int64_t>(kGroupTiles, mtiles - mt)) {
+          case 1: quant_group<1>(a, a_stride, s, kblocks, q, kind, rows, table, shifts, buffer, cbuf, acc); break;
+          case 2: quant_group<2>(a, a_stride, s, kblocks, q, kind, rows, table, shifts, buffer, cbuf, acc); break;
+          case 3: quant_group<3>(a, a_stride, s, kblocks, q, kind, rows, table, shifts, buffer, cbuf, acc); break;
+          default: quant_group<4>(a, a_stride, s, kblocks, q, kind, rows, table, shifts, buffer, cbuf, acc); break;
+        }
+        write_out(acc, kTileN, rows, width, yp + row0 * N + nb * kTileN, N);
       }
     }
     _tile_release();
   });
+}
+
+// x as whole A tiles (pack_rows), in a buffer of the calling thread kept between calls
+// (no allocation per product: a decoding step makes 120 of them).
+const c10::BFloat16* packed_rows(const torch::Tensor& x, int64_t kblocks) {
+  static thread_local std::vector<c10::BFloat16> a;
+  const int64_t M = x.size(0);
+  const int64_t need = (M + kTileRows - 1) / kTileRows * kblocks * kBlockElems;
+  if (static_cast<int64_t>(a.size()) < need) a.resize(need);
+  pack_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, x.size(1), kblocks, a.data());
+  return a.data();
 }
 
 #endif  // SPECDEC_AMX
@@ -241,14 +551,35 @@ void amx_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor y) {
   TORCH_CHECK(K <= kblocks * kTileK && K > (kblocks - 1) * kTileK,
               "x has K = ", K, " but packed holds ", kblocks * kTileK, " (padded)");
   if (M == 0) return;
-  // A tiles read 16 rows of 32 k: pad x with zero rows / columns unless it is whole.
-  torch::Tensor a = x;
-  if (M % kTileRows || K != kblocks * kTileK) {
-    a = torch::zeros({(M + kTileRows - 1) / kTileRows * kTileRows, kblocks * kTileK},
-                     x.options());
-    a.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
-  }
-  run_amx(a.data_ptr<c10::BFloat16>(), a.stride(0) * 2, M, kblocks,
-          packed.data_ptr<c10::BFloat16>(), y.size(1), y.data_ptr<c10::BFloat16>());
+  run_amx(packed_rows(x, kblocks), M, kblocks, packed.data_ptr<c10::BFloat16>(), y.size(1),
+          y.data_ptr<c10::BFloat16>());
+#endif
+}
+
+// x: [M, K] bfloat16 rows contiguous; tiles: [N_blocks, K_blocks, tile bytes] uint8 (the
+// tile layout above); kind: 0 = Q4_1, 1 = Q8_0; y: [M, N] bfloat16 contiguous.
+void amx_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y) {
+  TORCH_CHECK(amx_available(), "AMX bfloat16 tiles are not available on this machine");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kBFloat16,
+              "x must be a bfloat16 [M, K] tensor with contiguous rows");
+  TORCH_CHECK(kind == 0 || kind == 1, "unknown tile kind ", kind, " (0 = Q4_1, 1 = Q8_0)");
+  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == torch::kUInt8 &&
+                  tiles.size(2) == (kind == 0 ? 384 : 576),
+              "tiles must be a contiguous uint8 [N/16, K/32, ", kind == 0 ? 384 : 576,
+              "] tensor");
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.size(0) == x.size(0) &&
+                  y.scalar_type() == torch::kBFloat16 && y.size(1) <= tiles.size(0) * 16 &&
+                  y.size(1) > (tiles.size(0) - 1) * 16,
+              "y must be a contiguous bfloat16 [M, N] tensor matching the tiles' N");
+  TORCH_CHECK(x.size(1) == tiles.size(1) * 32,
+              "x has K = ", x.size(1), " but the tiles hold ", tiles.size(1) * 32);
+#if defined(SPECDEC_AMX)
+  const int64_t M = x.size(0), kblocks = tiles.size(1);
+  if (M == 0) return;
+  static thread_local std::vector<float> sums;
+  if (static_cast<int64_t>(sums.size()) < M * kblocks) sums.resize(M * kblocks);
+  block_sums(x.data_ptr<c10::BFloat16>(), x.stride(0), M, kblocks, sums.data());
+  run_amx_quant(packed_rows(x, kblocks), sums.data(), M, kblocks, tiles.data_ptr<uint8_t>(),
+                kind, y.size(1), y.data_ptr<c10::BFloat16>());
 #endif
 }

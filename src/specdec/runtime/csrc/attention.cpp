@@ -221,6 +221,7 @@ void dequantize(torch::Tensor q, int64_t kind, torch::Tensor out);
 // amx.cpp
 bool amx_available();
 void amx_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor y);
+void amx_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
@@ -232,5 +233,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "GGUF blocks (Q4_1, Q8_0) to a dense matrix");
   m.def("amx_available", &amx_available, "whether amx_gemm runs here (AMX-BF16 and the tile state)");
   m.def("amx_gemm", &amx_gemm, "bfloat16 x W^T on AMX tiles, W packed; row-invariant for any M");
+  m.def("amx_quant_gemm", &amx_quant_gemm, "bfloat16 x W^T on AMX tiles, W in Q4_1 / Q8_0 tiles");
   m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
 }
