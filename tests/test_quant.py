@@ -362,3 +362,18 @@ def test_quant_kernel_choices_measure_once_and_obey_the_override(tmp_path, monke
     if len(available_quant_kernels(torch.bfloat16)) == 2:  # measured, then read back
         assert (tmp_path / "kernels.json").exists()
         assert quant_kernel_choices(products, torch.bfloat16) == first
+
+
+def test_forward_cost_counts_the_bytes_the_quantized_kernel_reads(embedded_fp32):
+    """The roofline of a quantized model counts the bytes its chosen kernel streams (the
+    blocks in that kernel's layout), not the dense matrices'."""
+    from specdec.bench.forward_cost import weight_stats
+    from specdec.models.native import NativeModel
+
+    model = NativeModel(embedded_fp32, quantization="gguf")
+    decoder = model.decoder
+    linears = [*(lin for layer in decoder.layers for lin in layer.values()), decoder.lm_head]
+    params, nbytes = weight_stats(model)
+    assert nbytes == sum(lin.streamed_bytes for lin in linears)  # every product is quantized
+    # Q4_1 layers at 6 bits per weight, the Q8_0 LM head at 8.5: under 7 bits on average
+    assert nbytes < params * 7 // 8

@@ -77,8 +77,8 @@ def weight_stats(model) -> tuple[int, int]:
     """``(parameters read per forward, bytes)``: every matrix of the decoder layers plus
     the LM head (an embedding row gather is negligible; a tied LM head counts once). For
     a native model with quantized products, their bytes are the blocks' bytes in the
-    layout the kernel reads (Q4_1: 24 bytes per 32 weights, see
-    :func:`specdec.runtime.quant.kernel_layout`)."""
+    layout the chosen kernel reads (``QuantLinear.streamed_bytes``; Q4_1: 24 bytes per 32
+    weights for the ``fma`` kernel, see :func:`specdec.runtime.quant.kernel_layout`)."""
     module = model.model
     head = module.get_output_embeddings().weight
     params = head.numel()
@@ -89,10 +89,10 @@ def weight_stats(model) -> tuple[int, int]:
     if decoder is not None:  # quantized products stream their blocks as the kernel reads them
         linears = [linear for layer in decoder.layers for linear in layer.values()]
         for linear in [*linears, decoder.lm_head]:
-            blocks = getattr(linear, "blocks", None)
-            if blocks is not None:
+            streamed = getattr(linear, "streamed_bytes", None)
+            if streamed is not None:
                 n, k = linear.matrix.shape
-                weight_bytes += blocks.numel() - n * k * head.element_size()
+                weight_bytes += streamed - n * k * head.element_size()
     return params, weight_bytes
 
 

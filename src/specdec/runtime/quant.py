@@ -410,6 +410,12 @@ class QuantLinear:
         invariant = check_row_invariance(matrix.kind, matrix.shape[1], dtype, kernel=kernel)
         self.tile = 64 if invariant else 1
 
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes a product reads from memory: the blocks in the chosen kernel's layout
+        (Q4_1: 24 bytes per 32 weights for ``fma``, 6 bits per weight for ``amx``)."""
+        return self.layout[0].numel() * self.layout[0].element_size()
+
     def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """``x``: ``[M, K]``; returns ``[M, N]`` in ``x``'s dtype."""
         if exact and self.tile < x.shape[0]:
