@@ -11,15 +11,19 @@ first token, specdec's with its prefill forwards), after one warm-up request per
 llama.cpp (``llama-cpp-python``) runs the GGUF file itself with ``n_threads`` = specdec's
 thread count; its prompt-lookup decoding (``LlamaPromptLookupDecoding``) is measured too.
 specdec runs the file's own Q4_1 / Q8_0 blocks (``quantization gguf``), native backend,
-exact mode, bfloat16 activations, plain and with its lossless drafters; the dense bfloat16
-copy is the reference line.
+exact mode, bfloat16 activations, plain and with its lossless drafters, with each of its
+quantized kernels (``fma``: float32 FMAs, fastest for one row; ``amx``: integer weights on
+AMX tiles, about as fast from 4 rows and far cheaper for verification; see
+``specdec.runtime.quant``; forced with ``SPECDEC_QUANT_KERNEL``, the ``amx`` rows only
+where the CPU has AMX-BF16); the dense bfloat16 copy is the reference line.
 
 Methods are interleaved: every method decodes prompt 1, then every method prompt 2, and so
 on (llama.cpp in a worker process that keeps both of its configurations loaded), so a
 change in the machine's speed during the run (a shared VM) hits all of them alike.
 
-Identity: every specdec method's output is compared with specdec's plain decoding (greedy
-speculative decoding must not change a token); llama.cpp's outputs with specdec's plain
+Identity: every specdec method's output is compared with specdec's plain decoding on the
+same target and kernel ("its own plain": greedy speculative decoding must not change a
+token) and with the first specdec plain row; llama.cpp's outputs with specdec's plain
 decoding (different arithmetic: equal only where neither rounding flips a choice) and
 llama.cpp's prompt lookup with llama.cpp's plain decoding.
 
@@ -47,14 +51,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-#: specdec configurations: (label, quantization, method, k, controller).
+#: specdec configurations: (label, target, method, k, controller); target: "dense" (the
+#: dense bfloat16 copy) or the quantized kernel on the GGUF's blocks ("fma", "amx").
 SPECDEC_METHODS = (
-    ("specdec plain (dense bf16)", "none", "none", 0, "fixed"),
-    ("specdec plain", "gguf", "none", 0, "fixed"),
-    ("specdec prompt lookup k=10", "gguf", "ngram", 10, "fixed"),
-    ("specdec prompt lookup, cost controller", "gguf", "ngram", 10, "cost"),
-    ("specdec suffix, cost controller", "gguf", "suffix", 10, "cost"),
-    ("specdec suffix, cost controller, no trim", "gguf", "suffix", 10, "cost:trim=false"),
+    ("specdec plain (dense bf16)", "dense", "none", 0, "fixed"),
+    ("specdec plain, fma kernel", "fma", "none", 0, "fixed"),
+    ("specdec suffix, cost controller, fma kernel", "fma", "suffix", 10, "cost"),
+    ("specdec plain, amx kernel", "amx", "none", 0, "fixed"),
+    ("specdec prompt lookup k=10, amx kernel", "amx", "ngram", 10, "fixed"),
+    ("specdec prompt lookup, cost controller, amx kernel", "amx", "ngram", 10, "cost"),
+    ("specdec suffix, cost controller, amx kernel", "amx", "suffix", 10, "cost"),
 )
 
 
@@ -150,20 +156,31 @@ class LlamaWorker:
 
 
 def specdec_models() -> dict:
-    """specdec's two targets: the GGUF file's own blocks and the dense bfloat16 copy."""
-    from specdec import LLM
+    """specdec's targets: the dense bfloat16 copy, and the GGUF file's own blocks with each
+    quantized kernel available here."""
+    import torch
 
-    return {q: LLM(backend="native", quantization=q) for q in ("gguf", "none")}
+    from specdec import LLM
+    from specdec.runtime.quant import available_quant_kernels
+
+    models = {"dense": LLM(backend="native", quantization="none")}
+    for kernel in available_quant_kernels(torch.bfloat16):
+        os.environ["SPECDEC_QUANT_KERNEL"] = kernel
+        try:
+            models[kernel] = LLM(backend="native", quantization="gguf")
+        finally:
+            del os.environ["SPECDEC_QUANT_KERNEL"]
+    return models
 
 
 def run_specdec_one(models: dict, method: tuple, ids: list[int], max_new_tokens: int) -> dict:
     """One prompt with one configuration of :data:`SPECDEC_METHODS`."""
     from specdec import SamplingParams, SpeculativeConfig
 
-    _, quantization, name, k, controller = method
+    _, target, name, k, controller = method
     config = SpeculativeConfig(method=name, num_speculative_tokens=max(k, 1), controller=controller)
     start = time.perf_counter()
-    result = models[quantization].generate(
+    result = models[target].generate(
         ids, SamplingParams(max_new_tokens=max_new_tokens), speculative=config
     )
     return {
@@ -177,22 +194,32 @@ def run_interleaved(prompts, max_new_tokens: int, worker: LlamaWorker) -> dict:
     """Every method on prompt 1, then every method on prompt 2, ...: drift in the
     machine's speed (a shared VM) hits every method alike. One warm-up per method first."""
     models = specdec_models()
-    for method in SPECDEC_METHODS:
+    methods = [m for m in SPECDEC_METHODS if m[1] in models]
+    for method in methods:
         run_specdec_one(models, method, prompts[0], max_new_tokens)  # warm-up
-    labels = [label for label, _ in LLAMA_METHODS] + [m[0] for m in SPECDEC_METHODS]
+    labels = [label for label, _ in LLAMA_METHODS] + [m[0] for m in methods]
     out: dict = {label: [] for label in labels}
     for index, ids in enumerate(prompts):
         for label, _ in LLAMA_METHODS:
             out[label].append(worker.decode(label, index))
-        for method in SPECDEC_METHODS:
+        for method in methods:
             out[method[0]].append(run_specdec_one(models, method, ids, max_new_tokens))
         print(f"prompt {index + 1}/{len(prompts)}", file=sys.stderr)
-    out["_dtype"] = str(models["gguf"].target.dtype).replace("torch.", "")
+    out["_dtype"] = str(models["dense"].target.dtype).replace("torch.", "")
+    #: each specdec method's own plain decoding (same target and kernel)
+    out["_own"] = {
+        m[0]: next(p[0] for p in methods if p[1] == m[1] and p[2] == "none") for m in methods
+    }
     return out
 
 
-def summarize(results: dict, reference: str, llama_reference: str) -> list[dict]:
+def summarize(
+    results: dict, reference: str, llama_reference: str, own: dict | None = None
+) -> list[dict]:
+    """Per method: speeds, identity with ``reference`` and with its own plain decoding
+    (``own[label]``, else ``reference``; llama.cpp's: ``llama_reference``)."""
     rows = []
+    own = own or {}
     ref = results[reference]
     for label, runs in results.items():
         if label.startswith("_"):
@@ -200,8 +227,10 @@ def summarize(results: dict, reference: str, llama_reference: str) -> list[dict]
         tokens = sum(len(r["tokens"]) for r in runs)
         seconds = sum(r["seconds"] for r in runs)
         same = sum(r["tokens"] == b["tokens"] for r, b in zip(runs, ref, strict=True))
-        own = results[llama_reference] if label.startswith("llama.cpp") else ref
-        same_own = sum(r["tokens"] == b["tokens"] for r, b in zip(runs, own, strict=True))
+        mine = results[
+            llama_reference if label.startswith("llama.cpp") else own.get(label, reference)
+        ]
+        same_own = sum(r["tokens"] == b["tokens"] for r, b in zip(runs, mine, strict=True))
         taus = [r["tau"] for r in runs if r.get("tau")]
         ok = [r for r in runs if r.get("prompt_s") is not None and r["tokens"]]
         decode_s = sum(r["seconds"] - r["prompt_s"] for r in ok)
@@ -235,7 +264,8 @@ def report(summary: list[dict], config: dict) -> str:
         f"specdec: native backend, exact mode, {config['dtype']} activations.",
         "",
         "| method | tok/s | vs llama.cpp plain | decoding tok/s (after the prompt) | vs "
-        "llama.cpp plain | prompt seconds (all prompts) | identical to specdec plain | "
+        "llama.cpp plain | prompt seconds (all prompts) | "
+        f"identical to {config.get('reference', 'specdec plain')} | "
         "identical to its own plain | mean acceptance length | errors |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -284,13 +314,16 @@ def main() -> int:
         worker.close()
         job.unlink()
     dtype = results.pop("_dtype")
-    summary = summarize(results, "specdec plain", "llama.cpp plain")
+    own = results.pop("_own")
+    plain = next(label for label in own if label.startswith("specdec plain,"))
+    summary = summarize(results, plain, "llama.cpp plain", own)
     from specdec.runtime.linear import cpu_name
 
     config = {
         "machine": f"{cpu_name()} ({platform.machine()}), {os.cpu_count()} cores",
         "threads": args.threads, "prompts": len(ids), "per_category": args.per_category,
         "max_new_tokens": args.max_new_tokens, "dtype": dtype, "categories": categories,
+        "reference": plain,
     }  # fmt: skip
     (out / "results.json").write_text(
         json.dumps({"config": config, "summary": summary, "runs": results}, indent=1)
