@@ -333,6 +333,28 @@ void block_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t kblocks, 
     }
 }
 
+// One block's scaling into the float32 accumulators of `rows` rows: acc = fma(C, d, acc),
+// then (Q4_1) acc = fma(S, m, acc). The only place this arithmetic is written: every path
+// of the quantized product runs it, so a row gets the same bits whichever path runs it.
+inline void scale_block(const uint8_t* tile, int64_t kind, const float* cbuf, float* acc,
+                        int64_t rows, const float* sums, int64_t kblocks, int64_t kb) {
+  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(tile));
+  if (kind == kTileQ4_1) {
+    const __m512 mins = _mm512_loadu_ps(reinterpret_cast<const float*>(tile + 64));
+    for (int64_t i = 0; i < rows; ++i) {
+      __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(cbuf + i * kTileN), d,
+                                 _mm512_loadu_ps(acc + i * kTileN));
+      v = _mm512_fmadd_ps(_mm512_set1_ps(sums[i * kblocks + kb]), mins, v);
+      _mm512_storeu_ps(acc + i * kTileN, v);
+    }
+  } else {
+    for (int64_t i = 0; i < rows; ++i)
+      _mm512_storeu_ps(acc + i * kTileN,
+                       _mm512_fmadd_ps(_mm512_loadu_ps(cbuf + i * kTileN), d,
+                                       _mm512_loadu_ps(acc + i * kTileN)));
+  }
+}
+
 // R row tiles (rows valid: `rows`, at most 16 R) of the packed x against one column block:
 // C tiles 0..R-1, A tiles 4 and 5, B tile 6; acc [16 R][16] float32.
 template <int R>
@@ -361,21 +383,7 @@ inline void quant_group(const c10::BFloat16* a, int64_t a_stride, const float* s
       constexpr int ri = decltype(r)::value;
       tile_store(ri, cbuf + ri * kTileRows * kTileN, kTileN * 4);
     });
-    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(tile));
-    if (kind == kTileQ4_1) {
-      const __m512 mins = _mm512_loadu_ps(reinterpret_cast<const float*>(tile + 64));
-      for (int64_t i = 0; i < rows; ++i) {
-        __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(cbuf + i * kTileN), d,
-                                   _mm512_loadu_ps(acc + i * kTileN));
-        v = _mm512_fmadd_ps(_mm512_set1_ps(sums[i * kblocks + kb]), mins, v);
-        _mm512_storeu_ps(acc + i * kTileN, v);
-      }
-    } else {
-      for (int64_t i = 0; i < rows; ++i)
-        _mm512_storeu_ps(acc + i * kTileN,
-                         _mm512_fmadd_ps(_mm512_loadu_ps(cbuf + i * kTileN), d,
-                                         _mm512_loadu_ps(acc + i * kTileN)));
-    }
+    scale_block(tile, kind, cbuf, acc, rows, sums, kblocks, kb);
   }
 }
 
@@ -411,26 +419,9 @@ inline void quant_cols(const c10::BFloat16* a, const float* sums, int64_t kblock
       constexpr int ci = decltype(c)::value;
       tile_store(ci, cbuf + ci * kTileRows * kTileN, kTileN * 4);
     });
-    for (int64_t c = 0; c < C; ++c) {
-      const uint8_t* tile = q + c * col_bytes + kb * bytes;
-      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(tile));
-      const float* cb = cbuf + c * kTileRows * kTileN;
-      float* ac = acc + c * kTileRows * kTileN;
-      if (kind == kTileQ4_1) {
-        const __m512 mins = _mm512_loadu_ps(reinterpret_cast<const float*>(tile + 64));
-        for (int64_t i = 0; i < rows; ++i) {
-          __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(cb + i * kTileN), d,
-                                     _mm512_loadu_ps(ac + i * kTileN));
-          v = _mm512_fmadd_ps(_mm512_set1_ps(sums[i * kblocks + kb]), mins, v);
-          _mm512_storeu_ps(ac + i * kTileN, v);
-        }
-      } else {
-        for (int64_t i = 0; i < rows; ++i)
-          _mm512_storeu_ps(ac + i * kTileN,
-                           _mm512_fmadd_ps(_mm512_loadu_ps(cb + i * kTileN), d,
-                                           _mm512_loadu_ps(ac + i * kTileN)));
-      }
-    }
+    for (int64_t c = 0; c < C; ++c)
+      scale_block(q + c * col_bytes + kb * bytes, kind, cbuf + c * kTileRows * kTileN,
+                  acc + c * kTileRows * kTileN, rows, sums, kblocks, kb);
   }
 }
 
