@@ -347,7 +347,7 @@ def test_the_quantized_kernel_is_chosen_by_its_exact_mode_score():
     assert choose_quant_kernel({"fma": [7.0, 9.0, 12.0], "amx": [10.0, 10.0, 12.0]}) == "fma"
 
 
-def test_quant_kernel_choices_measure_once_and_obey_the_override(tmp_path, monkeypatch):
+def test_quant_kernel_choices_measure_once_and_obey_the_override(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     products = {"o": [_matrix("q4_1", 32, 64, s) for s in range(2)]}
     monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "fma")
@@ -355,6 +355,10 @@ def test_quant_kernel_choices_measure_once_and_obey_the_override(tmp_path, monke
     monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "int4")
     with pytest.raises(ValueError, match="SPECDEC_QUANT_KERNEL"):
         quant_kernel_choices(products, torch.bfloat16)
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "amx")  # bfloat16 only: said, and fma runs
+    with caplog.at_level("WARNING", logger="specdec.runtime.quant"):
+        assert quant_kernel_choices(products, torch.float32) == {"o": "fma"}
+    assert "SPECDEC_QUANT_KERNEL=amx is not available here" in caplog.text
     monkeypatch.delenv("SPECDEC_QUANT_KERNEL")
     assert quant_kernel_choices(products, torch.float32) == {"o": "fma"}  # amx: bf16 only
     first = quant_kernel_choices(products, torch.bfloat16)
@@ -377,3 +381,16 @@ def test_forward_cost_counts_the_bytes_the_quantized_kernel_reads(embedded_fp32)
     assert nbytes == sum(lin.streamed_bytes for lin in linears)  # every product is quantized
     # Q4_1 layers at 6 bits per weight, the Q8_0 LM head at 8.5: under 7 bits on average
     assert nbytes < params * 7 // 8
+
+
+def test_a_bad_quant_kernel_is_refused_before_any_model_loads(monkeypatch):
+    """``check_quantization`` (run by the CLI, the server and ``LLM`` before loading)
+    refuses a bad ``SPECDEC_QUANT_KERNEL``, whatever the quantization."""
+    from specdec.models.loading import check_quantization
+
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "int4")
+    for quantization in ("none", "gguf"):
+        with pytest.raises(ValueError, match="SPECDEC_QUANT_KERNEL='int4': expected one of"):
+            check_quantization(quantization, "native")
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", " AMX ")
+    check_quantization("gguf", "native")  # case and spaces do not matter

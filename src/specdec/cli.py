@@ -197,6 +197,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "dtype": str(llm.target.dtype).replace("torch.", ""),
         "exact": bool(getattr(llm.target, "exact", False)),
         "quantization": getattr(llm.target, "quantization", "none"),
+        "quant_kernel": _quant_kernel(llm.target),
         "threads": threads.num_threads,
     }
     run = _Run()
@@ -334,6 +335,13 @@ def _speedup(output: GenerationOutput, baseline: GenerationOutput) -> float:
     return output.metrics.tokens_per_s / base if base else 0.0
 
 
+def _quant_kernel(target) -> str | None:
+    """The quantized product kernel(s) a native target runs (``fma``, ``amx``, or both
+    names for a mix), ``None`` on dense weights."""
+    kernels = getattr(getattr(target, "decoder", None), "quant_kernels", None) or {}
+    return ",".join(sorted(set(kernels.values()))) or None
+
+
 def _print_metrics(
     output: GenerationOutput, baseline, params: SamplingParams, tree=None, meta=None
 ) -> None:
@@ -344,6 +352,8 @@ def _print_metrics(
         mode = ", exact" if meta["exact"] else ""
         quant = meta.get("quantization", "none")
         weights = f", {quant} weights" if quant != "none" else ", dense weights"
+        if meta.get("quant_kernel"):
+            weights += f" ({meta['quant_kernel']} kernel)"
         plural = "s" if meta["threads"] != 1 else ""
         print(f"ran on                   {meta['backend']} backend, {meta['dtype']}{mode}"
               f"{weights}, {meta['threads']} thread{plural}")  # fmt: skip

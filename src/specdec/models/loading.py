@@ -362,7 +362,8 @@ def check_quantization(quantization: str, backend: str) -> None:
     """Refuse a quantization :func:`load` would refuse (before any loading starts).
 
     Raises:
-        ValueError: an unknown name, or a quantization with ``backend="hf"``.
+        ValueError: an unknown name, a quantization with ``backend="hf"``, or a bad
+            ``SPECDEC_QUANT_KERNEL``.
     """
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
@@ -374,6 +375,9 @@ def check_quantization(quantization: str, backend: str) -> None:
             f"quantization {quantization!r} runs on the native backend (backend 'native' or "
             "'auto'), not on transformers ('hf')"
         )
+    from specdec.runtime.quant import forced_quant_kernel
+
+    forced_quant_kernel()  # a bad SPECDEC_QUANT_KERNEL is refused before loading, too
 
 
 def resolve_quantization(quantization: str, model: HFModel) -> str:

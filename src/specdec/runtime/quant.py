@@ -229,10 +229,13 @@ def amx_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
         return v.transpose(1, 2).contiguous().view(torch.uint8).reshape(nb, kb, 64)
 
     if matrix.kind == "q4_1":
-        nibbles = raw[..., 4:20]  # byte i: q_i (low), q_{i + 16} (high)
-        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # [N, kb, 32]: q_0 .. q_31
-        q = q.reshape(nb, 16, kb, 16, 2).permute(0, 2, 3, 1, 4)  # [nb, kb, p, j, e]
-        rows = (q[..., 0] | (q[..., 1] << 4))[..., _AMX_NIBBLE_ORDER].reshape(nb, kb, 256)
+        nibbles = raw[..., 4:20]  # byte i: q_i (low nibble), q_{i + 16} (high)
+        even, odd = nibbles[..., 0::2], nibbles[..., 1::2]  # bytes 2i, 2i + 1
+        # the byte of row p: q[2p] | q[2p + 1] << 4; rows 0-7 from the low nibbles of
+        # bytes 2p, 2p + 1, rows 8-15 from the high nibbles of bytes 2p - 16, 2p - 15
+        per_row = torch.cat([(even & 15) | ((odd & 15) << 4), (even >> 4) | (odd & 0xF0)], -1)
+        rows = per_row.reshape(nb, 16, kb, 16)[:, _AMX_NIBBLE_ORDER]  # [nb, j, kb, p]
+        rows = rows.permute(0, 2, 3, 1).reshape(nb, kb, 256)  # [nb, kb, p, j]
         parts = [scales(0), scales(2), rows]
     else:
         q = raw[..., 2:34].reshape(nb, 16, kb, 16, 2).permute(0, 2, 3, 1, 4)
@@ -289,6 +292,25 @@ def check_row_invariance(
     return _INVARIANT[key]
 
 
+def forced_quant_kernel() -> str | None:
+    """The kernel ``SPECDEC_QUANT_KERNEL`` forces (``fma`` or ``amx``), or ``None`` when it
+    is unset or empty.
+
+    Raises:
+        ValueError: another value (checked before any model loads: see
+            :func:`specdec.models.loading.check_quantization`).
+    """
+    import os
+
+    forced = os.environ.get("SPECDEC_QUANT_KERNEL", "").strip().lower()
+    if forced and forced not in QUANT_KERNELS:
+        raise ValueError(
+            f"SPECDEC_QUANT_KERNEL={forced!r}: expected one of {', '.join(QUANT_KERNELS)} "
+            "(or unset, to measure both)"
+        )
+    return forced or None
+
+
 def available_quant_kernels(dtype: torch.dtype) -> list[str]:
     """The quantized product kernels usable for activations of ``dtype`` here."""
     from specdec.runtime.kernels import amx_available, kernel_available
@@ -325,17 +347,21 @@ def quant_kernel_choices(
     Returns:
         ``{product: "fma" | "amx"}``.
     """
-    import os
     import time
 
     from specdec.runtime import linear
 
     usable = available_quant_kernels(dtype)
-    forced = os.environ.get("SPECDEC_QUANT_KERNEL", "").lower()
-    if forced and forced not in QUANT_KERNELS:
-        raise ValueError(f"SPECDEC_QUANT_KERNEL={forced!r}: expected one of {QUANT_KERNELS}")
+    forced = forced_quant_kernel()
     if forced in usable:
         return dict.fromkeys(quantized, forced)
+    if forced:
+        logger.warning(
+            "SPECDEC_QUANT_KERNEL=%s is not available here (%s activations%s): the %s kernel "
+            "runs",
+            forced, str(dtype).replace("torch.", ""),
+            "" if dtype == torch.bfloat16 else "; amx computes in bfloat16", "fma",
+        )  # fmt: skip
     if len(usable) < 2:
         return dict.fromkeys(quantized, "fma")
     key = f"quant|{linear.machine_key(dtype, torch.device('cpu'))}|{','.join(usable)}"
