@@ -33,7 +33,9 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+// AVX512-BF16 (rounding to bfloat16) and VBMI (the nibble shuffle) come with every AMX CPU
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define SPECDEC_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
