@@ -379,11 +379,21 @@ class TestMedusaConformance(TestEagleConformance):
 # ---------------------------------------------------------------- train-head
 
 
-def test_train_head_pipeline_resumes_and_reports(target, tmp_path):
+def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
     """The pipeline from answers already on disk (the resume path of stages 1-2) to a
-    head folder, its report and plot; a second run reuses every stage."""
+    head folder, its report and plot; a second run reuses every stage. (A checkout without
+    the shared Spec-Bench file checks contamination against a one-question stand-in.)"""
+    from specdec.bench.datasets import default_spec_bench_path
     from specdec.training import data as D
     from specdec.training.pipeline import HeadRecipe, train_head
+
+    if not default_spec_bench_path().is_file():
+        stand_in = tmp_path / "question.jsonl"
+        stand_in.write_text(
+            json.dumps({"question_id": 1, "category": "writing",
+                        "turns": ["Write a haiku about the sea at night."]}) + "\n"
+        )  # fmt: skip
+        monkeypatch.setenv("SPECDEC_SPEC_BENCH", str(stand_in))
 
     work = tmp_path / "work"
     work.mkdir()
