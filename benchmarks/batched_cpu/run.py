@@ -7,7 +7,10 @@ specdec's tokenizer) in batches of c (``LLM.generate(list)`` in each engine), gr
 the same number of new tokens; throughput = output tokens / wall seconds of the batches,
 after a warm-up batch of the same size (vLLM compiles its CPU graphs per shape).
 specdec runs on its defaults (``backend auto``, ``dtype auto``), vLLM in bfloat16 (its
-CPU default) from the same weights (specdec's Hugging Face copy of the embedded GGUF).
+CPU default) from the same weights (specdec's Hugging Face copy of the embedded GGUF),
+with its prefix cache off: the same prompts come back at every level, so a cached vLLM
+would skip the prefill specdec computes (runs before 2026-12-02 08:00 left it on, and
+measured vLLM's decoding against specdec's prefill and decoding from 16 sequences on).
 Every specdec output is also compared with the same prompt decoded alone (c = 1):
 batching must not change a token.
 
@@ -113,7 +116,12 @@ def run_vllm(ids: list[list[int]], counts: dict[int, int], max_new: int, folder:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=folder, dtype="bfloat16", max_model_len=2048, seed=0)
+    # no prefix caching: every level decodes the same prompts again (and the warm-up
+    # batches are timed prompts), so a cached engine would skip their prefill, which
+    # specdec (no prefix cache) computes every time
+    llm = LLM(
+        model=folder, dtype="bfloat16", max_model_len=2048, seed=0, enable_prefix_caching=False
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_new)
     llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids[:2]], params, use_tqdm=False)
     out = {"engine": "vllm", "version": __import__("vllm").__version__, "dtype": "bfloat16",
@@ -143,7 +151,12 @@ def report(spec: dict, vllm: dict | None, max_new: int, alone_n: int) -> str:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; specdec "
         f"{spec['backend']} {spec['dtype']}, {spec.get('quantization', 'none')} weights "
         f"({spec['threads']} threads)"
-        + (f", vLLM {vllm['version']} bfloat16 ({vllm['threads']} threads)" if vllm else "")
+        + (
+            f", vLLM {vllm['version']} bfloat16 ({vllm['threads']} threads, prefix cache off: "
+            "the levels repeat the prompts, and specdec has no prefix cache)"
+            if vllm
+            else ""
+        )
         + ".\n",
         "| concurrency | prompts | specdec tok/s | vLLM tok/s | specdec / vLLM | specdec "
         "identical to alone |",

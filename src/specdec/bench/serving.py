@@ -19,7 +19,9 @@ with it off. A last measurement runs the same prompts one at a time in-process
 With a vLLM interpreter (:func:`run_vllm_serving`), vLLM's own OpenAI server (``python -m
 vllm.entrypoints.openai.api_server``, its default multi-process engine) is measured the
 same way on the same prompts, after specdec's server has exited: the baseline a
-deployment would otherwise run.
+deployment would otherwise run, with its prefix cache off (every level sends the same
+prompts again; a cached vLLM would skip from the second level on the prefill that
+specdec, which has no prefix cache, computes every time).
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def run_vllm_serving(
     progress=None,
 ) -> list[Level]:
     """Measure vLLM's OpenAI server on the same prompts and levels (``server="vllm"``,
-    ``speculative=False``: plain decoding, vLLM's default).
+    ``speculative=False``: plain decoding, vLLM's default; prefix cache off, see the
+    module's note).
 
     Args:
         python: the interpreter of vLLM's environment.
@@ -143,7 +146,7 @@ def run_vllm_serving(
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
                "--served-model-name", "bench", "--max-model-len", "2048",
-               "--seed", "0"]  # fmt: skip
+               "--seed", "0", "--no-enable-prefix-caching"]  # fmt: skip
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -345,8 +348,9 @@ def report_markdown(result: ServingResult) -> str:
         version = f" {result.vllm_version}" if result.vllm_version else ""
         lines += [
             "",
-            f"Against vLLM{version}'s OpenAI server (plain decoding, its default), same "
-            "prompts and levels, measured after specdec's server exited:",
+            f"Against vLLM{version}'s OpenAI server (plain decoding, its default; prefix "
+            "cache off: the levels repeat the prompts, and specdec has no prefix cache), "
+            "same prompts and levels, measured after specdec's server exited:",
             "",
             "| concurrency | vLLM tokens/s | specdec off / vLLM | specdec on / vLLM | TTFT ms "
             "vLLM (median) | TPOT ms vLLM (median) | vLLM identical to specdec off |",
