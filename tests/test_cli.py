@@ -173,6 +173,15 @@ def test_drafter_draft_model_same_dir(capsys, model_dir):
         (["--tree", "dynamic:budget=0"], "integer >= 1"),
         (["--tree", "static:tree-8,draw=iid"], "draw=iid"),
         (["--drafter", "none", "--tree", "static:tree-8"], "needs a drafter"),
+        (["--repetition-penalty", "0"], "repetition_penalty"),
+        (["--presence-penalty", "3"], "presence_penalty"),
+        (["--min-p", "2"], "min_p"),
+        (["--min-tokens", "100000"], "min_tokens"),
+        (["--logit-bias", "5"], "ID=BIAS"),
+        (["--logit-bias", "x=1"], "ID=BIAS"),
+        (["--logit-bias", "5=500"], "logit_bias value"),
+        (["--logit-bias", "999999=1"], "outside the vocabulary"),
+        (["--verifier", "block", "--tree", "static:tree-8"], "verifies chains"),
     ],
 )
 def test_bad_option_values(capsys, model_dir, args, fragment):
@@ -343,3 +352,15 @@ def test_draft_dtype_is_checked_without_a_draft(capsys, tmp_path):
     missing = str(tmp_path / "no-model")  # never loaded: the error comes first
     assert main(["generate", "hi", "--model", missing, "--draft-dtype", "int4"]) == 2
     assert "int4" in capsys.readouterr().err
+
+
+def test_sampling_transform_flags_apply_and_stay_lossless(capsys, model_dir):
+    """The penalty and bias flags change the output, and speculation (with --compare's
+    plain baseline) keeps it identical."""
+    plain = run_json(capsys, model_dir, "--drafter", "none")
+    args = ("--repetition-penalty", "1.8", "--frequency-penalty", "0.5", "--logit-bias", "7=2")
+    shaped = run_json(capsys, model_dir, "--compare", "--drafter", "ngram", *args)
+    assert shaped["identical"] is True
+    assert shaped["token_ids"] != plain["token_ids"]
+    block = run_json(capsys, model_dir, "--drafter", "ngram", "--verifier", "block", *args)
+    assert block["token_ids"] == shaped["token_ids"]

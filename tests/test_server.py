@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import time
 
 import httpx
@@ -329,3 +331,104 @@ def test_unicode_through_the_server_on_the_real_model():
         pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert whole.choices[0].message.content == expected.text == "".join(pieces)
     assert all("\ufffd" not in p for p in pieces)
+
+
+#: Each sampling transform as an OpenAI client sends it (vLLM's fields in extra_body).
+TRANSFORM_FIELDS = {
+    "presence_penalty": ({"presence_penalty": 1.5}, {}, dict(presence_penalty=1.5)),
+    "frequency_penalty": ({"frequency_penalty": 2.0}, {}, dict(frequency_penalty=2.0)),
+    "logit_bias": ({"logit_bias": {"7": 5.0, "5": -100}}, {}, dict(logit_bias={7: 5.0, 5: -100})),
+    "repetition_penalty": ({}, {"repetition_penalty": 1.8}, dict(repetition_penalty=1.8)),
+    "min_p": ({"temperature": 1.0, "seed": 3}, {"min_p": 0.3}, dict(min_p=0.3)),
+    "min_tokens": (  # a bias makes EOS likely; min_tokens holds it back
+        {"logit_bias": {"2": 8.0}},
+        {"min_tokens": 10},
+        dict(min_tokens=10, logit_bias={2: 8.0}),
+    ),
+}
+
+
+@pytest.mark.parametrize("field", list(TRANSFORM_FIELDS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_sampling_transforms_with_speculation_equal_plain_decoding(client, llm, field, stream):
+    """Each field through the live server, speculation on (prompt lookup, k = 4) and off,
+    equals the library with the same settings; greedy, on equals off (lossless); and the
+    field changes the output (so it is not silently dropped)."""
+    fields, extra, kwargs = (dict(d) for d in TRANSFORM_FIELDS[field])
+    temperature, seed = fields.pop("temperature", 0), fields.pop("seed", None)
+    texts = []
+    for speculative in (True, False):
+        body = dict(extra) | ({} if speculative else {"speculative": {"enabled": False}})
+        out = client.completions.create(
+            model=NAME, prompt=PROMPT, max_tokens=14, temperature=temperature, seed=seed,
+            stream=stream, extra_body=body, **fields,
+        )  # fmt: skip
+        texts.append("".join(c.choices[0].text for c in out) if stream else out.choices[0].text)
+    params = SamplingParams(max_new_tokens=14, temperature=temperature, seed=seed, **kwargs)
+    on = llm.generate(PROMPT, params, chat=False).text
+    off = llm.generate(PROMPT, params, chat=False, speculative=SpeculativeConfig("none")).text
+    assert texts == [on, off]
+    if temperature == 0:
+        assert on == off
+    neutral = SamplingParams()
+    untouched = dataclasses.replace(params, **{field: getattr(neutral, field)})
+    assert llm.generate(PROMPT, untouched, chat=False).text != on, f"{field} changed nothing"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 20}, "min_tokens"),  # more than max_tokens (12)
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary
+        ({"logit_bias": [5, 1]}, "logit_bias"),
+    ],
+)
+def test_bad_transform_values_are_400s_naming_the_field(server, body, param):
+    url, app, _ = server
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": NAME, "prompt": PROMPT, "max_tokens": 12, **body},
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_and_speculation_metrics_count_what_was_emitted(server, llm, stream):
+    """max_tokens 1..16 cuts accepted blocks anywhere: usage and the per-response
+    speculation counters describe the emitted tokens only, as the library's own stats."""
+    url, _, _ = server
+    for max_tokens in range(1, 17):
+        options = {"include_usage": True} if stream else None
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                "stream": stream, "stream_options": options}  # fmt: skip
+        response = httpx.post(f"{url}/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [
+                json.loads(line[6:])
+                for line in response.text.splitlines()
+                if line.startswith("data: {")
+            ]
+            usage = chunks[-1]["usage"]
+            metrics = [c["metrics"] for c in chunks if "metrics" in c]
+            assert len(metrics) == 1 and chunks[-2]["choices"][0]["finish_reason"] == "length"
+            spec = metrics[0]["speculative_decoding"]
+        else:
+            usage = response.json()["usage"]
+            spec = response.json()["metrics"]["speculative_decoding"]
+        expected = _plain(llm, PROMPT, max_new_tokens=max_tokens)
+        m = expected.metrics
+        assert usage["completion_tokens"] == len(expected.token_ids) == max_tokens
+        assert spec["num_accepted_draft_tokens"] + spec["num_steps"] == max_tokens
+        assert spec["num_steps"] == m.num_steps
+        assert spec["num_accepted_draft_tokens"] == m.num_accepted_tokens
+        assert spec["mean_acceptance_length"] == pytest.approx(max_tokens / m.num_steps)
+        assert sum(spec["acceptance_histogram"]) == spec["num_steps"]

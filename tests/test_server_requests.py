@@ -234,13 +234,12 @@ def text_of(response: httpx.Response) -> str:
 #: For every unsupported field, a value that asks for something.
 ASKING = {
     "logprobs": 2, "top_logprobs": 3, "echo": True, "best_of": 3, "suffix": " w9",
-    "logit_bias": {"5": 10}, "presence_penalty": 0.5, "frequency_penalty": 1,
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f"}], "function_call": {"name": "f"}, "tool_choice": "required",
     "response_format": {"type": "json_object"}, "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "high", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
-    "web_search_options": {}, "verbosity": "low", "min_p": 0.1, "repetition_penalty": True,
-    "length_penalty": 2, "min_tokens": 5, "use_beam_search": True, "prompt_logprobs": 1,
+    "web_search_options": {}, "verbosity": "low",
+    "length_penalty": 2, "use_beam_search": True, "prompt_logprobs": 1,
     "guided_json": {"type": "object"}, "guided_regex": "w1+", "guided_choice": ["w1"],
     "guided_grammar": "root ::= x", "guided_decoding_backend": "xgrammar",
     "structured_outputs": {"json": {}}, "allowed_token_ids": [4, 5], "bad_words": ["w1"],
@@ -248,7 +247,8 @@ ASKING = {
     "skip_special_tokens": False, "priority": 1,
 }  # fmt: skip
 
-#: Neutral values of unsupported fields, and ignored fields: the output does not change.
+#: Neutral values of unsupported and sampling fields, and ignored fields: the output does
+#: not change.
 NEUTRAL = {
     "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None,
     "logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0, "tools": [],

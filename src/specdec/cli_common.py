@@ -62,6 +62,14 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
         "cost:decay=0.9 (default: fixed, always K; cost switches speculation off when it "
         "does not pay; `specdec controllers` lists every controller and option)",
     )
+    parser.add_argument(
+        "--verifier",
+        default="rejection",
+        choices=("rejection", "block"),
+        help="how sampled chains are verified, both lossless: rejection (token by token, the "
+        "default) or block (Sun et al. 2024: the whole block at once, keeps at least as many "
+        "tokens per step; chains only)",
+    )
 
 
 def _drafter_spec(text: str) -> str:
@@ -105,12 +113,14 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
         draft_model=args.draft_model,
         tree=args.tree,
         controller=args.controller,
+        verifier=getattr(args, "verifier", "rejection"),
     )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:
-    """``--max-new-tokens --temperature --top-p --top-k --seed --dtype --device --backend
-    --exact``."""
+    """``--max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty
+    --presence-penalty --frequency-penalty --logit-bias --min-tokens --seed --dtype --device
+    --backend --exact``."""
     parser.add_argument(
         "--max-new-tokens",
         type=int,
@@ -121,6 +131,44 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1, off)")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less probable than MIN_P x the most probable (default: 0, off)",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="CTRL's penalty on prompt and output tokens (default: 1, off; > 1 repeats less)",
+    )
+    parser.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI's, subtracted once per token already in the output (-2..2; default: 0)",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI's, subtracted per occurrence in the output (-2..2; default: 0)",
+    )
+    parser.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable)",
+    )
+    parser.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="no EOS or stop token before N output tokens (default: 0)",
+    )
     parser.add_argument("--seed", type=int, default=seed, help=f"sampling seed (default: {seed})")
     parser.add_argument(
         "--dtype",
@@ -212,7 +260,33 @@ def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> Sam
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         stop=stop,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=parse_logit_bias(args.logit_bias),
+        min_tokens=args.min_tokens,
     )
+
+
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    """``--logit-bias ID=BIAS`` values as ``{id: bias}``.
+
+    Raises:
+        ValueError: an item not of the form ``ID=BIAS`` (integer id, number bias).
+    """
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(
+                f"--logit-bias takes ID=BIAS (a token id and a number), got {item!r}"
+            ) from None
+    return bias
 
 
 def llm_from_args(args: argparse.Namespace, speculative: SpeculativeConfig, **kwargs):

@@ -20,6 +20,11 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 #: Most extra stop token ids per request.
 MAX_STOP_TOKEN_IDS = 1024
+#: Lossless chain verifiers (:attr:`SpeculativeConfig.verifier`).
+VERIFIERS = ("rejection", "block")
+#: Most ``logit_bias`` entries per request, and the range of a bias (OpenAI's).
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_RANGE = 100.0
 
 
 def _is_int(value) -> bool:
@@ -56,14 +61,41 @@ class SamplingParams:
         max_tokens: vLLM's and OpenAI's name for ``max_new_tokens``, accepted on
             construction; the value is then read from ``max_new_tokens`` (this attribute is
             ``None`` after construction, and does not take part in equality).
+        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times
+            the most probable one's (float in [0, 1]; ``0`` disables; Nguyen et al. 2024,
+            "Turning Up the Heat: Min-p Sampling").
+        repetition_penalty: CTRL's penalty (Keskar et al. 2019, eq. 2, as transformers
+            and vLLM apply it) on every token of the prompt or the output so far: a
+            positive logit is divided by it, a negative one multiplied (float > 0; ``1``
+            disables; > 1 discourages repeats).
+        presence_penalty: OpenAI's: subtracted once from the logit of every token the
+            output already holds (float in [-2, 2]; ``0`` disables).
+        frequency_penalty: OpenAI's: subtracted from each token's logit once per time the
+            output already holds it (float in [-2, 2]; ``0`` disables).
+        logit_bias: ``{token id: bias}`` added to the logits (OpenAI's; each bias in
+            [-100, 100], at most 1024 entries, ids checked against the vocabulary when
+            the request starts). Stored as sorted ``(id, bias)`` pairs.
+        min_tokens: no stop token (EOS, end-of-turn, ``stop_token_ids``) before this many
+            output tokens: their logits are -inf until then (int >= 0; vLLM's field).
+            Stop strings still end the output (vLLM also defers them).
+        logits_processors: callables ``f(output_ids: list[int], logits: Tensor[V]) ->
+            Tensor[V]`` (vLLM's classic form), applied in order to each row after the
+            penalties; ``output_ids`` is that row's own history (the accepted draft tokens
+            before it included). A processor must be a pure function of its arguments,
+            or speculation would not be lossless.
 
     Raises:
         ValueError: on any out-of-range value, both ``max_new_tokens`` and ``max_tokens``
             given, or a stop string that is not valid Unicode.
 
-    Temperature, top-k and top-p are applied identically to the target and to a draft
-    model, so rejection sampling stays lossless with respect to the *processed* target
-    distribution.
+    Every transform is applied to each verified row with that row's own history (the
+    output so far plus the draft tokens accepted before it in the block or tree path),
+    in this order (vLLM's): ``logit_bias``, ``min_tokens``, ``repetition_penalty``,
+    ``frequency_penalty`` and ``presence_penalty``, ``logits_processors``; greedy decoding
+    takes the argmax of the result; sampling then applies temperature, ``min_p``,
+    ``top_k`` and ``top_p`` (see :func:`specdec.sampling.process_logits` and
+    :func:`specdec.sampling.logits_to_probs`). Rejection sampling is lossless with respect
+    to this *processed* target distribution: what plain sampling would draw from.
     """
 
     temperature: float = 0.0
@@ -75,6 +107,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     max_tokens: int | None = field(default=None, compare=False, repr=False)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    logits_processors: tuple = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         self._resolve_max_tokens()
@@ -100,6 +139,7 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         self._check_stops()
+        self._check_transforms()
 
     def _resolve_max_tokens(self) -> None:
         """``max_tokens`` (vLLM's name) into ``max_new_tokens``; both given is refused."""
@@ -130,10 +170,93 @@ class SamplingParams:
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
 
+    def _check_transforms(self) -> None:
+        number = (int, float)
+
+        def real(name: str, low: float, high: float, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            ok = (
+                not isinstance(value, bool)
+                and isinstance(value, number)
+                and math.isfinite(value)
+                and (value > low if low_open else value >= low)
+                and value <= high
+            )
+            if not ok:
+                bound = (
+                    f"a finite number > {low}"
+                    if high == math.inf
+                    else f"a number in {'(' if low_open else '['}{low}, {high}]"
+                )
+                raise ValueError(f"{name} must be {bound}, got {value!r}")
+
+        real("min_p", 0.0, 1.0)
+        real("repetition_penalty", 0.0, math.inf, low_open=True)
+        real("presence_penalty", -2.0, 2.0)
+        real("frequency_penalty", -2.0, 2.0)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        bias = self.logit_bias
+        if bias is None:
+            bias = ()
+        items = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = [(k, v) for k, v in items]
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"logit_bias must map token ids to biases, got {self.logit_bias!r}"
+            ) from None
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(pairs)}")
+        for token, value in pairs:
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, number)
+                or not math.isfinite(value)
+                or abs(value) > LOGIT_BIAS_RANGE
+            ):
+                raise ValueError(
+                    f"a logit_bias value must be a number in [-100, 100], got {value!r} "
+                    f"for token {token}"
+                )
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in pairs)))
+        procs = self.logits_processors
+        procs = (procs,) if callable(procs) else tuple(procs or ())
+        if not all(callable(p) for p in procs):
+            raise ValueError("logits_processors must be callables f(output_ids, logits)")
+        object.__setattr__(self, "logits_processors", procs)
+
     @property
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether a row's logits depend on the tokens before it (penalties,
+        ``min_tokens``, user processors): verification then hands each row its history."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_tokens > 0
+            or bool(self.logits_processors)
+        )
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether :func:`specdec.sampling.process_logits` changes anything (before
+        temperature): a bias, a penalty, ``min_tokens`` or a processor."""
+        return self.needs_history or bool(self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -169,6 +292,11 @@ class SpeculativeConfig:
             the options go to ``controller_options``.
         controller_options: the controller's options dataclass or a mapping (``None``:
             defaults, or those written in ``controller``).
+        verifier: how a sampled chain is verified (see :data:`VERIFIERS`): ``"rejection"``
+            (token-wise rejection sampling, Leviathan et al. 2023; the default) or
+            ``"block"`` (block verification, Sun et al. 2024: the same law, at least as
+            many tokens kept per step; chains only). Greedy decoding matches the argmax
+            either way; token trees use their multi-draft verifiers.
 
     Raises:
         ValueError: unknown drafter or option, a bad option value, options both in
@@ -185,9 +313,15 @@ class SpeculativeConfig:
     tree: TreeSpec | str | None = None
     controller: str = "fixed"
     controller_options: object = None
+    verifier: str = "rejection"
 
     def __post_init__(self) -> None:
         from specdec import registry  # the registry's drafters import this module
+
+        if self.verifier not in VERIFIERS:
+            raise ValueError(
+                f"unknown verifier {self.verifier!r}; choose one of {', '.join(VERIFIERS)}"
+            )
 
         if not isinstance(self.controller, str):
             raise ValueError(f"controller must be a string, got {self.controller!r}")
@@ -232,6 +366,11 @@ class SpeculativeConfig:
                     f"draw={self.tree.draw} samples children from a draft distribution; "
                     f"drafter {name!r} has none (use draw=top)"
                 )
+        if self.verifier == "block" and self.tree is not None:
+            raise ValueError(
+                "verifier 'block' verifies chains; a token tree is verified by its multi-draft "
+                "rule (use verifier 'rejection' with a tree)"
+            )
         k = self.num_speculative_tokens
         if not _is_int(k) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")

@@ -385,6 +385,7 @@ class LLM:
             stop_checker=self._stop_checker(params),
             generator=make_generator(params.seed, self.target.device),
             controller=self.controller(config),
+            verifier=config.verifier,
         )
 
     def stream(
@@ -423,6 +424,7 @@ class LLM:
             self.engine_config,
             controller=request["controller"],
             cost_model=self.cost_model,
+            verifier=request["verifier"],
         )
         return prompt_ids, self._locked(steps)
 

@@ -1,11 +1,22 @@
-"""Logits -> probabilities (temperature, top-k, top-p) and sampling with an explicit generator.
+"""Logits -> processed logits -> probabilities, and sampling with an explicit generator.
 
-The same processing is applied to target and draft logits; rejection sampling is lossless
-with respect to the processed target distribution (what plain sampling would draw from).
+Two stages, both applied to every verified row:
+
+* :func:`process_logits`: the transforms that read a row's history or shift its logits
+  (``logit_bias``, ``min_tokens``, repetition / frequency / presence penalties, user
+  processors). Greedy decoding takes the argmax of its result.
+* :func:`logits_to_probs`: temperature, ``min_p``, top-k, top-p and the softmax.
+
+Rejection sampling is lossless with respect to the processed target distribution (what
+plain sampling would draw from). A draft may use any distribution: transforming draft
+logits too only raises acceptance.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -13,12 +24,141 @@ import torch
 from specdec.config import SamplingParams
 
 
+@dataclass(frozen=True)
+class TokenHistory:
+    """What the history-dependent transforms read about one sequence.
+
+    Attributes:
+        prompt_ids: the prompt (read by ``repetition_penalty``).
+        output_ids: the output so far, committed tokens only (the pending last token
+            included): rows of a verification add their own draft prefix to it.
+        stop_token_ids: what ``min_tokens`` suppresses (EOS, end-of-turn and the
+            request's ``stop_token_ids``; empty with ``ignore_eos`` and no stop ids).
+    """
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    stop_token_ids: Sequence[int] = ()
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: TokenHistory | None = None,
+    prefixes: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """The history-dependent and additive transforms, row by row with each row's own
+    history (vLLM's order):
+
+    1. ``logit_bias``: ``z[t] += bias[t]``;
+    2. ``min_tokens``: ``z[s] = -inf`` for every stop token ``s`` while the row's output
+       length (history + prefix) is below ``min_tokens``;
+    3. ``repetition_penalty`` r (CTRL, Keskar et al. 2019, eq. 2): for each token of the
+       prompt or the row's output, ``z / r`` if ``z > 0`` else ``z * r``;
+    4. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI): ``z[t] -= f c[t] + p
+       [c[t] > 0]`` with ``c[t]`` the count of ``t`` in the row's output;
+    5. ``logits_processors``, in order, on each row with its output ids.
+
+    Args:
+        logits: ``[N, V]`` raw logits (any float dtype).
+        params: the request's sampling parameters.
+        history: the sequence's prompt and committed output (needed when
+            ``params.needs_history``).
+        prefixes: per row, the tokens between the committed output and that row (a
+            chain's row i: its first i draft tokens; a tree node's row: the tokens of its
+            root-to-node path); ``None`` = every row right after the committed output.
+
+    Returns:
+        ``[N, V]`` float32 processed logits (``logits`` itself, as float32, when
+        ``params.transforms_logits`` is false).
+
+    Raises:
+        ValueError: a transform needs ``history`` and got none, ``prefixes`` does not have
+            one entry per row, or a ``logit_bias`` id is outside the vocabulary.
+    """
+    z = logits.float()
+    if not params.transforms_logits:
+        return z
+    n, vocab = z.shape
+    if prefixes is None:
+        prefixes = [()] * n
+    if len(prefixes) != n:
+        raise ValueError(f"{len(prefixes)} prefixes for {n} rows")
+    if params.needs_history and history is None:
+        raise ValueError("penalties, min_tokens and logits_processors need the token history")
+    z = z.clone()
+    device = z.device
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        if int(ids.max()) >= vocab:
+            raise ValueError(f"logit_bias names token {int(ids.max())}; the vocabulary has {vocab}")
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+        z[:, ids.to(device)] += bias.to(device)
+    if not params.needs_history:
+        return z
+    done = len(history.output_ids)
+    if params.min_tokens > 0 and history.stop_token_ids:
+        early = [i for i, pre in enumerate(prefixes) if done + len(pre) < params.min_tokens]
+        stops = [s for s in history.stop_token_ids if 0 <= s < vocab]
+        if early and stops:
+            rows = torch.tensor(early, dtype=torch.long, device=device)
+            cols = torch.tensor(stops, dtype=torch.long, device=device)
+            z[rows.unsqueeze(1), cols.unsqueeze(0)] = float("-inf")
+    penalties = (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
+    if penalties:
+        counts = _output_counts(history.output_ids, prefixes, vocab, device)
+        seen = counts > 0
+        if params.repetition_penalty != 1.0:
+            prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+            ids = torch.as_tensor(list(history.prompt_ids), dtype=torch.long, device=device)
+            prompt[ids[ids < vocab]] = True
+            hit = seen | prompt
+            r = params.repetition_penalty
+            z = torch.where(hit, torch.where(z > 0, z / r, z * r), z)
+        if params.frequency_penalty != 0.0:
+            z = z - params.frequency_penalty * counts
+        if params.presence_penalty != 0.0:
+            z = z - params.presence_penalty * seen.float()
+    for processor in params.logits_processors:
+        for i, pre in enumerate(prefixes):
+            out = processor(list(history.output_ids) + list(pre), z[i])
+            z[i] = torch.as_tensor(out, dtype=torch.float32, device=device)
+    return z
+
+
+def _output_counts(output_ids, prefixes, vocab: int, device) -> torch.Tensor:
+    """``[N, V]`` float32: how often each token occurs in each row's output (the
+    committed output plus the row's prefix)."""
+    base = torch.zeros(vocab, dtype=torch.float32, device=device)
+    ids = torch.as_tensor(list(output_ids), dtype=torch.long, device=device)
+    if ids.numel():
+        ids = ids[ids < vocab]
+        base.index_add_(0, ids, torch.ones(ids.numel(), device=device))
+    counts = base.expand(len(prefixes), vocab).clone()
+    rows = [i for i, pre in enumerate(prefixes) for _ in pre]
+    if rows:
+        tokens = torch.tensor([t for pre in prefixes for t in pre], dtype=torch.long, device=device)
+        keep = tokens < vocab
+        counts.index_put_(
+            (torch.tensor(rows, device=device)[keep], tokens[keep]),
+            torch.ones(int(keep.sum()), device=device),
+            accumulate=True,
+        )
+    return counts
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn raw logits into the sampling distribution.
 
     Args:
         logits: ``[N, V]`` float tensor of raw logits.
-        params: temperature (> 0 here), top-k and top-p settings.
+        params: temperature (> 0 here), ``min_p``, top-k and top-p settings (applied in
+            that order, vLLM's; the history transforms come before, see
+            :func:`process_logits`).
 
     Returns:
         ``[N, V]`` float32 probabilities; each row sums to 1. Tokens removed by top-k /
@@ -37,6 +177,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.temperature == 0:
         raise ValueError("greedy decoding (temperature 0) has no distribution; use argmax")
     logits = _apply_temperature(logits.float(), params.temperature)
+    if params.min_p > 0.0:
+        logits = _apply_min_p(logits, params.min_p)
     vocab_size = logits.shape[-1]
     if 0 < params.top_k < vocab_size:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -57,6 +199,14 @@ def _apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor
     """
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     return shifted / max(temperature, torch.finfo(torch.float32).tiny)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's largest (Nguyen
+    et al. 2024): ``p_t < min_p p_max`` iff ``z_t - z_max < log(min_p)`` (``logits`` are
+    shifted so that ``z_max = 0``, see :func:`_apply_temperature`); the most probable
+    token always stays."""
+    return logits.masked_fill(logits < math.log(min_p), float("-inf"))
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:

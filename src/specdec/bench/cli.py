@@ -19,7 +19,7 @@ from specdec.bench.datasets import (
 )
 from specdec.bench.harness import check_unique, run_benchmark
 from specdec.bench.methods import PEER_LIBRARY, parse_method, parse_methods
-from specdec.bench.peers import check_peers
+from specdec.bench.peers import check_peer_params, check_peers
 from specdec.bench.report import markdown_tables, mismatches, summarize, write_outputs
 from specdec.cli_common import (
     CpuMeter,
@@ -30,7 +30,7 @@ from specdec.cli_common import (
     sampling_params,
     warn_if_busy,
 )
-from specdec.config import SpeculativeConfig
+from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine.engine import EngineConfig
 from specdec.llm import LLM
 from specdec.models.loading import (
@@ -181,6 +181,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     out_dir = _check_out_dir(args.out) if args.out else None
+    greedy = SamplingParams(max_new_tokens=params.max_new_tokens, seed=params.seed)
+    if (args.forward_cost or args.serving) and params != greedy:
+        mode = "--forward-cost" if args.forward_cost else "--serving"
+        raise ValueError(
+            f"{mode} measures greedy decoding: drop the sampling options (temperature, top-k / "
+            "top-p, min-p, penalties, logit bias, min tokens)"
+        )
     if args.simulate:
         return _simulate(args, methods, out_dir)
     if args.forward_cost:
@@ -192,6 +199,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"method {needs_draft[0]!r} needs --draft-model")
     peer_python = {"vllm": args.vllm_python, "llama-cpp": args.llama_python}
     peers = check_peers(methods, peer_python)  # an absent library fails here, in seconds
+    for method in methods:
+        if method.is_peer:
+            check_peer_params(method.name, params)
     available = _load_prompts(args)
     names = sorted({p.group for p in available} | {p.category for p in available})
     unknown = [c for c in args.categories or () if c not in names]

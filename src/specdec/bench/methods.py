@@ -109,7 +109,7 @@ class Method:
         if config is not None:
             k = 0 if config.method == "none" else config.num_speculative_tokens
             control = None if config.method == "none" else config.controller_spec
-            return config.method, k, config.options, config.tree, control
+            return config.method, k, config.options, config.tree, control, config.verifier
         full = {**EXTERNAL[self.kind], **{k: int(v) for k, v in self.options}}
         return self.kind, tuple(sorted(full.items())), self.tree
 
@@ -144,12 +144,15 @@ class Method:
             return None
         if self.kind == "ar":
             return SpeculativeConfig(method="none")
-        drafter_options = ",".join(f"{k}={v}" for k, v in self.options if k != "k")
+        drafter_options = ",".join(
+            f"{k}={v}" for k, v in self.options if k not in ("k", "verifier")
+        )
         return SpeculativeConfig(
             method=f"{self.kind}:{drafter_options}" if drafter_options else self.kind,
             num_speculative_tokens=self.option("k"),
             tree=self.tree,
             controller=self.controller,
+            verifier=dict(self.options).get("verifier", "rejection"),
         )
 
 
@@ -157,7 +160,8 @@ def parse_method(text: str, controller: str = "fixed") -> Method:
     """``"ngram:k=8,min_n=2"`` -> ``Method("ngram", (("k", "8"), ("min_n", "2")))``.
 
     A token tree follows ``@``: ``"ngram@dynamic:top_k=4,depth=5,budget=16"`` (specdec
-    drafters that draft trees; ``k`` is then unused). A speculation controller follows
+    drafters that draft trees; ``k`` is then unused). ``verifier=block`` (an option of any
+    specdec drafter) verifies sampled chains by block verification. A speculation controller follows
     ``+`` (``"ngram:k=10+cost"``); ``controller`` is the default for specdec drafters.
 
     Raises:

@@ -304,13 +304,12 @@ class PeerRunner:
             raised (the ids are then what it generated before raising).
 
         Raises:
-            ValueError: ``params`` asks for stop strings or ``ignore_eos``.
+            ValueError: ``params`` asks for stop strings, ``ignore_eos``, ``min_p`` or a
+                history transform (penalties, ``logit_bias``, ``min_tokens``: the peers
+                define some differently, so a comparison would not be like for like).
             PeerError: the worker died or answered something else than a result.
         """
-        if params.stop or params.ignore_eos:
-            raise ValueError(
-                f"{self.method.name}: peer methods take no stop strings and no ignore_eos"
-            )
+        check_peer_params(self.method.name, params)
         self.wait_ready()
         self._send(
             {
@@ -450,3 +449,19 @@ def start_peer_runners(
             runner.close(keep_log=True)
         raise
     return runners
+
+
+def check_peer_params(name: str, params: SamplingParams) -> None:
+    """Refuse sampling settings a peer method does not run like specdec.
+
+    Raises:
+        ValueError: stop strings, ``ignore_eos``, ``min_p`` or a logits transform
+            (penalties, ``logit_bias``, ``min_tokens``, processors), naming them.
+    """
+    if params.stop or params.ignore_eos:
+        raise ValueError(f"{name}: peer methods take no stop strings and no ignore_eos")
+    if params.transforms_logits or params.min_p > 0:
+        raise ValueError(
+            f"{name}: peer methods run temperature, top-k and top-p only; drop --min-p, the "
+            "penalties, --logit-bias and --min-tokens to compare with peers"
+        )

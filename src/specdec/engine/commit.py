@@ -10,7 +10,8 @@ from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
-from specdec.sampling import logits_to_probs
+from specdec.sampling import TokenHistory, logits_to_probs, process_logits
+from specdec.verify.block import block_verify
 from specdec.verify.greedy import verify_greedy
 from specdec.verify.rejection import rejection_sample
 from specdec.verify.result import VerifyResult
@@ -39,18 +40,31 @@ def verify(
     target_logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator,
+    history: TokenHistory | None = None,
+    verifier: str = "rejection",
 ) -> VerifyResult:
-    """Greedy match for temperature 0, lossless rejection sampling otherwise.
+    """Greedy match for temperature 0, lossless rejection sampling otherwise, both on the
+    processed target logits: row i gets :func:`~specdec.sampling.process_logits` with the
+    committed ``history`` plus the first i draft tokens as its own history.
 
     Args:
         proposal: the step's draft tokens (k) and draft probabilities (or ``None``).
-        target_logits: ``[k + 1, V]`` float32 target logits.
+        target_logits: ``[k + 1, V]`` float32 raw target logits.
+        history: the sequence's prompt and committed output (needed when
+            ``params.needs_history``).
+        verifier: ``"rejection"`` (token-wise, Leviathan et al. 2023) or ``"block"``
+            (Sun et al. 2024), for sampled chains; greedy matches the argmax either way.
     """
     draft_ids = torch.tensor(proposal.token_ids, dtype=torch.long, device=target_logits.device)
+    if params.transforms_logits:
+        tokens = list(proposal.token_ids)
+        prefixes = [tokens[:i] for i in range(len(tokens) + 1)]
+        target_logits = process_logits(target_logits, params, history, prefixes)
     if params.greedy:
         return verify_greedy(draft_ids, target_logits)
     target_probs = logits_to_probs(target_logits, params)
-    return rejection_sample(draft_ids, proposal.draft_probs, target_probs, generator)
+    sample = block_verify if verifier == "block" else rejection_sample
+    return sample(draft_ids, proposal.draft_probs, target_probs, generator)
 
 
 def finish_step(

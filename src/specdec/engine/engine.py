@@ -68,6 +68,7 @@ from specdec.engine.commit import StepOutput, finish_step, verify
 from specdec.engine.sequence import Sequence, SequenceStatus
 from specdec.engine.stops import StopChecker
 from specdec.models.base import Backend, BatchItem, check_capture
+from specdec.sampling import TokenHistory
 from specdec.trees.builders import TreeBuilder, TreeProposal
 from specdec.trees.tree import TokenTree
 from specdec.verify.tree import verify_tree
@@ -169,6 +170,7 @@ class Engine:
         stop_checker: StopChecker | None = None,
         generator: torch.Generator | None = None,
         controller: SpeculationController | None = None,
+        verifier: str = "rejection",
     ) -> Sequence:
         """Queue a request.
 
@@ -184,14 +186,17 @@ class Engine:
             generator: this request's random source (default: unseeded).
             controller: chooses each step's number of draft tokens within
                 ``num_speculative_tokens`` (default: fixed, always all of them).
+            verifier: how a sampled chain is verified: ``"rejection"`` or ``"block"``
+                (see :attr:`~specdec.config.SpeculativeConfig.verifier`).
 
         Returns:
             the queued :class:`Sequence` (its ``status`` and ``tokens`` update as it runs).
 
         Raises:
             ValueError: duplicate id, empty prompt, a prompt that fills the context or the
-                KV limit, k < 0, or a tree with a drafter that cannot draft trees, or a
-                tree larger than ``max_num_batched_tokens``.
+                KV limit, k < 0, a ``logit_bias`` id outside the vocabulary, a tree with a
+                drafter that cannot draft trees, or a tree larger than
+                ``max_num_batched_tokens``.
         """
         cfg = self.config
         if request_id in self._live:
@@ -206,6 +211,12 @@ class Engine:
             )
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        outside = [t for t, _ in params.logit_bias if t >= target.vocab_size]
+        if outside:
+            raise ValueError(
+                f"logit_bias names token ids outside the vocabulary ({target.vocab_size} "
+                f"tokens): {outside[:5]}"
+            )
         drafter = drafter or NoDrafter()
         check_drafter(drafter)
         aux = getattr(drafter, "max_aux_rows", 0)
@@ -262,6 +273,7 @@ class Engine:
             captures=captures,
             control=(controller or FixedController()).start(info),
             control_info=info,
+            verifier=verifier,
         )
         self.waiting.append(seq)
         self._live[request_id] = seq
@@ -617,14 +629,15 @@ class Engine:
         if aux is not None:  # the last rows; dropped from the cache with the rejected
             logits, aux_logits = logits[: -len(aux)], logits[-len(aux) :]
             hidden = None if hidden is None else hidden[: -len(aux)]
+        history = _history(seq) if params.needs_history else None
         if isinstance(draft, TreeProposal):
             tree = draft.tree
-            result = verify_tree(tree, logits, params, seq.generator)
+            result = verify_tree(tree, logits, params, seq.generator, history)
             cache.compact([past + 1 + n for n in result.accepted_nodes], start=past + 1)
             seq.tree_builder.observe(draft, result.accepted_nodes, result.output_token_ids)
             num_drafted, max_depth = len(tree), tree.max_depth
         else:
-            result = verify(draft, logits, params, seq.generator)
+            result = verify(draft, logits, params, seq.generator, history, seq.verifier)
             cache.truncate(past + 1 + result.num_accepted)  # the last emitted is pending
             num_drafted = max_depth = len(draft)
         stats = seq.stats
@@ -649,6 +662,15 @@ class Engine:
             seq.text_end = step.text_end
             self._finish(seq, step.finish_reason, SequenceStatus.FINISHED)
         return step
+
+
+def _history(seq: Sequence) -> TokenHistory:
+    """What the history-dependent sampling transforms read about ``seq``: the prompt, the
+    output so far (the pending token included) and the stop tokens ``min_tokens`` holds
+    back."""
+    return TokenHistory(
+        seq.prompt_ids, seq.output_ids, tuple(sorted(seq.stop_checker.stop_token_ids))
+    )
 
 
 def _check_proposal(seq: Sequence, draft, k: int, vocab_size: int) -> None:

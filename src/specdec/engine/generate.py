@@ -44,6 +44,7 @@ def generate_steps(
     *,
     controller: SpeculationController | None = None,
     cost_model: CostModel | None = None,
+    verifier: str = "rejection",
 ) -> Iterator[StepOutput]:
     """Run speculative decoding for one sequence, yielding after every step.
 
@@ -67,6 +68,7 @@ def generate_steps(
         controller: chooses each step's draft length within ``num_speculative_tokens``
             (default: fixed).
         cost_model: the online cost model to read and feed (default: a new one).
+        verifier: ``"rejection"`` or ``"block"`` (see :meth:`Engine.add_request`).
 
     Yields:
         :class:`StepOutput` per step; the last one has a ``finish_reason``.
@@ -79,7 +81,7 @@ def generate_steps(
     seq = engine.add_request(
         "0", prompt_ids, params, drafter=drafter, num_speculative_tokens=num_speculative_tokens,
         tree_builder=tree_builder, stop_checker=stop_checker, generator=generator,
-        controller=controller,
+        controller=controller, verifier=verifier,
     )  # fmt: skip
     try:
         while not seq.is_finished:

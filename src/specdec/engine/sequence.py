@@ -65,6 +65,7 @@ class Sequence:
         control: its speculation controller state (see :mod:`specdec.control`), made from
             ``control_info``.
         last_cap, last_draft_s: the step's cap on draft tokens and its draft seconds.
+        verifier: how its sampled chains are verified (``"rejection"`` or ``"block"``).
     """
 
     request_id: str
@@ -94,6 +95,7 @@ class Sequence:
     control_info: SequenceInfo | None = None
     last_cap: int = 0
     last_draft_s: float = 0.0
+    verifier: str = "rejection"
 
     def __post_init__(self) -> None:
         if not self.tokens:

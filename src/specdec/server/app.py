@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP API: ``create_app(llm)`` (no globals; one app per LLM).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming SSE or not, with
-``usage``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Every
-request runs in the batched engine (:class:`~specdec.server.async_engine.AsyncEngine`)
-with its own sampling and speculative settings. Errors are OpenAI-style JSON: 400 for a
-malformed or invalid request (``param`` names the field; see :mod:`specdec.server.protocol`
-for which fields are accepted), 429 when too many requests wait, 503 while shutting down,
-and 500 ``internal_error`` for anything unexpected (never a plain-text page; the server
-logs it once). A client that disconnects has its requests aborted, quietly, their KV cache
-freed and each choice counted once as ``finished_reason="abort"``.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming SSE or not,
+with ``usage``, and for one choice the request's speculation counters in vLLM's
+``metrics.speculative_decoding`` object, see :func:`speculation_metrics`; streamed, on the
+chunk that carries the finish reason), ``GET /v1/models``, ``GET /health``, ``GET
+/metrics`` (Prometheus). Every request runs in the batched engine
+(:class:`~specdec.server.async_engine.AsyncEngine`) with its own sampling and speculative
+settings. Errors are OpenAI-style JSON: 400 for a malformed or invalid request (``param``
+names the field; see :mod:`specdec.server.protocol` for which fields are accepted), 429
+when too many requests wait, 503 while shutting down, and 500 ``internal_error`` for
+anything unexpected (never a plain-text page; the server logs it once). A client that
+disconnects has its requests aborted, quietly, their KV cache freed and each choice
+counted once as ``finished_reason="abort"``.
 """
 
 from __future__ import annotations
@@ -250,11 +253,41 @@ async def _complete(engine, ids, queues, streams, meta, chat, num_prompt, reques
             choice["text"] = stream.text
         choices.append(choice)
     num_generated = sum(len(s.ids) for s in streams)
-    return {
+    response = {
         **meta,
         "object": "chat.completion" if chat else "text_completion",
         "choices": choices,
         "usage": _usage(num_prompt, num_generated),
+    }
+    if len(finals) == 1 and finals[0].stats is not None:
+        response["metrics"] = {"speculative_decoding": speculation_metrics(finals[0].stats)}
+    return response
+
+
+def speculation_metrics(stats) -> dict:
+    """A response's ``metrics.speculative_decoding`` object (vLLM's per-request metrics,
+    for ``n == 1``), from the request's :class:`~specdec.metrics.SpecStats`. Every count
+    is of what the client got: draft tokens an accepted block held after a stop or past
+    ``max_tokens`` are not counted as accepted.
+
+    Fields: ``num_steps`` (verification steps), ``num_spec_steps`` (those that verified
+    at least one draft token), ``num_draft_tokens``, ``num_accepted_draft_tokens``,
+    ``draft_acceptance_rate`` (accepted / drafted, ``null`` when nothing was drafted),
+    ``mean_acceptance_length`` (output tokens per step, the bonus or recovered token
+    included), ``acceptance_histogram`` (entry j: steps that accepted exactly j draft
+    tokens), ``acceptance_per_position`` (entry i: fraction of drafting steps whose i-th
+    draft token was accepted), ``num_spec_tokens`` (the longest draft, or deepest tree).
+    """
+    return {
+        "num_steps": stats.num_steps,
+        "num_spec_steps": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_draft_tokens": stats.num_accepted_tokens,
+        "draft_acceptance_rate": stats.acceptance_rate if stats.num_draft_tokens else None,
+        "mean_acceptance_length": stats.mean_acceptance_length,
+        "acceptance_histogram": list(stats.accepted_length_counts),
+        "acceptance_per_position": stats.per_position_acceptance_rate,
+        "num_spec_tokens": len(stats.accepted_per_position),
     }
 
 
@@ -310,7 +343,10 @@ async def _events(engine, ids, queues, streams, meta, chat, num_prompt, include_
             if text or update.finish_reason is not None:
                 delta = {"content": text} if chat else text
                 choice = _chunk(index, delta, update.finish_reason, chat)
-                yield _sse({**meta, "object": obj, "choices": [choice]})
+                chunk = {**meta, "object": obj, "choices": [choice]}
+                if update.stats is not None and len(queues) == 1:
+                    chunk["metrics"] = {"speculative_decoding": speculation_metrics(update.stats)}
+                yield _sse(chunk)
         if include_usage:
             usage = _usage(num_prompt, sum(len(s.ids) for s in streams))
             yield _sse({**meta, "object": obj, "choices": [], "usage": usage})
@@ -388,6 +424,14 @@ def _sampling(llm: LLM, body, prompt_ids: list[int], seed: int | None) -> Sampli
             f"{outside[:5]}",
             "stop_token_ids",
         )
+    bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    outside = sorted(t for t in bias if t >= llm.target.vocab_size)
+    if outside:
+        raise BadRequest(
+            f"logit_bias names token ids outside the vocabulary ({llm.target.vocab_size} "
+            f"tokens): {outside[:5]}",
+            "logit_bias",
+        )
     try:
         return SamplingParams(
             temperature=body.temperature,
@@ -398,9 +442,24 @@ def _sampling(llm: LLM, body, prompt_ids: list[int], seed: int | None) -> Sampli
             stop=tuple(stop),
             stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=bias,
+            min_tokens=body.min_tokens,
         )
-    except ValueError as error:  # the request model checks the same; kept as a backstop
-        raise BadRequest(str(error), "stop" if "stop" in str(error) else None) from None
+    except ValueError as error:  # the request model checks most of it; kept as a backstop
+        text = str(error)
+        param = next((f for f in _PARAM_NAMES if f in text), None)
+        raise BadRequest(text, param or ("stop" if "stop" in text else None)) from None
+
+
+#: Request fields a :class:`SamplingParams` error may name first.
+_PARAM_NAMES = (
+    "min_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "logit_bias", "stop",
+)  # fmt: skip
 
 
 def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) -> SpeculativeConfig:
@@ -418,6 +477,8 @@ def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) ->
         changes["num_speculative_tokens"] = options.num_speculative_tokens
     if "tree" in options.model_fields_set:
         changes["tree"] = options.tree
+    if options.verifier is not None:
+        changes["verifier"] = options.verifier
     if options.controller is not None and options.controller != base.controller:
         changes.update(controller=options.controller, controller_options=None)
     try:

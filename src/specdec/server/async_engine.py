@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import Engine, Sequence, StepOutput
 from specdec.llm import LLM
+from specdec.metrics import SpecStats
 from specdec.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class Update:
         error: set when the request failed inside the engine (the message).
         status: the HTTP status that error maps to (400: the engine refused the request;
             500: an internal failure).
+        stats: on the final update, a snapshot of the request's speculation counters.
     """
 
     new_token_ids: list[int]
@@ -51,6 +53,7 @@ class Update:
     text_end: int | None = None
     error: str | None = None
     status: int = 200
+    stats: SpecStats | None = None
 
 
 @dataclass
@@ -220,6 +223,8 @@ class AsyncEngine:
             self.metrics.e2e_latency.observe(now - handle.arrived)
             self._last_stats.pop(seq.request_id, None)
         update = Update(list(step.new_token_ids), step.finish_reason, step.text_end)
+        if final:
+            update.stats = seq.stats.snapshot()
         self._post(seq.request_id, update, final)
 
     def _record_speculation(self, seq: Sequence) -> None:

@@ -1,16 +1,17 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and OpenAI-style errors.
 
-Fields follow OpenAI's completions and chat completions APIs, plus vLLM's ``top_k``,
-``ignore_eos`` and ``stop_token_ids`` and specdec's ``speculative``. Every field a request
+Fields follow OpenAI's completions and chat completions APIs (``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` included), plus vLLM's ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``stop_token_ids`` and
+specdec's ``speculative``. Every field a request
 sends falls under one rule:
 
 - the fields this server implements work as documented; ``null`` means the default;
 - known OpenAI fields and vLLM sampling extensions that it does not implement
-  (:data:`UNSUPPORTED`: ``logprobs``, ``presence_penalty``, ``tools``,
-  ``response_format``, ``min_p``, ``repetition_penalty``, ``guided_json``, ...) are
-  accepted when their value asks for nothing (``null`` or the neutral value: ``false``,
-  ``0`` penalties, ``repetition_penalty: 1``, ``tool_choice: "none"`` or ``"auto"``
-  without tools, ``response_format: {"type": "text"}``, ...) and otherwise refused
+  (:data:`UNSUPPORTED`: ``logprobs``, ``tools``, ``response_format``, ``guided_json``,
+  ``bad_words``, ...) are accepted when their value asks for nothing (``null`` or the
+  neutral value: ``false``, ``tool_choice: "none"`` or ``"auto"`` without tools,
+  ``response_format: {"type": "text"}``, ...) and otherwise refused
   (HTTP 400, ``param`` the field): ignoring ``logprobs: 5`` would hand a client ``null``;
 - fields that do not change the output (:data:`IGNORED`: ``user``, ``metadata``,
   ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
@@ -40,7 +41,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specdec.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from specdec.config import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from specdec.unicode import find_invalid, printable
 
 
@@ -71,6 +78,8 @@ class SpeculativeOptions(BaseModel):
         controller: a registered speculation controller's name (``fixed``, ``cost``,
             ...; see ``specdec controllers``), with the server's options when it is the
             server's own controller, else with its defaults.
+        verifier: ``"rejection"`` or ``"block"`` (lossless chain verifiers; see
+            :attr:`specdec.SpeculativeConfig.verifier`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -80,6 +89,7 @@ class SpeculativeOptions(BaseModel):
     tree: str | None = None
     enabled: bool = True
     controller: str | None = None
+    verifier: Literal["rejection", "block"] | None = None
 
     @field_validator("controller")
     @classmethod
@@ -116,9 +126,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),  # "auto" picks no tool when there are none
@@ -131,10 +138,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "web_search_options": (None,),
     "verbosity": (None,),
     # vLLM
-    "min_p": (None, 0),
-    "repetition_penalty": (None, 1),
     "length_penalty": (None, 1),
-    "min_tokens": (None, 0),
     "use_beam_search": (None, False),
     "prompt_logprobs": (None,),
     "guided_json": (None,),
@@ -197,13 +201,47 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     speculative: SpeculativeOptions | None = None
 
-    @field_validator("temperature", "top_p", "top_k", "seed", "n", mode="before")
+    @field_validator(
+        "temperature", "top_p", "top_k", "seed", "n", "min_p", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "min_tokens", mode="before",
+    )  # fmt: skip
     @classmethod
     def _no_bools(cls, value):
         if isinstance(value, bool):
             raise ValueError("must be a number, not a boolean")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value):
+        """OpenAI's form: ``{"token id": bias}``, the id a string of digits (JSON keys are
+        strings), each bias a number in [-100, 100]."""
+        if value is None:
+            return value
+        if not isinstance(value, dict):
+            raise BadRequest("logit_bias must map token ids to biases", "logit_bias")
+        for key, bias in value.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                raise BadRequest(
+                    f"logit_bias keys must be token ids, got {printable(str(key))!r}", "logit_bias"
+                )
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, (int, float))
+                or not (-LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE)
+            ):
+                raise BadRequest(
+                    f"logit_bias[{key}] must be a number in [-100, 100], got {bias!r}",
+                    "logit_bias",
+                )
         return value
 
     @field_validator("stop", mode="before")

@@ -10,7 +10,10 @@ the *production* code with scripted draws instead of sampling it:
 * a uniform draw is split at its breakpoint ``t``: the program is run with ``u`` fixed and
   everything after it at defaults, ``t`` is located by bisection between 0 and 1 to
   ``tol``, and the two pieces ``[0, t)`` and ``[t, 1)`` become branches of weight ``t``
-  and ``1 - t``.
+  and ``1 - t``. Later uniforms at their default (0.5) can hide an earlier one's effect
+  (block verification keeps the *last* position whose test passes, so a later pass masks
+  an earlier one); the search then runs again with the later uniforms at the top of their
+  range, then at 0, and a uniform is irrelevant only if no setting shows a change.
 
 Because the comparison itself runs in the production code, any bias in it (``u < 0.98 a``
 instead of ``u < a``), in the acceptance ratio or in the residual shows up in the law,
@@ -42,8 +45,9 @@ class ScriptedSource:
     ``("u", None)`` or ``("c", probs)`` with float64 normalised ``probs``.
     """
 
-    def __init__(self, script: tuple = ()) -> None:
+    def __init__(self, script: tuple = (), later: float = 0.5) -> None:
         self.script = script
+        self.later = later
         self.events: list[tuple[str, torch.Tensor | None]] = []
 
     def _next(self, kind: str, probs, default):
@@ -52,7 +56,7 @@ class ScriptedSource:
         return self.script[i] if i < len(self.script) else default
 
     def uniform(self, n: int, device) -> torch.Tensor:
-        values = [self._next("u", None, 0.5) for _ in range(n)]
+        values = [self._next("u", None, self.later) for _ in range(n)]
         return torch.tensor(values, dtype=torch.float64, device=device)
 
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
@@ -108,14 +112,15 @@ def exact_output_law(
     return dict(law)
 
 
-def _execute(run, script: tuple):
-    source = ScriptedSource(script)
+def _execute(run, script: tuple, later: float = 0.5):
+    source = ScriptedSource(script, later)
     return run(source), source.events
 
 
-def _signature(run, script: tuple):
-    """What a run does with ``script`` and defaults after it: outcome and every draw."""
-    outcome, events = _execute(run, script)
+def _signature(run, script: tuple, later: float = 0.5):
+    """What a run does with ``script`` and defaults after it (later uniforms at
+    ``later``): outcome and every draw."""
+    outcome, events = _execute(run, script, later)
     draws = tuple(
         (kind, None if probs is None else tuple(probs.tolist())) for kind, probs in events
     )
@@ -123,22 +128,32 @@ def _signature(run, script: tuple):
 
 
 def _breakpoint(run, script: tuple, tol: float) -> float | None:
-    """Where the next uniform's outcome changes (``None``: it never does)."""
+    """Where the next uniform's outcome changes (``None``: it never does, whatever the
+    later uniforms are set to: their default, the top of their range, or 0)."""
+    for later in (0.5, _BELOW_ONE, 0.0):
+        found = _breakpoint_with(run, script, tol, later)
+        if found is not None:
+            return found
+    return None
+
+
+def _breakpoint_with(run, script: tuple, tol: float, later: float) -> float | None:
     low, high = 0.0, _BELOW_ONE
-    below, above = _signature(run, script + (low,)), _signature(run, script + (high,))
+    below = _signature(run, script + (low,), later)
+    above = _signature(run, script + (high,), later)
     if below == above:
         for probe in (0.25, 0.5, 0.75):
-            if _signature(run, script + (probe,)) != below:
+            if _signature(run, script + (probe,), later) != below:
                 raise ValueError("a uniform with more than one breakpoint")
         return None
     while high - low > tol:
         mid = 0.5 * (low + high)
-        if _signature(run, script + (mid,)) == below:
+        if _signature(run, script + (mid,), later) == below:
             low = mid
         else:
             high = mid
     for probe in (0.5 * low, 0.5 * (high + _BELOW_ONE)):
         expected = below if probe < high else above
-        if _signature(run, script + (probe,)) != expected:
+        if _signature(run, script + (probe,), later) != expected:
             raise ValueError("a uniform with more than one breakpoint")
     return high

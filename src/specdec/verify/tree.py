@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SamplingParams
-from specdec.sampling import RandomSource, as_random_source, logits_to_probs
+from specdec.sampling import (
+    RandomSource,
+    TokenHistory,
+    as_random_source,
+    logits_to_probs,
+    process_logits,
+)
 from specdec.trees.tree import ROOT, TokenTree
 from specdec.verify.rejection import acceptance_probability, residual_distribution
 from specdec.verify.result import VerifyResult
@@ -176,8 +182,25 @@ def verify_tree(
     target_logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator,
+    history: TokenHistory | None = None,
 ) -> TreeVerifyResult:
-    """Greedy path matching at temperature 0, lossless multi-draft sampling otherwise."""
+    """Greedy path matching at temperature 0, lossless multi-draft sampling otherwise,
+    both on the processed target logits: each node's row gets
+    :func:`~specdec.sampling.process_logits` with the committed ``history`` plus the
+    tokens of its root-to-node path (the root's row: none).
+
+    Args:
+        tree: the step's draft tree (N nodes).
+        target_logits: ``[N + 1, V]`` raw target logits (the root's row first, then the
+            nodes in flattened order).
+        history: the sequence's prompt and committed output (needed when
+            ``params.needs_history``).
+    """
+    if params.transforms_logits:
+        prefixes = [()] + [
+            tuple(tree.token_ids[m] for m in tree.path_to(n)) for n in range(len(tree))
+        ]
+        target_logits = process_logits(target_logits, params, history, prefixes)
     if params.greedy:
         return verify_tree_greedy(tree, target_logits)
     return verify_tree_sampling(tree, logits_to_probs(target_logits, params), generator)
