@@ -175,7 +175,22 @@ def test_cancelled_stream_frees_the_kv_cache(server, llm):
         ),
         ({"model": NAME, "prompt": "w1", "speculative": {"tree": "static:nope"}}, "speculative"),
         ({"model": NAME}, "prompt"),
-        ({"model": NAME, "prompt": "w1", "logprobs": 2}, "not supported by this server: logprobs"),
+        ({"model": NAME, "prompt": "w1", "logprobs": 21}, "logprobs"),
+        ({"model": NAME, "prompt": "w1", "logprobs": True}, "count of top tokens"),
+        ({"model": NAME, "prompt": "w1", "top_logprobs": 2}, "not supported by this server"),
+        (
+            {"model": NAME, "messages": [{"role": "user", "content": "w1"}], "top_logprobs": 2},
+            "top_logprobs needs logprobs",
+        ),
+        (
+            {
+                "model": NAME,
+                "messages": [{"role": "user", "content": "w1"}],
+                "logprobs": True,
+                "top_logprobs": 21,
+            },
+            "top_logprobs",
+        ),  # fmt: skip
         ({"model": NAME, "prompt": "w1", "echo": True, "best_of": 3}, "best_of, echo"),
         (
             {
@@ -432,3 +447,50 @@ def test_usage_and_speculation_metrics_count_what_was_emitted(server, llm, strea
         assert spec["num_accepted_draft_tokens"] == m.num_accepted_tokens
         assert spec["mean_acceptance_length"] == pytest.approx(max_tokens / m.num_steps)
         assert sum(spec["acceptance_histogram"]) == spec["num_steps"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_equal_the_library_with_speculation_on_and_off(client, llm, stream):
+    """Completions (logprobs = 3) and chat (top_logprobs = 2), streamed or not, speculation
+    on and off: the values equal the library's plain decoding (bit-equal: exact mode)."""
+    params = SamplingParams(max_new_tokens=12, logprobs=3)
+    expected = llm.generate(PROMPT, params, chat=False, speculative=SpeculativeConfig("none"))
+    want = [(t.logprob, [lp for _, lp in t.top]) for t in expected.logprobs]
+    for speculative in (True, False):
+        body = {} if speculative else {"speculative": {"enabled": False}}
+        out = client.completions.create(
+            model=NAME, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3, stream=stream,
+            extra_body=body,
+        )  # fmt: skip
+        choices = [c.choices[0] for c in out] if stream else [out.choices[0]]
+        tokens, values, tops = [], [], []
+        for choice in choices:
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+                tops += choice.logprobs.top_logprobs
+        assert len(tokens) == len(expected.token_ids)
+        assert values == [v for v, _ in want]
+        for top, (_, lps) in zip(tops, want, strict=True):
+            assert sorted(top.values(), reverse=True)[:3] == lps
+    messages = [{"role": "user", "content": PROMPT}]
+    chat_expected = llm.generate(
+        messages, SamplingParams(max_new_tokens=10, logprobs=2),
+        speculative=SpeculativeConfig("none"),
+    )  # fmt: skip
+    out = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+        top_logprobs=2, stream=stream,
+    )  # fmt: skip
+    choices = [c.choices[0] for c in out if c.choices] if stream else [out.choices[0]]
+    content = [e for c in choices if c.logprobs is not None for e in c.logprobs.content]
+    assert [e.logprob for e in content] == [t.logprob for t in chat_expected.logprobs]
+    assert [[x.logprob for x in e.top_logprobs] for e in content] == [
+        [lp for _, lp in t.top] for t in chat_expected.logprobs
+    ]
+    assert all(bytes(e.bytes).decode() == e.token for e in content)
+
+
+def test_no_logprobs_unless_asked(client):
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert out.choices[0].logprobs is None

@@ -233,7 +233,7 @@ def text_of(response: httpx.Response) -> str:
 
 #: For every unsupported field, a value that asks for something.
 ASKING = {
-    "logprobs": 2, "top_logprobs": 3, "echo": True, "best_of": 3, "suffix": " w9",
+    "echo": True, "best_of": 3, "suffix": " w9",
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f"}], "function_call": {"name": "f"}, "tool_choice": "required",
     "response_format": {"type": "json_object"}, "prediction": {"type": "content", "content": "x"},

@@ -20,6 +20,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 #: Most extra stop token ids per request.
 MAX_STOP_TOKEN_IDS = 1024
+#: Most top log-probabilities per output token (OpenAI's ``top_logprobs`` bound).
+MAX_LOGPROBS = 20
 #: Lossless chain verifiers (:attr:`SpeculativeConfig.verifier`).
 VERIFIERS = ("rejection", "block")
 #: Most ``logit_bias`` entries per request, and the range of a bias (OpenAI's).
@@ -78,6 +80,12 @@ class SamplingParams:
         min_tokens: no stop token (EOS, end-of-turn, ``stop_token_ids``) before this many
             output tokens: their logits are -inf until then (int >= 0; vLLM's field).
             Stop strings still end the output (vLLM also defers them).
+        logprobs: return, for every output token, its log-probability and the ``logprobs``
+            most probable tokens' (int 0 to 20: 0 = the chosen token's only; ``None``, the
+            default, returns none). They are the target's *raw* distribution at that
+            position, ``log_softmax`` of its logits before any transform (vLLM's default
+            ``raw_logprobs``): the same under speculation as in plain decoding, whichever
+            verification row computed them (bit-equal in exact mode).
         logits_processors: callables ``f(output_ids: list[int], logits: Tensor[V]) ->
             Tensor[V]`` (vLLM's classic form), applied in order to each row after the
             penalties; ``output_ids`` is that row's own history (the accepted draft tokens
@@ -114,6 +122,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
     logits_processors: tuple = field(default_factory=tuple)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._resolve_max_tokens()
@@ -229,6 +238,12 @@ class SamplingParams:
         if len({t for t, _ in pairs}) != len(pairs):
             raise ValueError("logit_bias names a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in pairs)))
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
+            )
         procs = self.logits_processors
         procs = (procs,) if callable(procs) else tuple(procs or ())
         if not all(callable(p) for p in procs):

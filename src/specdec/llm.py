@@ -28,7 +28,7 @@ from specdec.models.loading import (
     check_quantization,
     load,
 )
-from specdec.sampling import make_generator
+from specdec.sampling import TokenLogprob, make_generator
 from specdec.text import TextStream, final_text
 from specdec.tokenizer import Tokenizer
 from specdec.trees.builders import TreeBuilder, make_tree_builder
@@ -49,6 +49,9 @@ class GenerationOutput:
         finish_reason: ``"stop"`` (EOS / end-of-turn / stop token / stop string) or
             ``"length"`` (max_new_tokens or the model's context).
         metrics: :class:`SpecStats` of this generation.
+        logprobs: with ``SamplingParams.logprobs``, one
+            :class:`~specdec.sampling.TokenLogprob` per token id (the target's raw
+            log-probabilities; the same with speculation as without), else ``None``.
     """
 
     text: str
@@ -56,15 +59,24 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     finish_reason: str
     metrics: SpecStats = field(repr=False)
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        """JSON-ready dict: ``text``, ``token_ids``, ``finish_reason``, ``metrics``."""
-        return {
+        """JSON-ready dict: ``text``, ``token_ids``, ``finish_reason``, ``metrics``, and
+        ``logprobs`` (``[{"token_id", "logprob", "top": [[id, logprob], ...]}]``) when
+        asked for."""
+        out = {
             "text": self.text,
             "token_ids": list(self.token_ids),
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [
+                {"token_id": t.token_id, "logprob": t.logprob, "top": [list(p) for p in t.top]}
+                for t in self.logprobs
+            ]
+        return out
 
 
 @dataclass
@@ -78,12 +90,15 @@ class GenerationChunk:
         output: the whole :class:`GenerationOutput`, on the last chunk only.
         metrics: the generation's running :class:`SpecStats` (the same object every
             chunk), so a caller that stops early (Ctrl-C) still has the counts so far.
+        logprobs: with ``SamplingParams.logprobs``, the step's new tokens'
+            :class:`~specdec.sampling.TokenLogprob` (one per id in ``token_ids``).
     """
 
     text: str
     token_ids: list[int]
     output: GenerationOutput | None = None
     metrics: SpecStats | None = field(default=None, repr=False)
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
 
 class LLM:
@@ -344,10 +359,13 @@ class LLM:
         params = sampling_params or SamplingParams()
         prompt_ids, steps = self._steps(prompt, params, speculative, chat)
         ids: list[int] = []
+        logprobs = [] if params.logprobs is not None else None
         for step in steps:  # no per-step detokenization: the text is built once at the end
             ids.extend(step.new_token_ids)
+            if logprobs is not None:
+                logprobs.extend(step.logprobs)
         text = final_text(self.tokenizer, ids, step.finish_reason, step.text_end)
-        return GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats)
+        return GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats, logprobs)
 
     def _generate_batch(self, prompts, sampling_params, speculative, chat):
         if not prompts:
@@ -476,17 +494,21 @@ def _output(tokenizer: Tokenizer, seq) -> GenerationOutput:
     """A finished engine :class:`~specdec.engine.Sequence` as a :class:`GenerationOutput`."""
     ids = seq.output_ids
     text = final_text(tokenizer, ids, seq.finish_reason, seq.text_end)
-    return GenerationOutput(text, ids, seq.prompt_ids, seq.finish_reason, seq.stats)
+    logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+    return GenerationOutput(text, ids, seq.prompt_ids, seq.finish_reason, seq.stats, logprobs)
 
 
 def _stream_text(tokenizer: Tokenizer, prompt_ids: list[int], steps, params: SamplingParams):
     """Turn engine steps into text chunks (incremental detokenization)."""
     stream = TextStream(tokenizer, params.stop)
+    logprobs = [] if params.logprobs is not None else None
     for step in steps:
         delta = stream.push(step.new_token_ids, step.finish_reason, step.text_end)
+        if logprobs is not None:
+            logprobs.extend(step.logprobs)
         output = None
         if step.finish_reason is not None:
             output = GenerationOutput(
-                stream.text, stream.ids, prompt_ids, step.finish_reason, step.stats
+                stream.text, stream.ids, prompt_ids, step.finish_reason, step.stats, logprobs
             )
-        yield GenerationChunk(delta, list(step.new_token_ids), output, step.stats)
+        yield GenerationChunk(delta, list(step.new_token_ids), output, step.stats, step.logprobs)

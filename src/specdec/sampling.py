@@ -130,6 +130,51 @@ def process_logits(
     return z
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability under the target's raw distribution.
+
+    Attributes:
+        token_id: the emitted token.
+        logprob: ``log p(token_id)`` (float, natural log, <= 0).
+        top: the most probable tokens as ``(token id, log-probability)`` pairs, most
+            probable first (``SamplingParams.logprobs`` of them; ties by lower id).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``token_ids[i]`` under row i of ``logits`` (raw target logits).
+
+    Args:
+        logits: ``[n, V]`` raw logits, row i the distribution ``token_ids[i]`` was drawn
+            at.
+        token_ids: ``n`` emitted tokens.
+        top: how many most probable tokens to list per row (0 to 20).
+
+    Returns:
+        ``n`` :class:`TokenLogprob` (``log_softmax`` in float32).
+    """
+    if logits.shape[0] != len(token_ids):
+        raise ValueError(f"{logits.shape[0]} rows for {len(token_ids)} tokens")
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp[torch.arange(len(token_ids)), torch.as_tensor(list(token_ids))].tolist()
+    tops: list[tuple] = [()] * len(token_ids)
+    if top > 0:
+        values, ids = torch.topk(logp, top, dim=-1)  # sorted, most probable first
+        tops = [
+            tuple(zip(i, v, strict=True))
+            for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+        ]
+    return [
+        TokenLogprob(int(t), float(lp), tp)
+        for t, lp, tp in zip(token_ids, chosen, tops, strict=True)
+    ]
+
+
 def _output_counts(output_ids, prefixes, vocab: int, device) -> torch.Tensor:
     """``[N, V]`` float32: how often each token occurs in each row's output (the
     committed output plus the row's prefix)."""

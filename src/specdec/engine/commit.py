@@ -27,12 +27,15 @@ class StepOutput:
             the context limit), or ``None`` while generation goes on.
         text_end: for a stop string, where the output text ends (character offset).
         stats: the generation's running :class:`SpecStats` (same object every step).
+        logprobs: with ``SamplingParams.logprobs``, one
+            :class:`~specdec.sampling.TokenLogprob` per new token (else ``None``).
     """
 
     new_token_ids: list[int]
     finish_reason: str | None
     stats: SpecStats
     text_end: int | None = None
+    logprobs: list | None = None
 
 
 def verify(

@@ -68,7 +68,7 @@ from specdec.engine.commit import StepOutput, finish_step, verify
 from specdec.engine.sequence import Sequence, SequenceStatus
 from specdec.engine.stops import StopChecker
 from specdec.models.base import Backend, BatchItem, check_capture
-from specdec.sampling import TokenHistory
+from specdec.sampling import TokenHistory, token_logprobs
 from specdec.trees.builders import TreeBuilder, TreeProposal
 from specdec.trees.tree import TokenTree
 from specdec.verify.tree import verify_tree
@@ -658,10 +658,26 @@ class Engine:
         # Draft tokens dropped by a stop are not counted as accepted.
         num_accepted = min(result.num_accepted, len(step.new_token_ids))
         stats.record_step(num_drafted, num_accepted, len(step.new_token_ids), max_depth)
+        if params.logprobs is not None:
+            step.logprobs = _emitted_logprobs(draft, logits, result, step, params.logprobs)
+            seq.logprobs.extend(step.logprobs)
         if step.finish_reason is not None:
             seq.text_end = step.text_end
             self._finish(seq, step.finish_reason, SequenceStatus.FINISHED)
         return step
+
+
+def _emitted_logprobs(draft, logits: torch.Tensor, result, step: StepOutput, top: int) -> list:
+    """The raw target log-probabilities of the tokens a step kept (after stop trimming):
+    emitted token j was drawn at the verification row after the first j accepted tokens
+    (a chain's row j; in a tree, the row of the j-th accepted node)."""
+    kept = len(step.new_token_ids)
+    if isinstance(draft, TreeProposal):
+        rows = [0] + [1 + n for n in result.accepted_nodes]
+    else:
+        rows = list(range(result.num_accepted + 1))
+    index = torch.tensor(rows[:kept], dtype=torch.long, device=logits.device)
+    return token_logprobs(logits.index_select(0, index), step.new_token_ids, top)
 
 
 def _history(seq: Sequence) -> TokenHistory:

@@ -66,6 +66,8 @@ class Sequence:
             ``control_info``.
         last_cap, last_draft_s: the step's cap on draft tokens and its draft seconds.
         verifier: how its sampled chains are verified (``"rejection"`` or ``"block"``).
+        logprobs: with ``params.logprobs``, one :class:`~specdec.sampling.TokenLogprob`
+            per output token so far.
     """
 
     request_id: str
@@ -96,6 +98,7 @@ class Sequence:
     last_cap: int = 0
     last_draft_s: float = 0.0
     verifier: str = "rejection"
+    logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.tokens:

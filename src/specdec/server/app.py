@@ -216,18 +216,26 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
             engine.abort(request_id)
         raise
     streams = [TextStream(llm.tokenizer, params.stop) for _, _, params in jobs]
+    wanted = [params.logprobs is not None for _, _, params in jobs]
+    logprobs = LogprobFormat(llm.tokenizer, chat, wanted)
     num_prompt = sum(len(ids) for ids in prompts)
     meta = dict(id=response_id, created=int(time.time()), model=name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(engine, ids, queues, streams, meta, chat, num_prompt, include_usage)
+        events = _events(
+            engine, ids, queues, streams, meta, chat, num_prompt, include_usage, logprobs
+        )
         return StreamingResponse(events, media_type="text/event-stream")
-    return await _complete(engine, ids, queues, streams, meta, chat, num_prompt, request)
+    return await _complete(engine, ids, queues, streams, meta, chat, num_prompt, request, logprobs)
 
 
-async def _complete(engine, ids, queues, streams, meta, chat, num_prompt, request):
+async def _complete(engine, ids, queues, streams, meta, chat, num_prompt, request, logprobs):
     """Wait for every choice (aborting all if the client goes away)."""
-    tasks = [asyncio.ensure_future(_collect(q, s)) for q, s in zip(queues, streams, strict=True)]
+    collected: list[list] = [[] for _ in queues]
+    tasks = [
+        asyncio.ensure_future(_collect(q, s, c))
+        for q, s, c in zip(queues, streams, collected, strict=True)
+    ]
     try:
         finished = await _wait_unless_gone(tasks, request)
     finally:  # finished, the client went away, or this handler was cancelled
@@ -246,7 +254,11 @@ async def _complete(engine, ids, queues, streams, meta, chat, num_prompt, reques
         return JSONResponse(error_body(errors[0].error, kind), status_code=status)
     choices = []
     for index, (update, stream) in enumerate(zip(finals, streams, strict=True)):
-        choice = {"index": index, "logprobs": None, "finish_reason": update.finish_reason}
+        choice = {
+            "index": index,
+            "logprobs": logprobs.format(index, collected[index]),
+            "finish_reason": update.finish_reason,
+        }
         if chat:
             choice["message"] = {"role": "assistant", "content": stream.text}
         else:
@@ -302,17 +314,23 @@ async def _wait_unless_gone(tasks: list[asyncio.Future], request: Request) -> bo
     return True
 
 
-async def _collect(queue: asyncio.Queue, stream: TextStream) -> Update:
-    """Consume one choice's updates; returns the final one (``stream.text`` is set)."""
+async def _collect(queue: asyncio.Queue, stream: TextStream, logprobs: list) -> Update:
+    """Consume one choice's updates; returns the final one (``stream.text`` is set, and
+    ``logprobs`` holds every token's :class:`~specdec.sampling.TokenLogprob` if asked)."""
     while True:
         update = await queue.get()
         stream.push(update.new_token_ids, update.finish_reason, update.text_end)
+        if update.logprobs:
+            logprobs.extend(update.logprobs)
         if update.finish_reason is not None or update.error:
             return update
 
 
-async def _events(engine, ids, queues, streams, meta, chat, num_prompt, include_usage):
-    """Server-sent events: one chunk per step and choice, then usage, then ``[DONE]``."""
+async def _events(engine, ids, queues, streams, meta, chat, num_prompt, include_usage, logprobs):
+    """Server-sent events: one chunk per step and choice, then usage, then ``[DONE]``.
+    A choice's token log-probabilities ride on its next chunk (text held back for a stop
+    string holds its tokens' entries back with it)."""
+    pending: list[list] = [[] for _ in queues]
     merged: asyncio.Queue = asyncio.Queue()
 
     async def forward(index: int, queue: asyncio.Queue) -> None:
@@ -338,11 +356,15 @@ async def _events(engine, ids, queues, streams, meta, chat, num_prompt, include_
                 live.discard(index)
                 continue
             text = streams[index].push(update.new_token_ids, update.finish_reason, update.text_end)
+            if update.logprobs:
+                pending[index].extend(update.logprobs)
             if update.finish_reason is not None:
                 live.discard(index)
             if text or update.finish_reason is not None:
                 delta = {"content": text} if chat else text
                 choice = _chunk(index, delta, update.finish_reason, chat)
+                choice["logprobs"] = logprobs.format(index, pending[index])
+                pending[index] = []
                 chunk = {**meta, "object": obj, "choices": [choice]}
                 if update.stats is not None and len(queues) == 1:
                     chunk["metrics"] = {"speculative_decoding": speculation_metrics(update.stats)}
@@ -356,6 +378,62 @@ async def _events(engine, ids, queues, streams, meta, chat, num_prompt, include_
             task.cancel()
         for i in live:
             engine.abort(ids[i])
+
+
+class LogprobFormat:
+    """Token log-probabilities in OpenAI's response formats.
+
+    Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}]}]}``. Completions: ``{"tokens", "token_logprobs",
+    "top_logprobs": [{token: logprob}] (the chosen token included, as vLLM does),
+    "text_offset"}`` (offsets in characters of the choice's text, summed over the tokens'
+    own texts). A token's text is its own decoding, special tokens shown.
+
+    Args:
+        tokenizer: the model's :class:`~specdec.tokenizer.Tokenizer`.
+        chat: chat completions (else completions).
+        wanted: per choice, whether its request asked for log-probabilities.
+    """
+
+    def __init__(self, tokenizer, chat: bool, wanted: list[bool]) -> None:
+        self.tokenizer, self.chat, self.wanted = tokenizer, chat, wanted
+        self.offsets = [0] * len(wanted)
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
+
+    def format(self, index: int, entries: list) -> dict | None:
+        """Choice ``index``'s next ``entries`` (``None`` when it asked for none)."""
+        if not self.wanted[index]:
+            return None
+        if self.chat:
+            content = []
+            for e in entries:
+                text = self._text(e.token_id)
+                top = [
+                    {"token": (t := self._text(i)), "logprob": lp, "bytes": list(t.encode())}
+                    for i, lp in e.top
+                ]
+                content.append(
+                    {"token": text, "logprob": e.logprob, "bytes": list(text.encode()),
+                     "top_logprobs": top}
+                )  # fmt: skip
+            return {"content": content}
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            text = self._text(e.token_id)
+            tokens.append(text)
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(text)
+            top = {self._text(i): lp for i, lp in e.top}
+            top.setdefault(text, e.logprob)
+            tops.append(top)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
 
 def _chunk(index: int, delta, finish_reason, chat: bool) -> dict:
@@ -424,6 +502,12 @@ def _sampling(llm: LLM, body, prompt_ids: list[int], seed: int | None) -> Sampli
             f"{outside[:5]}",
             "stop_token_ids",
         )
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     outside = sorted(t for t in bias if t >= llm.target.vocab_size)
     if outside:
@@ -448,6 +532,7 @@ def _sampling(llm: LLM, body, prompt_ids: list[int], seed: int | None) -> Sampli
             frequency_penalty=body.frequency_penalty,
             logit_bias=bias,
             min_tokens=body.min_tokens,
+            logprobs=logprobs,
         )
     except ValueError as error:  # the request model checks most of it; kept as a backstop
         text = str(error)

@@ -46,6 +46,8 @@ class Update:
         status: the HTTP status that error maps to (400: the engine refused the request;
             500: an internal failure).
         stats: on the final update, a snapshot of the request's speculation counters.
+        logprobs: with ``SamplingParams.logprobs``, one
+            :class:`~specdec.sampling.TokenLogprob` per new token.
     """
 
     new_token_ids: list[int]
@@ -54,6 +56,7 @@ class Update:
     error: str | None = None
     status: int = 200
     stats: SpecStats | None = None
+    logprobs: list | None = None
 
 
 @dataclass
@@ -223,6 +226,7 @@ class AsyncEngine:
             self.metrics.e2e_latency.observe(now - handle.arrived)
             self._last_stats.pop(seq.request_id, None)
         update = Update(list(step.new_token_ids), step.finish_reason, step.text_end)
+        update.logprobs = step.logprobs
         if final:
             update.stats = seq.stats.snapshot()
         self._post(seq.request_id, update, final)

@@ -8,11 +8,12 @@ sends falls under one rule:
 
 - the fields this server implements work as documented; ``null`` means the default;
 - known OpenAI fields and vLLM sampling extensions that it does not implement
-  (:data:`UNSUPPORTED`: ``logprobs``, ``tools``, ``response_format``, ``guided_json``,
-  ``bad_words``, ...) are accepted when their value asks for nothing (``null`` or the
-  neutral value: ``false``, ``tool_choice: "none"`` or ``"auto"`` without tools,
+  (:data:`UNSUPPORTED`: ``echo``, ``tools``, ``response_format``, ``guided_json``,
+  ``bad_words``, ``prompt_logprobs``, ...) are accepted when their value asks for nothing
+  (``null`` or the neutral value: ``false``, ``tool_choice: "none"`` or ``"auto"`` without tools,
   ``response_format: {"type": "text"}``, ...) and otherwise refused
-  (HTTP 400, ``param`` the field): ignoring ``logprobs: 5`` would hand a client ``null``;
+  (HTTP 400, ``param`` the field): ignoring ``echo: true`` would hand a client less than
+  it asked for;
 - fields that do not change the output (:data:`IGNORED`: ``user``, ``metadata``,
   ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
   ``parallel_tool_calls``, ``request_id``) are accepted and ignored;
@@ -37,13 +38,14 @@ is. Errors name the offending field in OpenAI's ``param`` (``"temperature"``,
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specdec.config import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -121,8 +123,6 @@ class SpeculativeOptions(BaseModel):
 #: values that ask for nothing (accepted, and then dropped); any other value is refused.
 UNSUPPORTED: dict[str, tuple] = {
     # OpenAI
-    "logprobs": (None, False),  # completions: logprobs 0 asks for the chosen tokens' ones
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -201,6 +201,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    unsupported_fields: ClassVar[dict] = UNSUPPORTED
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -271,7 +272,7 @@ class _Common(BaseModel):
         if not isinstance(data, dict):
             return data  # pydantic says what is wrong
         check_unicode(data)
-        data = screen_fields(data, cls.model_fields, UNSUPPORTED, IGNORED)
+        data = screen_fields(data, cls.model_fields, cls.unsupported_fields, IGNORED)
         return cls._screen_more(data)
 
     @classmethod
@@ -290,6 +291,20 @@ class CompletionRequest(_Common):
 
     prompt: str | list[int] | list[str | list[int]]
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    #: completions have no top_logprobs (``logprobs`` is the count); 0 asks for nothing
+    unsupported_fields: ClassVar[dict] = {**UNSUPPORTED, "top_logprobs": (None, 0)}
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_count(cls, value):
+        """``false`` (what chat clients send) means none; ``true`` is refused: here
+        ``logprobs`` is how many top tokens to list per position (0 to 20)."""
+        if value is False:
+            return None
+        if value is True:
+            raise ValueError("completions take logprobs as a count of top tokens (0 to 20)")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -326,6 +341,8 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
     @classmethod
     def _screen_more(cls, data: dict) -> dict:

@@ -1,0 +1,115 @@
+"""Log-probabilities of the emitted tokens: the target's raw distribution at each emitted
+position, the same under speculation (accepted, recovered and bonus tokens; chains and
+trees) as in plain decoding, bit-equal in exact mode, trimmed with the tokens at a stop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import PROMPTS
+
+from conftest import make_model, make_tokenizer
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.models.native import NativeModel
+from specdec.sampling import token_logprobs
+
+SPECS = [
+    SpeculativeConfig("ngram", num_speculative_tokens=4),
+    SpeculativeConfig("ngram", tree="static:tree-8"),
+    SpeculativeConfig("suffix", num_speculative_tokens=6),
+]
+
+
+@pytest.fixture(scope="module")
+def exact_target():
+    return NativeModel(make_model(make_tokenizer(), seed=0, name="tiny-target"), exact=True)
+
+
+def _values(output):
+    return [(t.token_id, t.logprob, t.top) for t in output.logprobs]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["ngram", "ngram-tree", "suffix"])
+def test_exact_mode_logprobs_are_bit_equal_to_plain_decoding(exact_target, spec):
+    plain = LLM(exact_target, speculative=SpeculativeConfig("none"))
+    llm = LLM(exact_target, speculative=spec)
+    params = SamplingParams(max_new_tokens=30, logprobs=4, ignore_eos=True)
+    accepted = 0
+    for prompt in PROMPTS:
+        want, got = plain.generate(prompt, params), llm.generate(prompt, params)
+        assert got.token_ids == want.token_ids
+        assert _values(got) == _values(want)
+        accepted += got.metrics.num_accepted_tokens
+    assert accepted > 0  # accepted and bonus rows were both compared
+
+
+def test_draft_model_logprobs_equal_plain_within_float32(target, near_draft):
+    params = SamplingParams(max_new_tokens=30, logprobs=2, ignore_eos=True)
+    plain = LLM(target, speculative=SpeculativeConfig("none")).generate(PROMPTS[0], params)
+    spec = SpeculativeConfig("draft-model", num_speculative_tokens=4)
+    got = LLM(target, draft=near_draft, speculative=spec).generate(PROMPTS[0], params)
+    assert got.token_ids == plain.token_ids and got.metrics.num_accepted_tokens > 0
+    for a, b in zip(got.logprobs, plain.logprobs, strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-5
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+def test_values_are_the_targets_raw_distribution_teacher_forced(target):
+    """An independent recomputation: one transformers forward over prompt + output, its
+    log_softmax at each position (temperature and penalties do not enter: raw)."""
+    llm = LLM(target, speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))
+    params = SamplingParams(
+        max_new_tokens=20, logprobs=3, temperature=0.7, seed=1, repetition_penalty=1.3,
+        ignore_eos=True,
+    )  # fmt: skip
+    out = llm.generate(PROMPTS[1], params)
+    ids = torch.tensor([PROMPTS[1] + out.token_ids])
+    with torch.no_grad():
+        logits = target.model(ids).logits[0, len(PROMPTS[1]) - 1 : -1]
+    logp = torch.log_softmax(logits.float(), -1)
+    for i, t in enumerate(out.logprobs):
+        assert t.token_id == out.token_ids[i]
+        assert abs(t.logprob - float(logp[i, t.token_id])) < 1e-4
+        assert [j for j, _ in t.top] == torch.topk(logp[i], 3).indices.tolist()
+        values = [lp for _, lp in t.top]
+        assert values == sorted(values, reverse=True) and t.logprob <= values[0] + 1e-6
+
+
+def test_logprobs_stop_where_the_tokens_stop(target):
+    """A stop token inside an accepted block: one entry per kept token, nothing after."""
+    plain = LLM(target, speculative=SpeculativeConfig("none"))
+    free = plain.generate(PROMPTS[0], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    stop = free.token_ids[6]
+    params = SamplingParams(max_new_tokens=20, stop_token_ids=(stop,), logprobs=1)
+    llm = LLM(target, speculative=SpeculativeConfig("ngram", num_speculative_tokens=8))
+    out = llm.generate(PROMPTS[0], params)
+    assert out.token_ids[-1] == stop and len(out.logprobs) == len(out.token_ids)
+    assert [t.token_id for t in out.logprobs] == out.token_ids
+
+
+def test_batch_stream_and_single_agree(exact_target):
+    llm = LLM(exact_target, speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))
+    params = SamplingParams(max_new_tokens=16, logprobs=2, ignore_eos=True)
+    single = [llm.generate(p, params) for p in PROMPTS]
+    batch = llm.generate(PROMPTS, params)
+    assert [_values(o) for o in batch] == [_values(o) for o in single]
+    chunks = list(llm.stream(PROMPTS[0], params))
+    streamed = [t for c in chunks for t in c.logprobs]
+    assert streamed == single[0].logprobs == chunks[-1].output.logprobs
+    assert single[0].to_dict()["logprobs"][0]["token_id"] == single[0].token_ids[0]
+
+
+def test_no_logprobs_unless_asked(target):
+    out = LLM(target).generate(PROMPTS[0], SamplingParams(max_new_tokens=4))
+    assert out.logprobs is None and "logprobs" not in out.to_dict()
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.0, True])
+def test_bad_logprobs_values_are_refused(value):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=value)
+
+
+def test_token_logprobs_checks_its_rows():
+    with pytest.raises(ValueError, match="rows"):
+        token_logprobs(torch.zeros(2, 5), [1], 0)
