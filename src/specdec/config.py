@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specdec.structured import StructuredOutputsParams
 from specdec.trees.spec import TreeSpec
 from specdec.unicode import check_text
 
@@ -86,6 +87,12 @@ class SamplingParams:
             position, ``log_softmax`` of its logits before any transform (vLLM's default
             ``raw_logprobs``): the same under speculation as in plain decoding, whichever
             verification row computed them (bit-equal in exact mode).
+        structured_outputs: a :class:`~specdec.structured.StructuredOutputsParams` (JSON
+            schema, regex, choice, Lark grammar or any JSON object) the output must match:
+            every verified row's logits outside the grammar become ``-inf`` before the
+            other transforms, each row with the grammar state of its own history; the
+            output ends (``"stop"``) when the grammar is complete (see
+            :mod:`specdec.structured`).
         logits_processors: callables ``f(output_ids: list[int], logits: Tensor[V]) ->
             Tensor[V]`` (vLLM's classic form), applied in order to each row after the
             penalties; ``output_ids`` is that row's own history (the accepted draft tokens
@@ -98,12 +105,13 @@ class SamplingParams:
 
     Every transform is applied to each verified row with that row's own history (the
     output so far plus the draft tokens accepted before it in the block or tree path),
-    in this order (vLLM's): ``logit_bias``, ``min_tokens``, ``repetition_penalty``,
-    ``frequency_penalty`` and ``presence_penalty``, ``logits_processors``; greedy decoding
-    takes the argmax of the result; sampling then applies temperature, ``min_p``,
-    ``top_k`` and ``top_p`` (see :func:`specdec.sampling.process_logits` and
-    :func:`specdec.sampling.logits_to_probs`). Rejection sampling is lossless with respect
-    to this *processed* target distribution: what plain sampling would draw from.
+    in this order (vLLM's): the grammar of ``structured_outputs``, ``logit_bias``,
+    ``min_tokens``, ``repetition_penalty``, ``frequency_penalty`` and ``presence_penalty``,
+    ``logits_processors``; greedy decoding takes the argmax of the result; sampling then
+    applies temperature, ``min_p``, ``top_k`` and ``top_p`` (see
+    :func:`specdec.sampling.process_logits` and :func:`specdec.sampling.logits_to_probs`).
+    Rejection sampling is lossless with respect to this *processed* target distribution:
+    what plain sampling would draw from.
     """
 
     temperature: float = 0.0
@@ -123,6 +131,7 @@ class SamplingParams:
     min_tokens: int = 0
     logits_processors: tuple = field(default_factory=tuple)
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._resolve_max_tokens()
@@ -244,6 +253,13 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
             )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         procs = self.logits_processors
         procs = (procs,) if callable(procs) else tuple(procs or ())
         if not all(callable(p) for p in procs):
@@ -258,13 +274,15 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Whether a row's logits depend on the tokens before it (penalties,
-        ``min_tokens``, user processors): verification then hands each row its history."""
+        ``min_tokens``, user processors, a grammar): verification then hands each row its
+        history."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.min_tokens > 0
             or bool(self.logits_processors)
+            or self.structured_outputs is not None
         )
 
     @property

@@ -29,6 +29,7 @@ from specdec.models.loading import (
     load,
 )
 from specdec.sampling import TokenLogprob, make_generator
+from specdec.structured import GrammarCompiler, GrammarState
 from specdec.text import TextStream, final_text
 from specdec.tokenizer import Tokenizer
 from specdec.trees.builders import TreeBuilder, make_tree_builder
@@ -189,6 +190,11 @@ class LLM:
         #: what verification forwards and drafts cost here, learned from every generation
         #: (the adaptive controllers read it; see :mod:`specdec.control.cost`)
         self.cost_model = CostModel()
+        #: compiles ``SamplingParams.structured_outputs`` for this tokenizer (llguidance's
+        #: tokenizer is built on the first structured request)
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf, self.target.vocab_size, self.tokenizer.eos_token_ids
+        )
         # One step at a time on this LLM (models, drafters and builders are shared); held
         # per step, never across a yield, so interleaved streams in one thread work.
         self._lock = threading.RLock()
@@ -404,7 +410,18 @@ class LLM:
             generator=make_generator(params.seed, self.target.device),
             controller=self.controller(config),
             verifier=config.verifier,
+            grammar=self.grammar(params),
         )
+
+    def grammar(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh grammar state for ``params.structured_outputs`` (``None`` without).
+
+        Raises:
+            ValueError: an invalid schema, regex or grammar, or a tokenizer llguidance
+                cannot read.
+        """
+        spec = params.structured_outputs
+        return None if spec is None else self.grammars.matcher(spec)
 
     def stream(
         self,
@@ -443,6 +460,7 @@ class LLM:
             controller=request["controller"],
             cost_model=self.cost_model,
             verifier=request["verifier"],
+            grammar=request["grammar"],
         )
         return prompt_ids, self._locked(steps)
 

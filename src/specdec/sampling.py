@@ -34,11 +34,15 @@ class TokenHistory:
             included): rows of a verification add their own draft prefix to it.
         stop_token_ids: what ``min_tokens`` suppresses (EOS, end-of-turn and the
             request's ``stop_token_ids``; empty with ``ignore_eos`` and no stop ids).
+        grammar: the sequence's grammar state at the committed output (structured
+            output), anything with :meth:`~specdec.structured.GrammarState.allowed`
+            ``(prefixes) -> [N, V] bool``; ``None`` without a grammar.
     """
 
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     stop_token_ids: Sequence[int] = ()
+    grammar: object | None = None
 
 
 def process_logits(
@@ -50,9 +54,13 @@ def process_logits(
     """The history-dependent and additive transforms, row by row with each row's own
     history (vLLM's order):
 
+    0. a grammar (``history.grammar``, structured output): ``z[t] = -inf`` for every token
+       the grammar does not allow after the row's history; applied first, so nothing
+       after it can bring a forbidden token back;
     1. ``logit_bias``: ``z[t] += bias[t]``;
     2. ``min_tokens``: ``z[s] = -inf`` for every stop token ``s`` while the row's output
-       length (history + prefix) is below ``min_tokens``;
+       length (history + prefix) is below ``min_tokens`` (except where the grammar allows
+       nothing else: a complete grammar ends the output);
     3. ``repetition_penalty`` r (CTRL, Keskar et al. 2019, eq. 2): for each token of the
        prompt or the row's output, ``z / r`` if ``z > 0`` else ``z * r``;
     4. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI): ``z[t] -= f c[t] + p
@@ -73,7 +81,8 @@ def process_logits(
         ``params.transforms_logits`` is false).
 
     Raises:
-        ValueError: a transform needs ``history`` and got none, ``prefixes`` does not have
+        ValueError: a transform needs ``history`` and got none (or ``structured_outputs``
+            without ``history.grammar``), ``prefixes`` does not have
             one entry per row, or a ``logit_bias`` id is outside the vocabulary.
     """
     z = logits.float()
@@ -85,9 +94,20 @@ def process_logits(
     if len(prefixes) != n:
         raise ValueError(f"{len(prefixes)} prefixes for {n} rows")
     if params.needs_history and history is None:
-        raise ValueError("penalties, min_tokens and logits_processors need the token history")
+        raise ValueError(
+            "penalties, min_tokens, logits_processors and structured output need the token history"
+        )
+    if params.structured_outputs is not None and history.grammar is None:
+        raise ValueError("structured_outputs needs the sequence's grammar state in the history")
     z = z.clone()
     device = z.device
+    grammar = None if history is None else history.grammar
+    allowed = None
+    if grammar is not None:
+        allowed = grammar.allowed(prefixes).to(device)
+        if allowed.shape[1] < vocab:  # the grammar's vocabulary is narrower: never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        z.masked_fill_(~allowed[:, :vocab], float("-inf"))
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
         if int(ids.max()) >= vocab:
@@ -100,6 +120,10 @@ def process_logits(
     if params.min_tokens > 0 and history.stop_token_ids:
         early = [i for i, pre in enumerate(prefixes) if done + len(pre) < params.min_tokens]
         stops = [s for s in history.stop_token_ids if 0 <= s < vocab]
+        if early and stops and allowed is not None:  # keep what a complete grammar needs
+            others = allowed.clone()
+            others[:, stops] = False
+            early = [i for i in early if bool(others[i].any())]
         if early and stops:
             rows = torch.tensor(early, dtype=torch.long, device=device)
             cols = torch.tensor(stops, dtype=torch.long, device=device)

@@ -25,7 +25,8 @@ class StepOutput:
         new_token_ids: tokens appended to the output (after stop truncation).
         finish_reason: ``"stop"`` (stop token or string), ``"length"`` (max_new_tokens or
             the context limit), or ``None`` while generation goes on.
-        text_end: for a stop string, where the output text ends (character offset).
+        text_end: for a stop string, where the output text ends (character offset);
+            :data:`~specdec.engine.stops.WHOLE_TEXT` when a completed grammar ended it.
         stats: the generation's running :class:`SpecStats` (same object every step).
         logprobs: with ``SamplingParams.logprobs``, one
             :class:`~specdec.sampling.TokenLogprob` per new token (else ``None``).

@@ -66,9 +66,10 @@ from specdec.drafters.base import (
 )
 from specdec.engine.commit import StepOutput, finish_step, verify
 from specdec.engine.sequence import Sequence, SequenceStatus
-from specdec.engine.stops import StopChecker
+from specdec.engine.stops import WHOLE_TEXT, StopChecker
 from specdec.models.base import Backend, BatchItem, check_capture
 from specdec.sampling import TokenHistory, token_logprobs
+from specdec.structured import GrammarState
 from specdec.trees.builders import TreeBuilder, TreeProposal
 from specdec.trees.tree import TokenTree
 from specdec.verify.tree import verify_tree
@@ -171,6 +172,7 @@ class Engine:
         generator: torch.Generator | None = None,
         controller: SpeculationController | None = None,
         verifier: str = "rejection",
+        grammar: GrammarState | None = None,
     ) -> Sequence:
         """Queue a request.
 
@@ -188,13 +190,18 @@ class Engine:
                 ``num_speculative_tokens`` (default: fixed, always all of them).
             verifier: how a sampled chain is verified: ``"rejection"`` or ``"block"``
                 (see :attr:`~specdec.config.SpeculativeConfig.verifier`).
+            grammar: the request's fresh grammar state, required with
+                ``params.structured_outputs`` (from
+                :meth:`specdec.structured.GrammarCompiler.matcher`); it masks every
+                verified row and ends the output when complete.
 
         Returns:
             the queued :class:`Sequence` (its ``status`` and ``tokens`` update as it runs).
 
         Raises:
             ValueError: duplicate id, empty prompt, a prompt that fills the context or the
-                KV limit, k < 0, a ``logit_bias`` id outside the vocabulary, a tree with a
+                KV limit, k < 0, a ``logit_bias`` id outside the vocabulary,
+                ``structured_outputs`` without a grammar state (or one without it), a tree with a
                 drafter that cannot draft trees, or a tree larger than
                 ``max_num_batched_tokens``.
         """
@@ -216,6 +223,11 @@ class Engine:
             raise ValueError(
                 f"logit_bias names token ids outside the vocabulary ({target.vocab_size} "
                 f"tokens): {outside[:5]}"
+            )
+        if (params.structured_outputs is None) != (grammar is None):
+            raise ValueError(
+                "params.structured_outputs and the grammar state go together: compile it "
+                "with specdec.structured.GrammarCompiler(...).matcher(spec)"
             )
         drafter = drafter or NoDrafter()
         check_drafter(drafter)
@@ -274,6 +286,7 @@ class Engine:
             control=(controller or FixedController()).start(info),
             control_info=info,
             verifier=verifier,
+            grammar=grammar,
         )
         self.waiting.append(seq)
         self._live[request_id] = seq
@@ -576,6 +589,13 @@ class Engine:
                     f"be an int in [1, {keep}]"
                 )
             keep = chosen
+        grammar = seq.grammar
+        if grammar is not None and keep and (seq.params.greedy or draft.draft_probs is None):
+            # Tokens after the first one the grammar forbids can never be accepted: verify
+            # without them. Only where the draft is a function of the history (greedy
+            # target, or deterministic drafts): cutting a *sampled* draft on its drawn
+            # values would change the rejection sampler's output law.
+            keep = min(keep, grammar.valid_prefix_length(draft.token_ids[:keep]))
         if keep < len(draft):
             probs, confidence = draft.draft_probs, draft.confidence
             draft = DraftProposal(
@@ -650,11 +670,17 @@ class Engine:
             seq.drafter_state.observe(feedback)
             stats.draft_s += time.perf_counter() - t_observe
         self._control_observe(seq, k, draft, result, position, forward_s, rows)
-        seq.tokens.extend(result.output_token_ids)
+        emitted = result.output_token_ids
+        if seq.grammar is not None:  # the grammar's end is a terminal condition, in order
+            emitted = emitted[: seq.grammar.commit(emitted)]
+        seq.tokens.extend(emitted)
         step = finish_step(
-            seq.tokens, len(seq.prompt_ids), len(result.output_token_ids), seq.max_total,
+            seq.tokens, len(seq.prompt_ids), len(emitted), seq.max_total,
             seq.stop_checker, stats,
         )  # fmt: skip
+        if step.finish_reason != "stop" and seq.grammar is not None and seq.grammar.is_stopped:
+            # the grammar is complete (nothing but EOS may follow): the last token is text
+            step.finish_reason, step.text_end = "stop", WHOLE_TEXT
         # Draft tokens dropped by a stop are not counted as accepted.
         num_accepted = min(result.num_accepted, len(step.new_token_ids))
         stats.record_step(num_drafted, num_accepted, len(step.new_token_ids), max_depth)
@@ -685,7 +711,10 @@ def _history(seq: Sequence) -> TokenHistory:
     output so far (the pending token included) and the stop tokens ``min_tokens`` holds
     back."""
     return TokenHistory(
-        seq.prompt_ids, seq.output_ids, tuple(sorted(seq.stop_checker.stop_token_ids))
+        seq.prompt_ids,
+        seq.output_ids,
+        tuple(sorted(seq.stop_checker.stop_token_ids)),
+        seq.grammar,
     )
 
 

@@ -45,6 +45,7 @@ def generate_steps(
     controller: SpeculationController | None = None,
     cost_model: CostModel | None = None,
     verifier: str = "rejection",
+    grammar=None,
 ) -> Iterator[StepOutput]:
     """Run speculative decoding for one sequence, yielding after every step.
 
@@ -69,6 +70,8 @@ def generate_steps(
             (default: fixed).
         cost_model: the online cost model to read and feed (default: a new one).
         verifier: ``"rejection"`` or ``"block"`` (see :meth:`Engine.add_request`).
+        grammar: the grammar state of ``params.structured_outputs`` (see
+            :meth:`Engine.add_request`).
 
     Yields:
         :class:`StepOutput` per step; the last one has a ``finish_reason``.
@@ -81,7 +84,7 @@ def generate_steps(
     seq = engine.add_request(
         "0", prompt_ids, params, drafter=drafter, num_speculative_tokens=num_speculative_tokens,
         tree_builder=tree_builder, stop_checker=stop_checker, generator=generator,
-        controller=controller, verifier=verifier,
+        controller=controller, verifier=verifier, grammar=grammar,
     )  # fmt: skip
     try:
         while not seq.is_finished:

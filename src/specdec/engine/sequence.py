@@ -13,6 +13,7 @@ from specdec.drafters.base import Drafter, SequenceDrafter
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
 from specdec.models.base import KVCacheLike
+from specdec.structured import GrammarState
 from specdec.trees.builders import TreeBuilder
 
 
@@ -68,6 +69,9 @@ class Sequence:
         verifier: how its sampled chains are verified (``"rejection"`` or ``"block"``).
         logprobs: with ``params.logprobs``, one :class:`~specdec.sampling.TokenLogprob`
             per output token so far.
+        grammar: with ``params.structured_outputs``, its
+            :class:`~specdec.structured.GrammarState` at the committed output (kept
+            through preemption: it follows the tokens, not the cache).
     """
 
     request_id: str
@@ -99,6 +103,7 @@ class Sequence:
     last_draft_s: float = 0.0
     verifier: str = "rejection"
     logprobs: list = field(default_factory=list)
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:

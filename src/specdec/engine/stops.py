@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+#: ``text_end`` of an output that ends with ``finish_reason`` ``"stop"`` but keeps all its
+#: text (a completed grammar): without it, ``"stop"`` means the last id is a stop token,
+#: which is not part of the text.
+WHOLE_TEXT = sys.maxsize
 
 
 @dataclass
@@ -13,7 +19,8 @@ class StopMatch:
     Attributes:
         num_tokens: output tokens to keep (a stop token is kept as the last id).
         text_end: for a stop string, the character offset in the decoded output at which
-            text ends (the stop string is dropped); ``None`` for a stop token.
+            text ends (the stop string is dropped); ``None`` for a stop token;
+            :data:`WHOLE_TEXT` for a completed grammar.
     """
 
     num_tokens: int
