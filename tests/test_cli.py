@@ -182,6 +182,11 @@ def test_drafter_draft_model_same_dir(capsys, model_dir):
         (["--logit-bias", "5=500"], "logit_bias value"),
         (["--logit-bias", "999999=1"], "outside the vocabulary"),
         (["--verifier", "block", "--tree", "static:tree-8"], "verifies chains"),
+        (["--json-schema", "[1]"], "--json-schema: a JSON schema must be a JSON object"),
+        (["--json-schema", "@/no/such/schema.json"], "--json-schema: cannot read"),
+        (["--choice", "yes", "--regex", "y"], "one output constraint, got --regex, --choice"),
+        (["--regex", ""], "--regex: regex must be a non-empty string"),
+        (["--regex", "w1"], "byte-level"),  # the tiny model's tokenizer is word-level
     ],
 )
 def test_bad_option_values(capsys, model_dir, args, fragment):

@@ -8,6 +8,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from specdec import registry
 from specdec.config import SamplingParams, SpeculativeConfig
@@ -22,6 +23,7 @@ from specdec.models.loading import (
     check_quantization,
     check_source,
 )
+from specdec.structured import StructuredOutputsParams
 
 
 def add_drafter_args(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +121,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:
     """``--max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty
-    --presence-penalty --frequency-penalty --logit-bias --min-tokens --seed --dtype --device
+    --presence-penalty --frequency-penalty --logit-bias --min-tokens``, one of
+    ``--json-schema --json-object --regex --choice --grammar``, ``--seed --dtype --device
     --backend --exact``."""
     parser.add_argument(
         "--max-new-tokens",
@@ -168,6 +171,29 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         default=0,
         metavar="N",
         help="no EOS or stop token before N output tokens (default: 0)",
+    )
+    structured = parser.add_argument_group("structured output (one of)")
+    structured.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="the output is JSON valid against SCHEMA (JSON text, or @FILE)",
+    )
+    structured.add_argument(
+        "--json-object", action="store_true", help="the output is a JSON object"
+    )
+    structured.add_argument(
+        "--regex", metavar="REGEX", help="the output matches REGEX in full (Rust regex syntax)"
+    )
+    structured.add_argument(
+        "--choice",
+        action="append",
+        metavar="TEXT",
+        help="the output is one of these strings (repeat the flag for each)",
+    )
+    structured.add_argument(
+        "--grammar",
+        metavar="LARK",
+        help="the output matches this Lark grammar (llguidance's dialect; text, or @FILE)",
     )
     parser.add_argument("--seed", type=int, default=seed, help=f"sampling seed (default: {seed})")
     parser.add_argument(
@@ -266,7 +292,48 @@ def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> Sam
         frequency_penalty=args.frequency_penalty,
         logit_bias=parse_logit_bias(args.logit_bias),
         min_tokens=args.min_tokens,
+        structured_outputs=structured_outputs(args),
     )
+
+
+def structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The output constraint of ``--json-schema``, ``--json-object``, ``--regex``,
+    ``--choice`` or ``--grammar`` (``None`` without one); ``@FILE`` reads a schema or
+    grammar from a file.
+
+    Raises:
+        ValueError: more than one flag, an unreadable file or an invalid constraint
+            (naming the flag).
+    """
+    given = [
+        "--" + flag.replace("_", "-")
+        for flag in ("json_schema", "json_object", "regex", "choice", "grammar")
+        if getattr(args, flag, None)
+    ]
+    if len(given) > 1:
+        raise ValueError(f"give one output constraint, got {', '.join(given)}")
+    for flag, kind in (("json_schema", "json"), ("regex", "regex"), ("grammar", "grammar")):
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        name = "--" + flag.replace("_", "-")
+        if value.startswith("@"):
+            try:
+                value = Path(value[1:]).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                raise ValueError(f"{name}: cannot read {value[1:]}: {error}") from None
+        try:
+            return StructuredOutputsParams(**{kind: value})
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+    if getattr(args, "choice", None):
+        try:
+            return StructuredOutputsParams(choice=args.choice)
+        except ValueError as error:
+            raise ValueError(f"--choice: {error}") from None
+    if getattr(args, "json_object", False):
+        return StructuredOutputsParams(json_object=True)
+    return None
 
 
 def parse_logit_bias(items: list[str]) -> dict[int, float]:

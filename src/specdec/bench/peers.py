@@ -456,12 +456,13 @@ def check_peer_params(name: str, params: SamplingParams) -> None:
 
     Raises:
         ValueError: stop strings, ``ignore_eos``, ``min_p`` or a logits transform
-            (penalties, ``logit_bias``, ``min_tokens``, processors), naming them.
+            (penalties, ``logit_bias``, ``min_tokens``, processors, a grammar), naming them.
     """
     if params.stop or params.ignore_eos:
         raise ValueError(f"{name}: peer methods take no stop strings and no ignore_eos")
     if params.transforms_logits or params.min_p > 0:
         raise ValueError(
             f"{name}: peer methods run temperature, top-k and top-p only; drop --min-p, the "
-            "penalties, --logit-bias and --min-tokens to compare with peers"
+            "penalties, --logit-bias, --min-tokens and the structured-output flags to "
+            "compare with peers"
         )

@@ -194,11 +194,17 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
             "has none (start it with --draft-model)",
             "speculative",
         )
+    spec, field = body.structured_spec()
+    if spec is not None:  # compiled off the event loop (cached: each request's state is new)
+        try:
+            await asyncio.to_thread(llm.grammars.compile, spec)
+        except ValueError as error:
+            raise BadRequest(f"{field}: {error}", field) from None
     jobs = []  # (choice index, prompt ids, params)
     for p, ids in enumerate(prompts):
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2**63
-            jobs.append((p * body.n + i, ids, _sampling(llm, body, ids, seed)))
+            jobs.append((p * body.n + i, ids, _sampling(llm, body, ids, seed, spec)))
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     ids, queues = [], []
@@ -478,7 +484,9 @@ def _completion_prompts(llm: LLM, prompt) -> list[list[int]]:
     return out
 
 
-def _sampling(llm: LLM, body, prompt_ids: list[int], seed: int | None) -> SamplingParams:
+def _sampling(
+    llm: LLM, body, prompt_ids: list[int], seed: int | None, structured=None
+) -> SamplingParams:
     context = llm.target.max_context
     if len(prompt_ids) >= context:
         raise BadRequest(
@@ -533,6 +541,7 @@ def _sampling(llm: LLM, body, prompt_ids: list[int], seed: int | None) -> Sampli
             logit_bias=bias,
             min_tokens=body.min_tokens,
             logprobs=logprobs,
+            structured_outputs=structured,
         )
     except ValueError as error:  # the request model checks most of it; kept as a backstop
         text = str(error)

@@ -1,17 +1,18 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and OpenAI-style errors.
 
 Fields follow OpenAI's completions and chat completions APIs (``presence_penalty``,
-``frequency_penalty`` and ``logit_bias`` included), plus vLLM's ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``stop_token_ids`` and
-specdec's ``speculative``. Every field a request
+``frequency_penalty``, ``logit_bias``, ``logprobs`` and ``response_format`` included),
+plus vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``structured_outputs`` and ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``, and specdec's ``speculative``. Every field a request
 sends falls under one rule:
 
 - the fields this server implements work as documented; ``null`` means the default;
 - known OpenAI fields and vLLM sampling extensions that it does not implement
-  (:data:`UNSUPPORTED`: ``echo``, ``tools``, ``response_format``, ``guided_json``,
-  ``bad_words``, ``prompt_logprobs``, ...) are accepted when their value asks for nothing
+  (:data:`UNSUPPORTED`: ``echo``, ``tools``, ``prediction``, ``bad_words``,
+  ``prompt_logprobs``, ...) are accepted when their value asks for nothing
   (``null`` or the neutral value: ``false``, ``tool_choice: "none"`` or ``"auto"`` without tools,
-  ``response_format: {"type": "text"}``, ...) and otherwise refused
+  ...) and otherwise refused
   (HTTP 400, ``param`` the field): ignoring ``echo: true`` would hand a client less than
   it asked for;
 - fields that do not change the output (:data:`IGNORED`: ``user``, ``metadata``,
@@ -50,6 +51,7 @@ from specdec.config import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from specdec.structured import StructuredOutputsParams
 from specdec.unicode import find_invalid, printable
 
 
@@ -130,7 +132,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),  # "auto" picks no tool when there are none
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "prediction": (None,),
     "reasoning_effort": (None,),
     "audio": (None,),
@@ -141,12 +142,8 @@ UNSUPPORTED: dict[str, tuple] = {
     "length_penalty": (None, 1),
     "use_beam_search": (None, False),
     "prompt_logprobs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
-    "structured_outputs": (None,),
+    # one grammar engine (llguidance) serves every request; naming it is accepted
+    "guided_decoding_backend": (None, "auto", "guidance", "llguidance"),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
@@ -173,6 +170,49 @@ MESSAGE_UNSUPPORTED: dict[str, tuple] = {
 
 #: Chat message fields accepted and ignored.
 MESSAGE_IGNORED = frozenset({"name"})
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema`` (OpenAI): the schema, its ``name`` and
+    ``description`` (accepted, unused), ``strict`` (accepted: the output always follows
+    the schema)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema`` (with ``json_schema``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs`` object: one of ``json`` (a schema), ``regex``,
+    ``choice``, ``grammar`` (Lark) or ``json_object``; ``disable_any_whitespace``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class StreamOptions(BaseModel):
@@ -209,6 +249,52 @@ class _Common(BaseModel):
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     speculative: SpeculativeOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the field that asked for it (``None,
+        None`` without one): ``response_format`` (OpenAI), ``structured_outputs`` (vLLM)
+        or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+        ``guided_grammar``.
+
+        Raises:
+            BadRequest: more than one of them, or an invalid constraint (naming the field).
+        """
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            asked.append(("response_format", fmt))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                asked.append((name, getattr(self, name)))
+        if not asked:
+            return None, None
+        if len(asked) > 1:
+            names = ", ".join(name for name, _ in asked)
+            raise BadRequest(f"give one output constraint, got {names}", asked[1][0])
+        name, value = asked[0]
+        try:
+            if name == "response_format":
+                if value.type == "json_object":
+                    return StructuredOutputsParams(json_object=True), name
+                return StructuredOutputsParams(json=value.json_schema.schema_), name
+            if name == "structured_outputs":
+                return StructuredOutputsParams(
+                    json=value.json_, regex=value.regex, choice=value.choice,
+                    grammar=value.grammar, json_object=bool(value.json_object),
+                    disable_any_whitespace=value.disable_any_whitespace,
+                ), name  # fmt: skip
+            kind = name.removeprefix("guided_")
+            return StructuredOutputsParams(**{kind: value}), name
+        except ValueError as error:
+            raise BadRequest(f"{name}: {error}", name) from None
 
     @field_validator(
         "temperature", "top_p", "top_k", "seed", "n", "min_p", "repetition_penalty",
