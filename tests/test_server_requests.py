@@ -236,7 +236,6 @@ ASKING = {
     "echo": True, "best_of": 3, "suffix": " w9",
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f"}], "function_call": {"name": "f"}, "tool_choice": "required",
-    "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "high", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
     "web_search_options": {}, "verbosity": "low",
     "length_penalty": 2, "use_beam_search": True, "prompt_logprobs": 1,

@@ -13,6 +13,7 @@ from specdec.control.base import SpeculationController
 from specdec.control.cost import CostModel
 from specdec.drafters.base import Drafter, check_drafter
 from specdec.drafters.draft_model import check_vocab_compatible
+from specdec.drafters.prediction import PredictionDrafter
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
@@ -33,6 +34,7 @@ from specdec.structured import GrammarCompiler, GrammarState
 from specdec.text import TextStream, final_text
 from specdec.tokenizer import Tokenizer
 from specdec.trees.builders import TreeBuilder, make_tree_builder
+from specdec.unicode import check_text
 
 Prompt = str | list[dict] | list[int]
 
@@ -53,6 +55,10 @@ class GenerationOutput:
         logprobs: with ``SamplingParams.logprobs``, one
             :class:`~specdec.sampling.TokenLogprob` per token id (the target's raw
             log-probabilities; the same with speculation as without), else ``None``.
+        accepted_prediction_tokens, rejected_prediction_tokens: with a ``prediction``
+            (Predicted Outputs), OpenAI's counts: prediction tokens the output holds where
+            a draft proposed them, and the rest of the prediction (see
+            :meth:`~specdec.drafters.prediction.PredictionDrafter.usage`); else ``None``.
     """
 
     text: str
@@ -61,6 +67,8 @@ class GenerationOutput:
     finish_reason: str
     metrics: SpecStats = field(repr=False)
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready dict: ``text``, ``token_ids``, ``finish_reason``, ``metrics``, and
@@ -77,7 +85,17 @@ class GenerationOutput:
                 {"token_id": t.token_id, "logprob": t.logprob, "top": [list(p) for p in t.top]}
                 for t in self.logprobs
             ]
+        if self.accepted_prediction_tokens is not None:
+            out["accepted_prediction_tokens"] = self.accepted_prediction_tokens
+            out["rejected_prediction_tokens"] = self.rejected_prediction_tokens
         return out
+
+    def _with_prediction(self, drafter: PredictionDrafter | None) -> GenerationOutput:
+        if drafter is not None:
+            accepted, rejected = drafter.usage(self.token_ids)
+            self.accepted_prediction_tokens = accepted
+            self.rejected_prediction_tokens = rejected
+        return self
 
 
 @dataclass
@@ -331,6 +349,7 @@ class LLM:
         *,
         speculative: SpeculativeConfig | list[SpeculativeConfig] | None = None,
         chat: bool | None = None,
+        prediction: str | list[int] | list | None = None,
     ) -> GenerationOutput | list[GenerationOutput]:
         """Generate a completion, or one per prompt of a batch.
 
@@ -345,6 +364,13 @@ class LLM:
                 (e.g. ``SpeculativeConfig(method="none")`` for the plain baseline); for a
                 batch, one for all or a list with one per prompt.
             chat: force the chat template on/off for string prompts.
+            prediction: OpenAI's Predicted Outputs: the expected output (text, or token
+                ids), drafted from by prompt lookup instead of the configured drafter
+                (:class:`~specdec.drafters.prediction.PredictionDrafter`; a chain of up to
+                ``num_speculative_tokens``, the configured controller and verifier).
+                Lossless: it changes speed only. The output then reports
+                ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``. For a
+                batch, a list with one per prompt (``None`` for none).
 
         Returns:
             a :class:`GenerationOutput`, or a list of them in prompt order for a batch
@@ -353,17 +379,20 @@ class LLM:
 
         Raises:
             ValueError: empty prompt or batch, a prompt that fills the model's context, bad
-                ids, or a list of sampling parameters or speculative settings whose length
-                is not the number of prompts.
+                ids, a list of sampling parameters, speculative settings or predictions
+                whose length is not the number of prompts, an empty prediction, or a
+                prediction with speculation off (method ``none``).
         """
         if _is_batch(prompt):
-            return self._generate_batch(prompt, sampling_params, speculative, chat)
+            return self._generate_batch(prompt, sampling_params, speculative, chat, prediction)
         if isinstance(sampling_params, list) or isinstance(speculative, list):
             raise ValueError(
                 "a list of sampling parameters or speculative settings needs a list of prompts"
             )
         params = sampling_params or SamplingParams()
-        prompt_ids, steps = self._steps(prompt, params, speculative, chat)
+        config = speculative or self.speculative
+        drafter = self.prediction_drafter(prediction, config)
+        prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
         ids: list[int] = []
         logprobs = [] if params.logprobs is not None else None
         for step in steps:  # no per-step detokenization: the text is built once at the end
@@ -371,22 +400,58 @@ class LLM:
             if logprobs is not None:
                 logprobs.extend(step.logprobs)
         text = final_text(self.tokenizer, ids, step.finish_reason, step.text_end)
-        return GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats, logprobs)
+        output = GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats, logprobs)
+        return output._with_prediction(drafter)
 
-    def _generate_batch(self, prompts, sampling_params, speculative, chat):
+    def prediction_drafter(self, prediction, config: SpeculativeConfig) -> PredictionDrafter | None:
+        """The :class:`~specdec.drafters.prediction.PredictionDrafter` of one request's
+        ``prediction`` (text or token ids; ``None`` gives ``None``).
+
+        Raises:
+            ValueError: an empty prediction, ids outside the vocabulary, or speculation off.
+        """
+        if prediction is None:
+            return None
+        if config.method == "none":
+            raise ValueError(
+                "a prediction is a draft source: it needs speculation on (a method other than none)"
+            )
+        if isinstance(prediction, str):
+            check_text(prediction, "the prediction")
+            ids = self.tokenizer.hf.encode(prediction, add_special_tokens=False)
+        elif isinstance(prediction, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prediction
+        ):
+            ids = list(prediction)
+            outside = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if outside:
+                raise ValueError(f"prediction token ids outside the vocabulary: {outside[:5]}")
+        else:
+            raise ValueError("a prediction is a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prediction is empty")
+        return PredictionDrafter(ids)
+
+    def _generate_batch(self, prompts, sampling_params, speculative, chat, prediction=None):
         if not prompts:
             raise ValueError("the batch of prompts is empty")
         all_params = _per_prompt(sampling_params, len(prompts), "sampling parameters")
         all_params = [p or SamplingParams() for p in all_params]
         configs = _per_prompt(speculative, len(prompts), "speculative settings")
         configs = [c or self.speculative for c in configs]
+        if prediction is not None and not isinstance(prediction, list):
+            raise ValueError("for a batch, prediction is a list with one per prompt")
+        predictions = _per_prompt(prediction, len(prompts), "predictions")
+        drafters = [
+            self.prediction_drafter(p, c) for p, c in zip(predictions, configs, strict=True)
+        ]
         encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked first
         with self._lock:
             engine = Engine(self.target, self.engine_config, self.cost_model)
             sequences = [
-                engine.add_request(str(i), ids, params, **self._request(config, params))
-                for i, (ids, params, config) in enumerate(
-                    zip(encoded, all_params, configs, strict=True)
+                engine.add_request(str(i), ids, params, **self._request(config, params, drafter))
+                for i, (ids, params, config, drafter) in enumerate(
+                    zip(encoded, all_params, configs, drafters, strict=True)
                 )
             ]
         try:
@@ -398,14 +463,21 @@ class LLM:
         finally:
             for seq in sequences:
                 engine.abort(seq.request_id)
-        return [_output(self.tokenizer, seq) for seq in sequences]
+        return [
+            _output(self.tokenizer, seq)._with_prediction(drafter)
+            for seq, drafter in zip(sequences, drafters, strict=True)
+        ]
 
-    def _request(self, config: SpeculativeConfig, params: SamplingParams) -> dict:
-        """The per-request engine arguments for ``config`` and ``params``."""
+    def _request(
+        self, config: SpeculativeConfig, params: SamplingParams, drafter: Drafter | None = None
+    ) -> dict:
+        """The per-request engine arguments for ``config`` and ``params``; ``drafter``
+        (a request's own, e.g. its prediction) replaces the configured one and drafts
+        chains."""
         return dict(
-            drafter=self.drafter(config),
+            drafter=drafter or self.drafter(config),
             num_speculative_tokens=0 if config.method == "none" else config.num_speculative_tokens,
-            tree_builder=self.tree_builder(config, params.seed),
+            tree_builder=None if drafter else self.tree_builder(config, params.seed),
             stop_checker=self._stop_checker(params),
             generator=make_generator(params.seed, self.target.device),
             controller=self.controller(config),
@@ -430,6 +502,7 @@ class LLM:
         *,
         speculative: SpeculativeConfig | None = None,
         chat: bool | None = None,
+        prediction: str | list[int] | None = None,
     ) -> Iterator[GenerationChunk]:
         """Like :meth:`generate`, yielding text as it is produced (one chunk per step).
 
@@ -438,15 +511,19 @@ class LLM:
         yielded.
         """
         params = sampling_params or SamplingParams()
-        prompt_ids, steps = self._steps(prompt, params, speculative, chat)
-        yield from _stream_text(self.tokenizer, prompt_ids, steps, params)
+        drafter = self.prediction_drafter(prediction, speculative or self.speculative)
+        prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
+        for chunk in _stream_text(self.tokenizer, prompt_ids, steps, params):
+            if chunk.output is not None:
+                chunk.output._with_prediction(drafter)
+            yield chunk
 
-    def _steps(self, prompt: Prompt, params: SamplingParams, speculative, chat):
+    def _steps(self, prompt: Prompt, params: SamplingParams, speculative, chat, drafter=None):
         """Encode the prompt and start the engine's step iterator (each step under the
         lock)."""
         config = speculative or self.speculative
         prompt_ids = self.encode(prompt, chat)
-        request = self._request(config, params)
+        request = self._request(config, params, drafter)
         steps = generate_steps(
             self.target,
             request["drafter"],

@@ -205,13 +205,14 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2**63
             jobs.append((p * body.n + i, ids, _sampling(llm, body, ids, seed, spec)))
+    drafters = [_prediction(llm, body, speculative) for _ in jobs]  # one per choice
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     ids, queues = [], []
     try:
-        for _, prompt_ids, params in jobs:
+        for (_, prompt_ids, params), drafter in zip(jobs, drafters, strict=True):
             request_id = engine.new_request_id(response_id)
-            queues.append(engine.submit(request_id, prompt_ids, params, speculative))
+            queues.append(engine.submit(request_id, prompt_ids, params, speculative, drafter))
             ids.append(request_id)
     except ValueError as error:  # the drafter, tree or controller refused these settings
         for request_id in ids:
@@ -224,18 +225,55 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     streams = [TextStream(llm.tokenizer, params.stop) for _, _, params in jobs]
     wanted = [params.logprobs is not None for _, _, params in jobs]
     logprobs = LogprobFormat(llm.tokenizer, chat, wanted)
-    num_prompt = sum(len(ids) for ids in prompts)
+    usage = Usage(sum(len(ids) for ids in prompts), streams, drafters)
     meta = dict(id=response_id, created=int(time.time()), model=name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(
-            engine, ids, queues, streams, meta, chat, num_prompt, include_usage, logprobs
-        )
+        events = _events(engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs)
         return StreamingResponse(events, media_type="text/event-stream")
-    return await _complete(engine, ids, queues, streams, meta, chat, num_prompt, request, logprobs)
+    return await _complete(engine, ids, queues, streams, meta, chat, usage, request, logprobs)
 
 
-async def _complete(engine, ids, queues, streams, meta, chat, num_prompt, request, logprobs):
+def _prediction(llm: LLM, body, speculative: SpeculativeConfig):
+    """The request's Predicted Outputs drafter (one per choice), or ``None``."""
+    if body.prediction is None:
+        return None
+    try:
+        return llm.prediction_drafter(body.prediction.text, speculative)
+    except ValueError as error:
+        raise BadRequest(f"prediction: {error}", "prediction") from None
+
+
+class Usage:
+    """A response's ``usage``: prompt and completion tokens (every choice), and with a
+    ``prediction`` OpenAI's ``completion_tokens_details`` (``accepted_prediction_tokens``,
+    ``rejected_prediction_tokens``, summed over the choices; see
+    :meth:`~specdec.drafters.prediction.PredictionDrafter.usage`)."""
+
+    def __init__(self, num_prompt: int, streams: list, drafters: list) -> None:
+        self.num_prompt, self.streams, self.drafters = num_prompt, streams, drafters
+
+    def body(self) -> dict:
+        generated = sum(len(s.ids) for s in self.streams)
+        usage = {
+            "prompt_tokens": self.num_prompt,
+            "completion_tokens": generated,
+            "total_tokens": self.num_prompt + generated,
+        }
+        if any(d is not None for d in self.drafters):
+            counts = [
+                d.usage(s.ids)
+                for d, s in zip(self.drafters, self.streams, strict=True)
+                if d is not None
+            ]
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": sum(a for a, _ in counts),
+                "rejected_prediction_tokens": sum(r for _, r in counts),
+            }
+        return usage
+
+
+async def _complete(engine, ids, queues, streams, meta, chat, usage, request, logprobs):
     """Wait for every choice (aborting all if the client goes away)."""
     collected: list[list] = [[] for _ in queues]
     tasks = [
@@ -270,12 +308,11 @@ async def _complete(engine, ids, queues, streams, meta, chat, num_prompt, reques
         else:
             choice["text"] = stream.text
         choices.append(choice)
-    num_generated = sum(len(s.ids) for s in streams)
     response = {
         **meta,
         "object": "chat.completion" if chat else "text_completion",
         "choices": choices,
-        "usage": _usage(num_prompt, num_generated),
+        "usage": usage.body(),
     }
     if len(finals) == 1 and finals[0].stats is not None:
         response["metrics"] = {"speculative_decoding": speculation_metrics(finals[0].stats)}
@@ -332,7 +369,7 @@ async def _collect(queue: asyncio.Queue, stream: TextStream, logprobs: list) -> 
             return update
 
 
-async def _events(engine, ids, queues, streams, meta, chat, num_prompt, include_usage, logprobs):
+async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs):
     """Server-sent events: one chunk per step and choice, then usage, then ``[DONE]``.
     A choice's token log-probabilities ride on its next chunk (text held back for a stop
     string holds its tokens' entries back with it)."""
@@ -376,8 +413,7 @@ async def _events(engine, ids, queues, streams, meta, chat, num_prompt, include_
                     chunk["metrics"] = {"speculative_decoding": speculation_metrics(update.stats)}
                 yield _sse(chunk)
         if include_usage:
-            usage = _usage(num_prompt, sum(len(s.ids) for s in streams))
-            yield _sse({**meta, "object": obj, "choices": [], "usage": usage})
+            yield _sse({**meta, "object": obj, "choices": [], "usage": usage.body()})
         yield "data: [DONE]\n\n"
     finally:  # finished, or the client went away (the generator is closed or cancelled)
         for task in tasks:
@@ -450,14 +486,6 @@ def _chunk(index: int, delta, finish_reason, chat: bool) -> dict:
 
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def _usage(num_prompt: int, num_generated: int) -> dict:
-    return {
-        "prompt_tokens": num_prompt,
-        "completion_tokens": num_generated,
-        "total_tokens": num_prompt + num_generated,
-    }
 
 
 # ---------------------------------------------------------------- request validation

@@ -135,8 +135,10 @@ class AsyncEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         speculative: SpeculativeConfig,
+        drafter=None,
     ) -> asyncio.Queue:
         """Queue a request; its :class:`Update` items arrive on the returned queue.
+        ``drafter``: the request's own (its prediction), instead of ``speculative``'s.
 
         Raises:
             Unavailable: the server is shutting down.
@@ -149,7 +151,7 @@ class AsyncEngine:
         waiting = len(self.engine.waiting) + self._inbox.qsize()
         if waiting >= self.max_waiting:
             raise Overloaded(f"{waiting} requests are waiting; retry later")
-        kwargs = self.llm._request(speculative, params)
+        kwargs = self.llm._request(speculative, params, drafter)
         handle = _Handle(asyncio.get_running_loop(), asyncio.Queue())
         self._handles[request_id] = handle
         self.metrics.prompt_tokens.inc(len(prompt_ids))

@@ -132,7 +132,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),  # "auto" picks no tool when there are none
     "function_call": (None, "none", "auto"),
-    "prediction": (None,),
     "reasoning_effort": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -215,6 +214,32 @@ class StructuredOutputsField(BaseModel):
     disable_any_whitespace: bool = False
 
 
+class TextPart(BaseModel):
+    """A text content part (``{"type": "text", "text": ...}``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``,
+    the expected output, drafted from (see
+    :class:`~specdec.drafters.prediction.PredictionDrafter`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts;
     ``include_obfuscation`` (padding against side channels) is accepted and ignored."""
@@ -255,6 +280,7 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prediction: Prediction | None = None
 
     def structured_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The request's output constraint and the field that asked for it (``None,
