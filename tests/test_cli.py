@@ -187,6 +187,7 @@ def test_drafter_draft_model_same_dir(capsys, model_dir):
         (["--choice", "yes", "--regex", "y"], "one output constraint, got --regex, --choice"),
         (["--regex", ""], "--regex: regex must be a non-empty string"),
         (["--regex", "w1"], "byte-level"),  # the tiny model's tokenizer is word-level
+        (["--bad-word", ""], "bad_words must be non-empty strings"),
     ],
 )
 def test_bad_option_values(capsys, model_dir, args, fragment):

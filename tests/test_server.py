@@ -355,6 +355,7 @@ TRANSFORM_FIELDS = {
     "logit_bias": ({"logit_bias": {"7": 5.0, "5": -100}}, {}, dict(logit_bias={7: 5.0, 5: -100})),
     "repetition_penalty": ({}, {"repetition_penalty": 1.8}, dict(repetition_penalty=1.8)),
     "min_p": ({"temperature": 1.0, "seed": 3}, {"min_p": 0.3}, dict(min_p=0.3)),
+    "bad_words": ({}, {"bad_words": ["w16 w2"]}, dict(bad_words=("w16 w2",))),
     "min_tokens": (  # a bias makes EOS likely; min_tokens holds it back
         {"logit_bias": {"2": 8.0}},
         {"min_tokens": 10},
@@ -403,6 +404,8 @@ def test_sampling_transforms_with_speculation_equal_plain_decoding(client, llm, 
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"99999": 1}}, "logit_bias"),  # outside the vocabulary
         ({"logit_bias": [5, 1]}, "logit_bias"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"bad_words": "w1"}, "bad_words"),
     ],
 )
 def test_bad_transform_values_are_400s_naming_the_field(server, body, param):

@@ -239,7 +239,7 @@ ASKING = {
     "reasoning_effort": "high", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
     "web_search_options": {}, "verbosity": "low",
     "length_penalty": 2, "use_beam_search": True, "prompt_logprobs": 1,
-    "guided_decoding_backend": "xgrammar", "allowed_token_ids": [4, 5], "bad_words": ["w1"],
+    "guided_decoding_backend": "xgrammar", "allowed_token_ids": [4, 5],
     "truncate_prompt_tokens": 5, "include_stop_str_in_output": True,
     "skip_special_tokens": False, "priority": 1,
 }  # fmt: skip

@@ -45,6 +45,9 @@ def reference_row(logits, params: SamplingParams, prompt, output, stops=()) -> t
     if len(output) < params.min_tokens:
         for s in stops:
             z[s] = -math.inf
+    for word in params.bad_words_token_ids:
+        if len(word) == 1 or tuple(output[-(len(word) - 1) :]) == tuple(word[:-1]):
+            z[word[-1]] = -math.inf
     r = params.repetition_penalty
     for token in set(prompt) | set(output):
         z[token] = z[token] / r if z[token] > 0 else z[token] * r
@@ -91,6 +94,7 @@ TRANSFORMS = {
     "min_tokens": dict(min_tokens=3),
     "min_p": dict(min_p=0.3),
     "processor": dict(logits_processors=(_ban_after(2, 1),)),
+    "bad_words": dict(bad_words_token_ids=((5,), (2, 7), (7, 2, 3))),
     "all": dict(
         logit_bias={0: 0.7},
         repetition_penalty=1.5,
@@ -192,6 +196,7 @@ LAW_PARAMS = {
     "min_tokens": dict(min_tokens=5),  # the output has 3: the first two rows hold 3 back
     "min_p+top_k": dict(min_p=0.2, top_k=3, presence_penalty=0.7),
     "processor": dict(logits_processors=(_ban_after(0, 1),), frequency_penalty=0.5),
+    "bad_words": dict(bad_words_token_ids=((1,), (3, 2), (2, 0, 1)), presence_penalty=0.4),
 }
 
 
@@ -281,7 +286,7 @@ def test_chain_step_law_equals_plain_decoding_with_the_transforms(name, mode):
         assert worst_error(chain_law(model, 2, mode), _want(model, 3)) < FLOAT32_LAW
 
 
-@pytest.mark.parametrize("name", ["penalties", "bias", "processor"])
+@pytest.mark.parametrize("name", ["penalties", "bias", "processor", "bad_words"])
 @pytest.mark.parametrize("mode", ["iid", "wor"])
 def test_tree_step_law_equals_plain_decoding_with_the_transforms(name, mode):
     params = SamplingParams(temperature=1.0, **LAW_PARAMS[name])
@@ -344,6 +349,7 @@ E2E = {
     "bias": dict(logit_bias={5: 3.0, 6: -5.0, 20: 2.5}),
     "min_tokens": dict(min_tokens=12, logit_bias={2: 6.0}),  # EOS likely, held back
     "processor": dict(logits_processors=(_ban_after(31, 22),)),  # 31, 22 occurs in both
+    "bad_words": dict(bad_words_token_ids=((31, 22), (4,))),
     "all": dict(repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={9: 1.0}),
 }
 SPECS = [
@@ -395,6 +401,48 @@ def test_plain_greedy_repetition_penalty_matches_transformers(target):
         prompt, params
     )
     assert got.token_ids == want
+
+
+def test_bad_words_as_text_never_appear(target):
+    """vLLM's ``bad_words``: tokenized by the LLM (as written and after a space); the
+    word's last token is banned where the output ends with the rest of it."""
+    llm = LLM(target, speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))
+    free = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=30)).token_ids
+    word = llm.tokenizer.decode(free[2:4])  # two words the free output holds
+    params = SamplingParams(max_new_tokens=30, bad_words=[word])
+    resolved = llm.resolve_params(params)
+    assert tuple(free[2:4]) in resolved.bad_words_token_ids
+    out = llm.generate(PROMPTS[0], params)
+    assert out.token_ids != free
+    pairs = set(zip(out.token_ids, out.token_ids[1:], strict=False))
+    assert tuple(free[2:4]) not in pairs
+    assert out.token_ids == _plain(target, PROMPTS[0], resolved)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(bad_words=[""]), "non-empty strings"),
+        (dict(bad_words=["\ud800"]), "not valid Unicode"),
+        (dict(bad_words_token_ids=[[]]), "non-empty lists"),
+        (dict(bad_words_token_ids=[[1, -2]]), "non-empty lists"),
+        (dict(bad_words_token_ids=[5]), "list of token id lists"),
+        (dict(bad_words=["x"] * 300), "at most 256"),
+    ],
+)
+def test_bad_words_values_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_the_engine_wants_bad_words_resolved_and_in_the_vocabulary(target):
+    llm = LLM(target, speculative=SpeculativeConfig("none"))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, bad_words_token_ids=[[99999]]))
+    from specdec.engine import Engine
+
+    with pytest.raises(ValueError, match="resolve_params"):
+        Engine(target).add_request("x", PROMPTS[0], SamplingParams(bad_words=["w1"]))
 
 
 def test_min_tokens_holds_back_eos_then_lets_it_through(target):

@@ -121,7 +121,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:
     """``--max-new-tokens --temperature --top-p --top-k --min-p --repetition-penalty
-    --presence-penalty --frequency-penalty --logit-bias --min-tokens``, one of
+    --presence-penalty --frequency-penalty --logit-bias --min-tokens --bad-word``, one of
     ``--json-schema --json-object --regex --choice --grammar``, ``--seed --dtype --device
     --backend --exact``."""
     parser.add_argument(
@@ -171,6 +171,13 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         default=0,
         metavar="N",
         help="no EOS or stop token before N output tokens (default: 0)",
+    )
+    parser.add_argument(
+        "--bad-word",
+        action="append",
+        default=[],
+        metavar="WORD",
+        help="never generate WORD (vLLM's bad_words; repeatable)",
     )
     structured = parser.add_argument_group("structured output (one of)")
     structured.add_argument(
@@ -292,6 +299,7 @@ def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> Sam
         frequency_penalty=args.frequency_penalty,
         logit_bias=parse_logit_bias(args.logit_bias),
         min_tokens=args.min_tokens,
+        bad_words=tuple(getattr(args, "bad_word", ())),
         structured_outputs=structured_outputs(args),
     )
 

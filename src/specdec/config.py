@@ -27,6 +27,8 @@ MAX_LOGPROBS = 20
 VERIFIERS = ("rejection", "block")
 #: Most ``logit_bias`` entries per request, and the range of a bias (OpenAI's).
 MAX_LOGIT_BIAS = 1024
+#: Most ``bad_words`` (and token sequences in ``bad_words_token_ids``) per request.
+MAX_BAD_WORDS = 256
 LOGIT_BIAS_RANGE = 100.0
 
 
@@ -87,6 +89,14 @@ class SamplingParams:
             position, ``log_softmax`` of its logits before any transform (vLLM's default
             ``raw_logprobs``): the same under speculation as in plain decoding, whichever
             verification row computed them (bit-equal in exact mode).
+        bad_words: words that must not be generated (vLLM's field, at most 256): each is
+            tokenized as written and with a leading space (see
+            :meth:`specdec.LLM.resolve_params`), and the last token of such a sequence is
+            -inf wherever the output (the row's own history) ends with the tokens before
+            it; a one-token word is banned everywhere.
+        bad_words_token_ids: the same as token id sequences (transformers'
+            ``bad_words_ids``), used as given; ``bad_words`` add theirs when the request
+            starts.
         structured_outputs: a :class:`~specdec.structured.StructuredOutputsParams` (JSON
             schema, regex, choice, Lark grammar or any JSON object) the output must match:
             every verified row's logits outside the grammar become ``-inf`` before the
@@ -106,9 +116,9 @@ class SamplingParams:
     Every transform is applied to each verified row with that row's own history (the
     output so far plus the draft tokens accepted before it in the block or tree path),
     in this order (vLLM's): the grammar of ``structured_outputs``, ``logit_bias``,
-    ``min_tokens``, ``repetition_penalty``, ``frequency_penalty`` and ``presence_penalty``,
-    ``logits_processors``; greedy decoding takes the argmax of the result; sampling then
-    applies temperature, ``min_p``, ``top_k`` and ``top_p`` (see
+    ``min_tokens``, bad words, ``repetition_penalty``, ``frequency_penalty`` and
+    ``presence_penalty``, ``logits_processors``; greedy decoding takes the argmax of the
+    result; sampling then applies temperature, ``min_p``, ``top_k`` and ``top_p`` (see
     :func:`specdec.sampling.process_logits` and :func:`specdec.sampling.logits_to_probs`).
     Rejection sampling is lossless with respect to this *processed* target distribution:
     what plain sampling would draw from.
@@ -132,6 +142,8 @@ class SamplingParams:
     logits_processors: tuple = field(default_factory=tuple)
     logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         self._resolve_max_tokens()
@@ -260,11 +272,35 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}"
             )
+        self._check_bad_words()
         procs = self.logits_processors
         procs = (procs,) if callable(procs) else tuple(procs or ())
         if not all(callable(p) for p in procs):
             raise ValueError("logits_processors must be callables f(output_ids, logits)")
         object.__setattr__(self, "logits_processors", procs)
+
+    def _check_bad_words(self) -> None:
+        words = self.bad_words
+        words = (words,) if isinstance(words, str) else tuple(words or ())
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad_words, got {len(words)}")
+        for i, word in enumerate(words):
+            if not isinstance(word, str) or not word:
+                raise ValueError(f"bad_words must be non-empty strings, got {word!r}")
+            check_text(word, f"bad word {i}")
+        object.__setattr__(self, "bad_words", words)
+        try:
+            seqs = tuple(tuple(s) for s in (self.bad_words_token_ids or ()))
+        except TypeError:
+            raise ValueError("bad_words_token_ids must be a list of token id lists") from None
+        if len(seqs) > MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad_words_token_ids, got {len(seqs)}")
+        for seq in seqs:
+            if not seq or not all(_is_int(t) and t >= 0 for t in seq):
+                raise ValueError(
+                    f"bad_words_token_ids entries must be non-empty lists of token ids, got {seq!r}"
+                )
+        object.__setattr__(self, "bad_words_token_ids", tuple(dict.fromkeys(seqs)))
 
     @property
     def greedy(self) -> bool:
@@ -283,6 +319,7 @@ class SamplingParams:
             or self.min_tokens > 0
             or bool(self.logits_processors)
             or self.structured_outputs is not None
+            or bool(self.bad_words_token_ids)
         )
 
     @property

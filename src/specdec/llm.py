@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator
@@ -389,7 +390,7 @@ class LLM:
             raise ValueError(
                 "a list of sampling parameters or speculative settings needs a list of prompts"
             )
-        params = sampling_params or SamplingParams()
+        params = self.resolve_params(sampling_params or SamplingParams())
         config = speculative or self.speculative
         drafter = self.prediction_drafter(prediction, config)
         prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
@@ -402,6 +403,20 @@ class LLM:
         text = final_text(self.tokenizer, ids, step.finish_reason, step.text_end)
         output = GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats, logprobs)
         return output._with_prediction(drafter)
+
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its ``bad_words`` tokenized into ``bad_words_token_ids``: each
+        word as written and with a leading space (as vLLM does; a word's tokens differ
+        after a space in most vocabularies)."""
+        if not params.bad_words:
+            return params
+        seqs = list(params.bad_words_token_ids)
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip(" ")):
+                ids = tuple(self.tokenizer.hf.encode(text, add_special_tokens=False))
+                if ids:
+                    seqs.append(ids)
+        return dataclasses.replace(params, bad_words_token_ids=tuple(seqs))
 
     def prediction_drafter(self, prediction, config: SpeculativeConfig) -> PredictionDrafter | None:
         """The :class:`~specdec.drafters.prediction.PredictionDrafter` of one request's
@@ -436,7 +451,7 @@ class LLM:
         if not prompts:
             raise ValueError("the batch of prompts is empty")
         all_params = _per_prompt(sampling_params, len(prompts), "sampling parameters")
-        all_params = [p or SamplingParams() for p in all_params]
+        all_params = [self.resolve_params(p or SamplingParams()) for p in all_params]
         configs = _per_prompt(speculative, len(prompts), "speculative settings")
         configs = [c or self.speculative for c in configs]
         if prediction is not None and not isinstance(prediction, list):
@@ -510,7 +525,7 @@ class LLM:
         character, is held back until it is settled, so nothing after a stop is ever
         yielded.
         """
-        params = sampling_params or SamplingParams()
+        params = self.resolve_params(sampling_params or SamplingParams())
         drafter = self.prediction_drafter(prediction, speculative or self.speculative)
         prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
         for chunk in _stream_text(self.tokenizer, prompt_ids, steps, params):

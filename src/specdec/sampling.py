@@ -61,6 +61,9 @@ def process_logits(
     2. ``min_tokens``: ``z[s] = -inf`` for every stop token ``s`` while the row's output
        length (history + prefix) is below ``min_tokens`` (except where the grammar allows
        nothing else: a complete grammar ends the output);
+    2b. bad words (``bad_words_token_ids``): for each sequence ``s``, ``z[s[-1]] = -inf``
+       when the row's output (history + prefix) ends with ``s[:-1]`` (always for one
+       token), as vLLM's bad-words processor;
     3. ``repetition_penalty`` r (CTRL, Keskar et al. 2019, eq. 2): for each token of the
        prompt or the row's output, ``z / r`` if ``z > 0`` else ``z * r``;
     4. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI): ``z[t] -= f c[t] + p
@@ -128,6 +131,8 @@ def process_logits(
             rows = torch.tensor(early, dtype=torch.long, device=device)
             cols = torch.tensor(stops, dtype=torch.long, device=device)
             z[rows.unsqueeze(1), cols.unsqueeze(0)] = float("-inf")
+    if params.bad_words_token_ids:
+        _ban_bad_words(z, params.bad_words_token_ids, history.output_ids, prefixes)
     penalties = (
         params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
@@ -197,6 +202,21 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> 
         TokenLogprob(int(t), float(lp), tp)
         for t, lp, tp in zip(token_ids, chosen, tops, strict=True)
     ]
+
+
+def _ban_bad_words(z: torch.Tensor, words, output_ids, prefixes) -> None:
+    """``z[i, s[-1]] = -inf`` for each bad sequence ``s`` whose other tokens end row i's
+    output (in place)."""
+    vocab = z.shape[1]
+    output = list(output_ids)
+    for i, prefix in enumerate(prefixes):
+        history = output + list(prefix)
+        for word in words:
+            if word[-1] >= vocab:
+                continue
+            head = list(word[:-1])
+            if not head or history[len(history) - len(head) :] == head:
+                z[i, word[-1]] = float("-inf")
 
 
 def _output_counts(output_ids, prefixes, vocab: int, device) -> torch.Tensor:

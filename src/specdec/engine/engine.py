@@ -224,6 +224,17 @@ class Engine:
                 f"logit_bias names token ids outside the vocabulary ({target.vocab_size} "
                 f"tokens): {outside[:5]}"
             )
+        if params.bad_words and not params.bad_words_token_ids:
+            raise ValueError(
+                "bad_words need the tokenizer: pass the params through LLM.resolve_params, "
+                "or give bad_words_token_ids"
+            )
+        outside = [w for w in params.bad_words_token_ids if max(w) >= target.vocab_size]
+        if outside:
+            raise ValueError(
+                f"bad_words_token_ids name token ids outside the vocabulary "
+                f"({target.vocab_size} tokens): {list(outside[0])}"
+            )
         if (params.structured_outputs is None) != (grammar is None):
             raise ValueError(
                 "params.structured_outputs and the grammar state go together: compile it "

@@ -553,23 +553,26 @@ def _sampling(
             "logit_bias",
         )
     try:
-        return SamplingParams(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(body.top_k, 0),
-            max_new_tokens=max_tokens,
-            seed=seed,
-            stop=tuple(stop),
-            stop_token_ids=stop_ids,
-            ignore_eos=body.ignore_eos,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            logit_bias=bias,
-            min_tokens=body.min_tokens,
-            logprobs=logprobs,
-            structured_outputs=structured,
+        return llm.resolve_params(
+            SamplingParams(
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k, 0),
+                max_new_tokens=max_tokens,
+                seed=seed,
+                stop=tuple(stop),
+                stop_token_ids=stop_ids,
+                ignore_eos=body.ignore_eos,
+                min_p=body.min_p,
+                repetition_penalty=body.repetition_penalty,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logit_bias=bias,
+                min_tokens=body.min_tokens,
+                logprobs=logprobs,
+                structured_outputs=structured,
+                bad_words=tuple(body.bad_words or ()),
+            )
         )
     except ValueError as error:  # the request model checks most of it; kept as a backstop
         text = str(error)
@@ -580,7 +583,7 @@ def _sampling(
 #: Request fields a :class:`SamplingParams` error may name first.
 _PARAM_NAMES = (
     "min_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "logit_bias", "stop",
+    "logit_bias", "bad_words", "stop",
 )  # fmt: skip
 
 

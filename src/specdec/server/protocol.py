@@ -3,14 +3,15 @@
 Fields follow OpenAI's completions and chat completions APIs (``presence_penalty``,
 ``frequency_penalty``, ``logit_bias``, ``logprobs`` and ``response_format`` included),
 plus vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``structured_outputs`` and ``guided_json`` / ``guided_regex`` /
-``guided_choice`` / ``guided_grammar``, and specdec's ``speculative``. Every field a request
+``stop_token_ids``, ``bad_words``, ``structured_outputs`` and ``guided_json`` /
+``guided_regex`` / ``guided_choice`` / ``guided_grammar``, OpenAI's ``prediction``
+(Predicted Outputs), and specdec's ``speculative``. Every field a request
 sends falls under one rule:
 
 - the fields this server implements work as documented; ``null`` means the default;
 - known OpenAI fields and vLLM sampling extensions that it does not implement
-  (:data:`UNSUPPORTED`: ``echo``, ``tools``, ``prediction``, ``bad_words``,
-  ``prompt_logprobs``, ...) are accepted when their value asks for nothing
+  (:data:`UNSUPPORTED`: ``echo``, ``tools``, ``prompt_logprobs``, ...) are accepted when
+  their value asks for nothing
   (``null`` or the neutral value: ``false``, ``tool_choice: "none"`` or ``"auto"`` without tools,
   ...) and otherwise refused
   (HTTP 400, ``param`` the field): ignoring ``echo: true`` would hand a client less than
@@ -45,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from specdec.config import (
     LOGIT_BIAS_RANGE,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
@@ -144,7 +146,6 @@ UNSUPPORTED: dict[str, tuple] = {
     # one grammar engine (llguidance) serves every request; naming it is accepted
     "guided_decoding_backend": (None, "auto", "guidance", "llguidance"),
     "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
@@ -281,6 +282,7 @@ class _Common(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prediction: Prediction | None = None
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
 
     def structured_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The request's output constraint and the field that asked for it (``None,
