@@ -135,8 +135,8 @@ def test_sampled_block_verification_matches_target_distribution(small, method):
 
 def test_verifier_configuration_is_checked():
     assert SpeculativeConfig("ngram", verifier="block").verifier == "block"
-    with pytest.raises(ValueError, match="unknown verifier 'typical'"):
-        SpeculativeConfig("ngram", verifier="typical")
+    with pytest.raises(ValueError, match="unknown verifier 'medusa'"):
+        SpeculativeConfig("ngram", verifier="medusa")
     with pytest.raises(ValueError, match="verifies chains"):
         SpeculativeConfig("ngram", verifier="block", tree="static:tree-8")
 

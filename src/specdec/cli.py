@@ -358,6 +358,9 @@ def _print_metrics(
         print(f"ran on                   {meta['backend']} backend, {meta['dtype']}{mode}"
               f"{weights}, {meta['threads']} thread{plural}")  # fmt: skip
     print(f"finish reason            {output.finish_reason}")
+    if m.lossy:
+        print(f"verifier                 {m.verifier}: LOSSY, the output does not follow the "
+              "model's distribution")  # fmt: skip
     print(f"tokens / steps           {m.num_output_tokens} / {m.num_steps}")
     print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")
     rate = f"{m.acceptance_rate:.1%}" if m.num_draft_tokens else "n/a"

@@ -67,10 +67,17 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verifier",
         default="rejection",
-        choices=("rejection", "block"),
-        help="how sampled chains are verified, both lossless: rejection (token by token, the "
-        "default) or block (Sun et al. 2024: the whole block at once, keeps at least as many "
-        "tokens per step; chains only)",
+        metavar="NAME[:OPTS]",
+        help="how sampled chains are verified: rejection (token by token, the default) or "
+        "block (Sun et al. 2024: the whole block at once, keeps at least as many tokens per "
+        "step; chains only), both lossless; or typical[:epsilon=E,delta=D] (Medusa-2's "
+        "typical acceptance: LOSSY, sampled output no longer follows the model; needs "
+        "--allow-lossy)",
+    )
+    parser.add_argument(
+        "--allow-lossy",
+        action="store_true",
+        help="opt in to a lossy --verifier (typical)",
     )
 
 
@@ -116,6 +123,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
         tree=args.tree,
         controller=args.controller,
         verifier=getattr(args, "verifier", "rejection"),
+        allow_lossy=getattr(args, "allow_lossy", False),
     )
 
 

@@ -25,6 +25,43 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
 #: Lossless chain verifiers (:attr:`SpeculativeConfig.verifier`).
 VERIFIERS = ("rejection", "block")
+#: Lossy chain verifiers: they change the output's law, and run only with
+#: ``SpeculativeConfig(allow_lossy=True)`` (see :mod:`specdec.verify.typical`).
+LOSSY_VERIFIERS = ("typical",)
+
+
+def parse_verifier(spec: str):
+    """``"rejection"``, ``"block"`` or ``"typical[:epsilon=E,delta=D]"`` as ``(name,
+    options)``: ``options`` is ``None``, or a
+    :class:`~specdec.verify.typical.TypicalOptions`.
+
+    Raises:
+        ValueError: an unknown verifier, options for one that takes none, or a bad option.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"verifier must be a string, got {spec!r}")
+    name, _, written = spec.partition(":")
+    if name not in VERIFIERS + LOSSY_VERIFIERS:
+        known = ", ".join(VERIFIERS + LOSSY_VERIFIERS)
+        raise ValueError(f"unknown verifier {spec!r}; choose one of {known}")
+    if name in VERIFIERS:
+        if written:
+            raise ValueError(f"verifier {name!r} takes no options, got {written!r}")
+        return name, None
+    from specdec.verify.typical import TypicalOptions
+
+    values = {}
+    for item in filter(None, written.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("epsilon", "delta"):
+            raise ValueError(f"typical takes epsilon=E and delta=D, got {item!r}")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise ValueError(f"typical: {key} must be a number, got {value!r}") from None
+    return name, TypicalOptions(**values)
+
+
 #: Most ``logit_bias`` entries per request, and the range of a bias (OpenAI's).
 MAX_LOGIT_BIAS = 1024
 #: Most ``bad_words`` (and token sequences in ``bad_words_token_ids``) per request.
@@ -365,8 +402,13 @@ class SpeculativeConfig:
         verifier: how a sampled chain is verified (see :data:`VERIFIERS`): ``"rejection"``
             (token-wise rejection sampling, Leviathan et al. 2023; the default) or
             ``"block"`` (block verification, Sun et al. 2024: the same law, at least as
-            many tokens kept per step; chains only). Greedy decoding matches the argmax
-            either way; token trees use their multi-draft verifiers.
+            many tokens kept per step; chains only); or the LOSSY
+            ``"typical[:epsilon=E,delta=D]"`` (Medusa-2's typical acceptance, see
+            :mod:`specdec.verify.typical`; chains only, needs ``allow_lossy``). Greedy
+            decoding matches the argmax either way (lossless); token trees use their
+            multi-draft verifiers.
+        allow_lossy: opt in to a lossy verifier: sampled output then no longer follows the
+            target's distribution (default False: refused).
 
     Raises:
         ValueError: unknown drafter or option, a bad option value, options both in
@@ -384,13 +426,16 @@ class SpeculativeConfig:
     controller: str = "fixed"
     controller_options: object = None
     verifier: str = "rejection"
+    allow_lossy: bool = False
 
     def __post_init__(self) -> None:
         from specdec import registry  # the registry's drafters import this module
 
-        if self.verifier not in VERIFIERS:
+        vname, _ = parse_verifier(self.verifier)
+        if vname in LOSSY_VERIFIERS and not self.allow_lossy:
             raise ValueError(
-                f"unknown verifier {self.verifier!r}; choose one of {', '.join(VERIFIERS)}"
+                f"verifier {vname!r} is lossy: sampled output no longer follows the target's "
+                "distribution; opt in with allow_lossy=True"
             )
 
         if not isinstance(self.controller, str):
@@ -436,14 +481,19 @@ class SpeculativeConfig:
                     f"draw={self.tree.draw} samples children from a draft distribution; "
                     f"drafter {name!r} has none (use draw=top)"
                 )
-        if self.verifier == "block" and self.tree is not None:
+        if vname != "rejection" and self.tree is not None:
             raise ValueError(
-                "verifier 'block' verifies chains; a token tree is verified by its multi-draft "
-                "rule (use verifier 'rejection' with a tree)"
+                f"verifier {vname!r} verifies chains; a token tree is verified by its "
+                "multi-draft rule (use verifier 'rejection' with a tree)"
             )
         k = self.num_speculative_tokens
         if not _is_int(k) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the verifier is lossy (sampled output does not follow the target)."""
+        return parse_verifier(self.verifier)[0] in LOSSY_VERIFIERS
 
     @property
     def spec(self) -> str:

@@ -41,6 +41,9 @@ class SpecStats:
             it could draft).
         trace: the step trace (:class:`~specdec.control.simulate.TraceStep` per step)
             when the engine records one (``EngineConfig.record_trace``), else empty.
+        verifier: the chain verifier (``SpeculativeConfig.verifier``).
+        lossy: a lossy verifier verified sampled steps: the output does not follow the
+            target's distribution.
     """
 
     num_steps: int = 0
@@ -57,6 +60,8 @@ class SpecStats:
     chosen_k_counts: list[int] = field(default_factory=list)
     num_steps_off: int = 0
     trace: list = field(default_factory=list, repr=False)
+    verifier: str = "rejection"
+    lossy: bool = False
 
     def snapshot(self) -> SpecStats:
         """A copy that later steps do not change (counts and histograms copied; the trace
@@ -154,6 +159,8 @@ class SpecStats:
             "tokens_per_s": self.tokens_per_s,
             "chosen_k_counts": list(self.chosen_k_counts),
             "num_steps_off": self.num_steps_off,
+            "verifier": self.verifier,
+            "lossy": self.lossy,
         }
 
 

@@ -152,7 +152,8 @@ class Method:
             num_speculative_tokens=self.option("k"),
             tree=self.tree,
             controller=self.controller,
-            verifier=dict(self.options).get("verifier", "rejection"),
+            verifier=(verifier := dict(self.options).get("verifier", "rejection")),
+            allow_lossy=verifier.startswith("typical"),  # asked for by name: measured, labelled
         )
 
 
@@ -161,8 +162,10 @@ def parse_method(text: str, controller: str = "fixed") -> Method:
 
     A token tree follows ``@``: ``"ngram@dynamic:top_k=4,depth=5,budget=16"`` (specdec
     drafters that draft trees; ``k`` is then unused). ``verifier=block`` (an option of any
-    specdec drafter) verifies sampled chains by block verification. A speculation controller follows
-    ``+`` (``"ngram:k=10+cost"``); ``controller`` is the default for specdec drafters.
+    specdec drafter) verifies sampled chains by block verification, ``verifier=typical``
+    by Medusa-2's LOSSY typical acceptance (default epsilon and delta). A speculation
+    controller follows ``+`` (``"ngram:k=10+cost"``); ``controller`` is the default for
+    specdec drafters.
 
     Raises:
         ValueError: unknown kind, unknown option, a bad value, a bad tree or controller.

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, parse_verifier
 from specdec.drafters.base import DraftProposal
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
@@ -15,6 +16,7 @@ from specdec.verify.block import block_verify
 from specdec.verify.greedy import verify_greedy
 from specdec.verify.rejection import rejection_sample
 from specdec.verify.result import VerifyResult
+from specdec.verify.typical import typical_acceptance
 
 
 @dataclass
@@ -56,8 +58,9 @@ def verify(
         target_logits: ``[k + 1, V]`` float32 raw target logits.
         history: the sequence's prompt and committed output (needed when
             ``params.needs_history``).
-        verifier: ``"rejection"`` (token-wise, Leviathan et al. 2023) or ``"block"``
-            (Sun et al. 2024), for sampled chains; greedy matches the argmax either way.
+        verifier: ``"rejection"`` (token-wise, Leviathan et al. 2023), ``"block"``
+            (Sun et al. 2024), or the lossy ``"typical[:...]"`` (Medusa-2), for sampled
+            chains; greedy matches the argmax either way.
     """
     draft_ids = torch.tensor(proposal.token_ids, dtype=torch.long, device=target_logits.device)
     if params.transforms_logits:
@@ -67,8 +70,16 @@ def verify(
     if params.greedy:
         return verify_greedy(draft_ids, target_logits)
     target_probs = logits_to_probs(target_logits, params)
-    sample = block_verify if verifier == "block" else rejection_sample
+    name, options = _verifier(verifier)
+    if name == "typical":  # LOSSY, opt-in (checked by SpeculativeConfig)
+        return typical_acceptance(draft_ids, target_probs, generator, options)
+    sample = block_verify if name == "block" else rejection_sample
     return sample(draft_ids, proposal.draft_probs, target_probs, generator)
+
+
+@functools.lru_cache(maxsize=64)
+def _verifier(spec: str):
+    return parse_verifier(spec)
 
 
 def finish_step(

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.config import SamplingParams
+from specdec.config import LOSSY_VERIFIERS, SamplingParams, parse_verifier
 from specdec.control.base import (
     SequenceInfo,
     SpeculationController,
@@ -299,6 +299,8 @@ class Engine:
             verifier=verifier,
             grammar=grammar,
         )
+        seq.stats.verifier = verifier
+        seq.stats.lossy = not params.greedy and parse_verifier(verifier)[0] in LOSSY_VERIFIERS
         self.waiting.append(seq)
         self._live[request_id] = seq
         return seq

@@ -331,7 +331,9 @@ def speculation_metrics(stats) -> dict:
     ``mean_acceptance_length`` (output tokens per step, the bonus or recovered token
     included), ``acceptance_histogram`` (entry j: steps that accepted exactly j draft
     tokens), ``acceptance_per_position`` (entry i: fraction of drafting steps whose i-th
-    draft token was accepted), ``num_spec_tokens`` (the longest draft, or deepest tree).
+    draft token was accepted), ``num_spec_tokens`` (the longest draft, or deepest tree),
+    ``verifier`` and ``lossy`` (true when a lossy verifier sampled this output; see
+    :mod:`specdec.verify.typical`).
     """
     return {
         "num_steps": stats.num_steps,
@@ -343,6 +345,8 @@ def speculation_metrics(stats) -> dict:
         "acceptance_histogram": list(stats.accepted_length_counts),
         "acceptance_per_position": stats.per_position_acceptance_rate,
         "num_spec_tokens": len(stats.accepted_per_position),
+        "verifier": stats.verifier,
+        "lossy": stats.lossy,
     }
 
 
@@ -604,6 +608,8 @@ def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) ->
         changes["tree"] = options.tree
     if options.verifier is not None:
         changes["verifier"] = options.verifier
+    if options.allow_lossy:
+        changes["allow_lossy"] = True
     if options.controller is not None and options.controller != base.controller:
         changes.update(controller=options.controller, controller_options=None)
     try:

@@ -84,8 +84,10 @@ class SpeculativeOptions(BaseModel):
         controller: a registered speculation controller's name (``fixed``, ``cost``,
             ...; see ``specdec controllers``), with the server's options when it is the
             server's own controller, else with its defaults.
-        verifier: ``"rejection"`` or ``"block"`` (lossless chain verifiers; see
-            :attr:`specdec.SpeculativeConfig.verifier`).
+        verifier: ``"rejection"`` or ``"block"`` (lossless chain verifiers), or the lossy
+            ``"typical[:epsilon=E,delta=D]"`` (see :attr:`specdec.SpeculativeConfig.verifier`).
+        allow_lossy: ``true`` opts in to a lossy verifier (refused otherwise); the
+            response's ``metrics.speculative_decoding.lossy`` then says so.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -95,7 +97,17 @@ class SpeculativeOptions(BaseModel):
     tree: str | None = None
     enabled: bool = True
     controller: str | None = None
-    verifier: Literal["rejection", "block"] | None = None
+    verifier: str | None = None
+    allow_lossy: bool = False
+
+    @field_validator("verifier")
+    @classmethod
+    def _known_verifier(cls, value: str | None) -> str | None:
+        from specdec.config import parse_verifier
+
+        if value is not None:
+            parse_verifier(value)
+        return value
 
     @field_validator("controller")
     @classmethod
