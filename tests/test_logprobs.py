@@ -113,3 +113,70 @@ def test_bad_logprobs_values_are_refused(value):
 def test_token_logprobs_checks_its_rows():
     with pytest.raises(ValueError, match="rows"):
         token_logprobs(torch.zeros(2, 5), [1], 0)
+
+
+# ------------------------------------------------------------ prompt_logprobs
+
+
+def _teacher_forced(target, ids):
+    with torch.no_grad():
+        logits = target.model(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), -1)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_prompt_logprobs_are_the_targets_teacher_forced(target, chunk):
+    """Every prompt token after the first, scored from the prefill rows (chunked or not),
+    with speculation on or off: the values of one transformers forward over the prompt."""
+    from specdec.engine import EngineConfig
+
+    config = EngineConfig(prefill_chunk=chunk) if chunk else None
+    prompt = PROMPTS[1]
+    want = _teacher_forced(target, prompt)
+    for spec in (SpeculativeConfig("none"), SpeculativeConfig("ngram", num_speculative_tokens=4)):
+        llm = LLM(target, speculative=spec, engine_config=config)
+        out = llm.generate(prompt, SamplingParams(max_new_tokens=5, prompt_logprobs=3))
+        scored = out.prompt_logprobs
+        assert len(scored) == len(prompt) and scored[0] is None
+        for i, entry in enumerate(scored[1:], start=1):
+            row = want[i - 1]
+            assert entry.token_id == prompt[i]
+            assert abs(entry.logprob - float(row[prompt[i]])) < 1e-5
+            assert [t for t, _ in entry.top] == torch.topk(row, 3).indices.tolist()
+            assert entry.rank == int((row > row[prompt[i]]).sum()) + 1
+        assert out.logprobs is None  # only what was asked
+
+
+def test_prompt_logprobs_bit_equal_across_batch_stream_and_preemption(exact_target):
+    from specdec.engine import EngineConfig
+
+    params = SamplingParams(max_new_tokens=12, prompt_logprobs=2, ignore_eos=True)
+    llm = LLM(exact_target, speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))
+    alone = [llm.generate(p, params).prompt_logprobs for p in PROMPTS[:3]]
+    assert [o.prompt_logprobs for o in llm.generate(PROMPTS[:3], params)] == alone
+    chunks = list(llm.stream(PROMPTS[0], params))
+    assert chunks[-1].output.prompt_logprobs == alone[0]
+    assert llm.generate(PROMPTS[0], params).to_dict()["prompt_logprobs"][0] is None
+    # a KV budget so small that sequences are preempted and recomputed
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.engine import Engine
+
+    engine = Engine(
+        exact_target,
+        EngineConfig(max_num_batched_tokens=32, max_kv_tokens=112, prefill_chunk=16),
+    )
+    long = SamplingParams(max_new_tokens=40, prompt_logprobs=2, ignore_eos=True)
+    sequences = [
+        engine.add_request(str(i), p, long, drafter=NgramDrafter(), num_speculative_tokens=4)
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_preemptions > 0
+    assert [s.prompt_logprobs for s in sequences] == alone
+
+
+@pytest.mark.parametrize("value", [-1, 21, 1.5, True])
+def test_bad_prompt_logprobs_values_are_refused(value):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=value)

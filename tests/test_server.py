@@ -191,7 +191,7 @@ def test_cancelled_stream_frees_the_kv_cache(server, llm):
             },
             "top_logprobs",
         ),  # fmt: skip
-        ({"model": NAME, "prompt": "w1", "echo": True, "best_of": 3}, "best_of, echo"),
+        ({"model": NAME, "prompt": "w1", "suffix": "x", "best_of": 3}, "best_of, suffix"),
         (
             {
                 "model": NAME,
@@ -497,3 +497,57 @@ def test_logprobs_equal_the_library_with_speculation_on_and_off(client, llm, str
 def test_no_logprobs_unless_asked(client):
     out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
     assert out.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt(client, llm, stream):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 1): the text starts with
+    the prompt, the logprobs with the prompt's tokens (the first ``null``), their values
+    the library's prompt_logprobs; streaming puts the prompt in the first chunk."""
+    params = SamplingParams(max_new_tokens=3, logprobs=2, prompt_logprobs=2)
+    want = llm.generate(PROMPT, params, chat=False)
+    out = client.completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True,
+        stream=stream,
+    )  # fmt: skip
+    choices = [c.choices[0] for c in out] if stream else [out.choices[0]]
+    text = "".join(c.text for c in choices)
+    assert text == PROMPT + want.text
+    if stream:
+        assert choices[0].text.startswith(PROMPT)
+    values, tops, offsets = [], [], []
+    for c in choices:
+        if c.logprobs is not None:
+            values += c.logprobs.token_logprobs
+            tops += c.logprobs.top_logprobs
+            offsets += c.logprobs.text_offset
+    n_prompt = len(want.prompt_token_ids)
+    assert len(values) == n_prompt + len(want.token_ids)
+    assert values[0] is None and tops[0] is None
+    assert values[1:n_prompt] == [t.logprob for t in want.prompt_logprobs[1:]]
+    assert values[n_prompt:] == [t.logprob for t in want.logprobs]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_prompt_logprobs_in_vllm_format(server, llm, route):
+    url, _, _ = server
+    body = {"model": NAME, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+    if route == "completions":
+        body["prompt"] = PROMPT
+        want = llm.generate(PROMPT, SamplingParams(max_new_tokens=2, prompt_logprobs=3), chat=False)
+    else:
+        messages = [{"role": "user", "content": PROMPT}]
+        body["messages"] = messages
+        want = llm.generate(messages, SamplingParams(max_new_tokens=2, prompt_logprobs=3))
+    response = httpx.post(f"{url}/v1/{route}", json=body)
+    assert response.status_code == 200, response.text
+    scored = response.json()["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(want.prompt_token_ids) and scored[0] is None
+    for entry, expected in zip(scored[1:], want.prompt_logprobs[1:], strict=True):
+        own = entry[str(expected.token_id)]
+        assert own["logprob"] == expected.logprob and own["rank"] == expected.rank
+        tops = sorted((v["rank"], int(k)) for k, v in entry.items() if v["rank"] <= 3)
+        assert [i for _, i in tops][:3] == [i for i, _ in expected.top]
+    plain = httpx.post(f"{url}/v1/{route}", json={**body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]

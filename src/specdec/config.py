@@ -140,6 +140,11 @@ class SamplingParams:
             other transforms, each row with the grammar state of its own history; the
             output ends (``"stop"``) when the grammar is complete (see
             :mod:`specdec.structured`).
+        prompt_logprobs: return, for every prompt token after the first, its
+            log-probability given the tokens before it and the ``prompt_logprobs`` most
+            probable tokens' (int 0 to 20; ``None``, the default, returns none; vLLM's
+            field), from the raw target distribution like ``logprobs``. Computed in the
+            prompt's prefill (every row's logits), so it costs the LM head over the prompt.
         logits_processors: callables ``f(output_ids: list[int], logits: Tensor[V]) ->
             Tensor[V]`` (vLLM's classic form), applied in order to each row after the
             penalties; ``output_ids`` is that row's own history (the accepted draft tokens
@@ -178,6 +183,7 @@ class SamplingParams:
     min_tokens: int = 0
     logits_processors: tuple = field(default_factory=tuple)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     bad_words: tuple[str, ...] = field(default_factory=tuple)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
@@ -296,12 +302,12 @@ class SamplingParams:
         if len({t for t, _ in pairs}) != len(pairs):
             raise ValueError("logit_bias names a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in pairs)))
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}"
+                )
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

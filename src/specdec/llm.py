@@ -56,6 +56,10 @@ class GenerationOutput:
         logprobs: with ``SamplingParams.logprobs``, one
             :class:`~specdec.sampling.TokenLogprob` per token id (the target's raw
             log-probabilities; the same with speculation as without), else ``None``.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt
+            token: ``None`` for the first, then a
+            :class:`~specdec.sampling.TokenLogprob` (the raw target distribution given the
+            tokens before it); else ``None``.
         accepted_prediction_tokens, rejected_prediction_tokens: with a ``prediction``
             (Predicted Outputs), OpenAI's counts: prediction tokens the output holds where
             a draft proposed them, and the rest of the prediction (see
@@ -69,6 +73,7 @@ class GenerationOutput:
     metrics: SpecStats = field(repr=False)
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
     accepted_prediction_tokens: int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)
     rejected_prediction_tokens: int | None = None
 
     def to_dict(self) -> dict:
@@ -85,6 +90,13 @@ class GenerationOutput:
             out["logprobs"] = [
                 {"token_id": t.token_id, "logprob": t.logprob, "top": [list(p) for p in t.top]}
                 for t in self.logprobs
+            ]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [
+                None
+                if t is None
+                else {"token_id": t.token_id, "logprob": t.logprob, "top": [list(p) for p in t.top]}
+                for t in self.prompt_logprobs
             ]
         if self.accepted_prediction_tokens is not None:
             out["accepted_prediction_tokens"] = self.accepted_prediction_tokens
@@ -396,12 +408,16 @@ class LLM:
         prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
         ids: list[int] = []
         logprobs = [] if params.logprobs is not None else None
+        prompt_logprobs = None
         for step in steps:  # no per-step detokenization: the text is built once at the end
             ids.extend(step.new_token_ids)
             if logprobs is not None:
                 logprobs.extend(step.logprobs)
+            if step.prompt_logprobs is not None:
+                prompt_logprobs = step.prompt_logprobs
         text = final_text(self.tokenizer, ids, step.finish_reason, step.text_end)
         output = GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats, logprobs)
+        output.prompt_logprobs = prompt_logprobs
         return output._with_prediction(drafter)
 
     def resolve_params(self, params: SamplingParams) -> SamplingParams:
@@ -605,20 +621,27 @@ def _output(tokenizer: Tokenizer, seq) -> GenerationOutput:
     ids = seq.output_ids
     text = final_text(tokenizer, ids, seq.finish_reason, seq.text_end)
     logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
-    return GenerationOutput(text, ids, seq.prompt_ids, seq.finish_reason, seq.stats, logprobs)
+    output = GenerationOutput(text, ids, seq.prompt_ids, seq.finish_reason, seq.stats, logprobs)
+    if seq.params.prompt_logprobs is not None:
+        output.prompt_logprobs = list(seq.prompt_logprobs)
+    return output
 
 
 def _stream_text(tokenizer: Tokenizer, prompt_ids: list[int], steps, params: SamplingParams):
     """Turn engine steps into text chunks (incremental detokenization)."""
     stream = TextStream(tokenizer, params.stop)
     logprobs = [] if params.logprobs is not None else None
+    prompt_logprobs = None
     for step in steps:
         delta = stream.push(step.new_token_ids, step.finish_reason, step.text_end)
         if logprobs is not None:
             logprobs.extend(step.logprobs)
+        if step.prompt_logprobs is not None:
+            prompt_logprobs = step.prompt_logprobs
         output = None
         if step.finish_reason is not None:
             output = GenerationOutput(
                 stream.text, stream.ids, prompt_ids, step.finish_reason, step.stats, logprobs
             )
+            output.prompt_logprobs = prompt_logprobs
         yield GenerationChunk(delta, list(step.new_token_ids), output, step.stats, step.logprobs)

@@ -168,11 +168,13 @@ class TokenLogprob:
         logprob: ``log p(token_id)`` (float, natural log, <= 0).
         top: the most probable tokens as ``(token id, log-probability)`` pairs, most
             probable first (``SamplingParams.logprobs`` of them; ties by lower id).
+        rank: 1 + how many tokens are strictly more probable (vLLM's ``rank``).
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
@@ -190,7 +192,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> 
     if logits.shape[0] != len(token_ids):
         raise ValueError(f"{logits.shape[0]} rows for {len(token_ids)} tokens")
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp[torch.arange(len(token_ids)), torch.as_tensor(list(token_ids))].tolist()
+    chosen_t = logp[torch.arange(len(token_ids)), torch.as_tensor(list(token_ids))]
+    ranks = ((logp > chosen_t.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t.tolist()
     tops: list[tuple] = [()] * len(token_ids)
     if top > 0:
         values, ids = torch.topk(logp, top, dim=-1)  # sorted, most probable first
@@ -199,8 +203,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> 
             for i, v in zip(ids.tolist(), values.tolist(), strict=True)
         ]
     return [
-        TokenLogprob(int(t), float(lp), tp)
-        for t, lp, tp in zip(token_ids, chosen, tops, strict=True)
+        TokenLogprob(int(t), float(lp), tp, int(r))
+        for t, lp, tp, r in zip(token_ids, chosen, tops, ranks, strict=True)
     ]
 
 

@@ -32,6 +32,8 @@ class StepOutput:
         stats: the generation's running :class:`SpecStats` (same object every step).
         logprobs: with ``SamplingParams.logprobs``, one
             :class:`~specdec.sampling.TokenLogprob` per new token (else ``None``).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the first step only:
+            one entry per prompt token (``None`` for the first), else ``None``.
     """
 
     new_token_ids: list[int]
@@ -39,6 +41,7 @@ class StepOutput:
     stats: SpecStats
     text_end: int | None = None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 def verify(

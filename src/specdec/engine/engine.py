@@ -300,6 +300,8 @@ class Engine:
             grammar=grammar,
         )
         seq.stats.verifier = verifier
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(prompt_ids)
         seq.stats.lossy = not params.greedy and parse_verifier(verifier)[0] in LOSSY_VERIFIERS
         self.waiting.append(seq)
         self._live[request_id] = seq
@@ -345,9 +347,17 @@ class Engine:
         plans = self._plan(verified, sum(end - start for _, start, end in chunks))
         drafts = [self._draft(s, k) for s, k in zip(verified, plans, strict=True)]
         items = [
-            (s, s.tokens[start:end], None, None, 1, end < len(s.prompt_ids))
+            (
+                s,
+                s.tokens[start:end],
+                None,
+                None,
+                0 if _scores(s, end) else 1,
+                end < len(s.prompt_ids),
+            )
             for s, start, end in chunks
         ]  # a chunk of the prompt, or of earlier output recomputed after preemption
+        # (num_logits 0 = every row: a prompt chunk whose prompt_logprobs are wanted)
         for seq, (draft, aux) in zip(verified, drafts, strict=True):
             items.append(_verification_input(seq, draft, aux))
         rows = sum(len(item[1]) for item in items)
@@ -356,6 +366,9 @@ class Engine:
         forward_s = time.perf_counter() - t_forward
         if not chunks:  # verification-only forwards define the verification cost
             self.cost_model.observe_forward(rows, forward_s)
+        for (seq, start, end), chunk_logits in zip(chunks, logits, strict=False):
+            if _scores(seq, end):
+                _record_prompt_logprobs(seq, start, end, chunk_logits)
         for (seq, start, end), hidden in zip(chunks, captured, strict=False):
             if hidden is not None:  # a draft head reads the prompt's hidden states
                 t0 = time.perf_counter()
@@ -700,6 +713,8 @@ class Engine:
         if params.logprobs is not None:
             step.logprobs = _emitted_logprobs(draft, logits, result, step, params.logprobs)
             seq.logprobs.extend(step.logprobs)
+        if params.prompt_logprobs is not None and position == 0:
+            step.prompt_logprobs = list(seq.prompt_logprobs)
         if step.finish_reason is not None:
             seq.text_end = step.text_end
             self._finish(seq, step.finish_reason, SequenceStatus.FINISHED)
@@ -717,6 +732,24 @@ def _emitted_logprobs(draft, logits: torch.Tensor, result, step: StepOutput, top
         rows = list(range(result.num_accepted + 1))
     index = torch.tensor(rows[:kept], dtype=torch.long, device=logits.device)
     return token_logprobs(logits.index_select(0, index), step.new_token_ids, top)
+
+
+def _scores(seq: Sequence, end: int) -> bool:
+    """Whether a prefill chunk ending at ``end`` needs its logits for
+    ``prompt_logprobs`` (a prompt chunk, not recomputed output, not already scored)."""
+    return (
+        seq.params.prompt_logprobs is not None
+        and end <= len(seq.prompt_ids) - 1
+        and seq.prompt_logprobs[end] is None
+    )
+
+
+def _record_prompt_logprobs(seq: Sequence, start: int, end: int, logits: torch.Tensor) -> None:
+    """Prompt tokens ``start + 1 .. end`` scored by the chunk's rows (row j predicts token
+    ``start + j + 1``); the raw target distribution, as ``logprobs``."""
+    targets = seq.prompt_ids[start + 1 : end + 1]
+    scored = token_logprobs(logits[-len(targets) :], targets, seq.params.prompt_logprobs)
+    seq.prompt_logprobs[start + 1 : end + 1] = scored
 
 
 def _history(seq: Sequence) -> TokenHistory:

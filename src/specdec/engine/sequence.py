@@ -69,6 +69,11 @@ class Sequence:
         verifier: how its sampled chains are verified (``"rejection"`` or ``"block"``).
         logprobs: with ``params.logprobs``, one :class:`~specdec.sampling.TokenLogprob`
             per output token so far.
+        prompt_logprobs: with ``params.prompt_logprobs``, one entry per prompt token: ``None``
+            for the first (nothing predicts it), then each token's
+            :class:`~specdec.sampling.TokenLogprob` given the tokens before it, filled in as
+            the prompt's chunks run (row j of a chunk scores the token after it, so the
+            last chunk's last row scores the prompt's last, pending, token).
         grammar: with ``params.structured_outputs``, its
             :class:`~specdec.structured.GrammarState` at the committed output (kept
             through preemption: it follows the tokens, not the cache).
@@ -104,6 +109,7 @@ class Sequence:
     verifier: str = "rejection"
     logprobs: list = field(default_factory=list)
     grammar: GrammarState | None = None
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec import registry
 from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
 from specdec.llm import LLM
+from specdec.sampling import TokenLogprob
 from specdec.server.async_engine import AsyncEngine, Overloaded, Unavailable, Update
 from specdec.server.protocol import (
     BadRequest,
@@ -225,6 +226,15 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     streams = [TextStream(llm.tokenizer, params.stop) for _, _, params in jobs]
     wanted = [params.logprobs is not None for _, _, params in jobs]
     logprobs = LogprobFormat(llm.tokenizer, chat, wanted)
+    echo = not chat and body.echo
+    texts = _echo_texts(llm, body.prompt) if echo else []
+    logprobs.prompts = PromptEcho(
+        llm.tokenizer,
+        [texts[p // body.n] if echo else None for p, _, _ in jobs],
+        [ids for _, ids, _ in jobs],
+        body.prompt_logprobs,
+        body.logprobs if echo and not chat else None,
+    )
     usage = Usage(sum(len(ids) for ids in prompts), streams, drafters)
     meta = dict(id=response_id, created=int(time.time()), model=name)
     if body.stream:
@@ -277,8 +287,8 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
     """Wait for every choice (aborting all if the client goes away)."""
     collected: list[list] = [[] for _ in queues]
     tasks = [
-        asyncio.ensure_future(_collect(q, s, c))
-        for q, s, c in zip(queues, streams, collected, strict=True)
+        asyncio.ensure_future(_collect(q, s, c, logprobs.prompts, i))
+        for i, (q, s, c) in enumerate(zip(queues, streams, collected, strict=True))
     ]
     try:
         finished = await _wait_unless_gone(tasks, request)
@@ -297,16 +307,20 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
         kind = "invalid_request_error" if status == 400 else "internal_error"
         return JSONResponse(error_body(errors[0].error, kind), status_code=status)
     choices = []
+    echo = logprobs.prompts
     for index, (update, stream) in enumerate(zip(finals, streams, strict=True)):
+        entries = echo.logprob_entries(index) + collected[index]
         choice = {
             "index": index,
-            "logprobs": logprobs.format(index, collected[index]),
+            "logprobs": logprobs.format(index, entries),
             "finish_reason": update.finish_reason,
         }
         if chat:
             choice["message"] = {"role": "assistant", "content": stream.text}
         else:
-            choice["text"] = stream.text
+            choice["text"] = echo.text(index) + stream.text
+        if echo.top is not None:
+            choice["prompt_logprobs"] = echo.vllm_format(index)
         choices.append(choice)
     response = {
         **meta,
@@ -361,11 +375,14 @@ async def _wait_unless_gone(tasks: list[asyncio.Future], request: Request) -> bo
     return True
 
 
-async def _collect(queue: asyncio.Queue, stream: TextStream, logprobs: list) -> Update:
+async def _collect(
+    queue: asyncio.Queue, stream: TextStream, logprobs: list, echo: PromptEcho, index: int
+) -> Update:
     """Consume one choice's updates; returns the final one (``stream.text`` is set, and
     ``logprobs`` holds every token's :class:`~specdec.sampling.TokenLogprob` if asked)."""
     while True:
         update = await queue.get()
+        echo.receive(index, update)
         stream.push(update.new_token_ids, update.finish_reason, update.text_end)
         if update.logprobs:
             logprobs.extend(update.logprobs)
@@ -403,14 +420,21 @@ async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage
                 live.discard(index)
                 continue
             text = streams[index].push(update.new_token_ids, update.finish_reason, update.text_end)
+            echo = logprobs.prompts
+            first = echo.receive(index, update)
+            if first:  # the echoed prompt and its scores lead the choice's first chunk
+                text = echo.text(index) + text
+                pending[index][:0] = echo.logprob_entries(index)
             if update.logprobs:
                 pending[index].extend(update.logprobs)
             if update.finish_reason is not None:
                 live.discard(index)
-            if text or update.finish_reason is not None:
+            if text or update.finish_reason is not None or first:
                 delta = {"content": text} if chat else text
                 choice = _chunk(index, delta, update.finish_reason, chat)
                 choice["logprobs"] = logprobs.format(index, pending[index])
+                if first and echo.top is not None:
+                    choice["prompt_logprobs"] = echo.vllm_format(index)
                 pending[index] = []
                 chunk = {**meta, "object": obj, "choices": [choice]}
                 if update.stats is not None and len(queues) == 1:
@@ -444,6 +468,8 @@ class LogprobFormat:
     def __init__(self, tokenizer, chat: bool, wanted: list[bool]) -> None:
         self.tokenizer, self.chat, self.wanted = tokenizer, chat, wanted
         self.offsets = [0] * len(wanted)
+        #: the response's :class:`PromptEcho` (set by the request handler)
+        self.prompts: PromptEcho | None = None
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
@@ -471,6 +497,9 @@ class LogprobFormat:
             tokens.append(text)
             offsets.append(self.offsets[index])
             self.offsets[index] += len(text)
+            if e.logprob is None:  # an echoed prompt's first token: nothing predicts it
+                tops.append(None)
+                continue
             top = {self._text(i): lp for i, lp in e.top}
             top.setdefault(text, e.logprob)
             tops.append(top)
@@ -480,6 +509,82 @@ class LogprobFormat:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+
+class PromptEcho:
+    """What a response says about its prompts, per choice: the prompt text a completion
+    echoes (``echo``), the prompt tokens' entries its ``logprobs`` then start with (the
+    first with ``null`` values: nothing predicts it), and vLLM's ``prompt_logprobs``
+    (``[null, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]``: the prompt token and
+    the ``prompt_logprobs`` most probable).
+
+    Args:
+        tokenizer: the model's :class:`~specdec.tokenizer.Tokenizer`.
+        texts: per choice, the echoed prompt text, or ``None`` (no echo).
+        prompt_ids: per choice, its prompt's token ids.
+        top: ``prompt_logprobs`` (``None``: not asked).
+        echo_top: ``logprobs`` of an echoing completion (``None``: no entries).
+    """
+
+    def __init__(self, tokenizer, texts, prompt_ids, top, echo_top) -> None:
+        self.tokenizer, self.texts, self.prompt_ids = tokenizer, texts, prompt_ids
+        self.top, self.echo_top = top, echo_top
+        self.scores: list = [None] * len(texts)
+        self.started = [False] * len(texts)
+
+    def receive(self, index: int, update) -> bool:
+        """Note an update of choice ``index``; whether it is the choice's first."""
+        if update.prompt_logprobs is not None:
+            self.scores[index] = update.prompt_logprobs
+        first = not self.started[index] and not update.error
+        self.started[index] = True
+        return first
+
+    def text(self, index: int) -> str:
+        return self.texts[index] or ""
+
+    def logprob_entries(self, index: int) -> list:
+        if self.echo_top is None or self.texts[index] is None:
+            return []
+        ids = self.prompt_ids[index]
+        scored = self.scores[index] or [None] * len(ids)
+        entries = [TokenLogprob(ids[0], None)]
+        for e in scored[1:]:
+            entries.append(TokenLogprob(e.token_id, e.logprob, e.top[: self.echo_top]))
+        return entries
+
+    def vllm_format(self, index: int) -> list | None:
+        scored = self.scores[index]
+        if scored is None:
+            return None
+        out: list = [None]
+        for e in scored[1:]:
+            entry = {
+                str(e.token_id): {
+                    "logprob": e.logprob,
+                    "rank": e.rank,
+                    "decoded_token": self._text(e.token_id),
+                }
+            }
+            for rank, (i, lp) in enumerate(e.top[: self.top], start=1):
+                entry.setdefault(
+                    str(i), {"logprob": lp, "rank": rank, "decoded_token": self._text(i)}
+                )
+            out.append(entry)
+        return out
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
+
+
+def _echo_texts(llm: LLM, prompt) -> list[str]:
+    """Each completion prompt as echoed: a string as sent, token ids decoded."""
+    items = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)
+    return [p if isinstance(p, str) else llm.tokenizer.hf.decode(p) for p in items]
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) for t in value) and bool(value)
 
 
 def _chunk(index: int, delta, finish_reason, chat: bool) -> dict:
@@ -548,6 +653,9 @@ def _sampling(
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         logprobs = body.logprobs
+    prompt_logprobs = body.prompt_logprobs
+    if getattr(body, "echo", False) and body.logprobs is not None:  # echoed prompt scores
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     outside = sorted(t for t in bias if t >= llm.target.vocab_size)
     if outside:
@@ -576,6 +684,7 @@ def _sampling(
                 logprobs=logprobs,
                 structured_outputs=structured,
                 bad_words=tuple(body.bad_words or ()),
+                prompt_logprobs=prompt_logprobs,
             )
         )
     except ValueError as error:  # the request model checks most of it; kept as a backstop

@@ -48,6 +48,8 @@ class Update:
         stats: on the final update, a snapshot of the request's speculation counters.
         logprobs: with ``SamplingParams.logprobs``, one
             :class:`~specdec.sampling.TokenLogprob` per new token.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the first update:
+            one entry per prompt token (``None`` first).
     """
 
     new_token_ids: list[int]
@@ -57,6 +59,7 @@ class Update:
     status: int = 200
     stats: SpecStats | None = None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -229,6 +232,7 @@ class AsyncEngine:
             self._last_stats.pop(seq.request_id, None)
         update = Update(list(step.new_token_ids), step.finish_reason, step.text_end)
         update.logprobs = step.logprobs
+        update.prompt_logprobs = step.prompt_logprobs
         if final:
             update.stats = seq.stats.snapshot()
         self._post(seq.request_id, update, final)

@@ -10,7 +10,7 @@ sends falls under one rule:
 
 - the fields this server implements work as documented; ``null`` means the default;
 - known OpenAI fields and vLLM sampling extensions that it does not implement
-  (:data:`UNSUPPORTED`: ``echo``, ``tools``, ``prompt_logprobs``, ...) are accepted when
+  (:data:`UNSUPPORTED`: ``tools``, ``best_of``, ``suffix``, ...) are accepted when
   their value asks for nothing
   (``null`` or the neutral value: ``false``, ``tool_choice: "none"`` or ``"auto"`` without tools,
   ...) and otherwise refused
@@ -139,7 +139,6 @@ class SpeculativeOptions(BaseModel):
 #: values that ask for nothing (accepted, and then dropped); any other value is refused.
 UNSUPPORTED: dict[str, tuple] = {
     # OpenAI
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -154,7 +153,6 @@ UNSUPPORTED: dict[str, tuple] = {
     # vLLM
     "length_penalty": (None, 1),
     "use_beam_search": (None, False),
-    "prompt_logprobs": (None,),
     # one grammar engine (llguidance) serves every request; naming it is accepted
     "guided_decoding_backend": (None, "auto", "guidance", "llguidance"),
     "allowed_token_ids": (None,),
@@ -295,6 +293,7 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     prediction: Prediction | None = None
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
     def structured_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The request's output constraint and the field that asked for it (``None,
@@ -417,6 +416,7 @@ class CompletionRequest(_Common):
 
     prompt: str | list[int] | list[str | list[int]]
     max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     #: completions have no top_logprobs (``logprobs`` is the count); 0 asks for nothing
     unsupported_fields: ClassVar[dict] = {**UNSUPPORTED, "top_logprobs": (None, 0)}
@@ -463,6 +463,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``; without ``max_tokens`` / ``max_completion_tokens`` the
     output may fill the rest of the context."""
+
+    #: chat has no ``echo`` (vLLM's chat echo repeats the last message); false asks nothing
+    unsupported_fields: ClassVar[dict] = {**UNSUPPORTED, "echo": (None, False)}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
