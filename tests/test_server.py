@@ -191,7 +191,7 @@ def test_cancelled_stream_frees_the_kv_cache(server, llm):
             },
             "top_logprobs",
         ),  # fmt: skip
-        ({"model": NAME, "prompt": "w1", "suffix": "x", "best_of": 3}, "best_of, suffix"),
+        ({"model": NAME, "prompt": "w1", "suffix": "x", "verbosity": "low"}, "suffix, verbosity"),
         (
             {
                 "model": NAME,
@@ -551,3 +551,29 @@ def test_prompt_logprobs_in_vllm_format(server, llm, route):
         assert [i for _, i in tops][:3] == [i for i, _ in expected.top]
     plain = httpx.post(f"{url}/v1/{route}", json={**body, "prompt_logprobs": None}).json()
     assert "prompt_logprobs" not in plain["choices"][0]
+
+
+def test_best_of_answers_the_n_most_probable_candidates(server, llm):
+    """best_of sampled candidates (seeds seed .. seed + best_of - 1, each what the library
+    gives alone); the answer holds the n with the highest mean log-probability per token,
+    usage counts every candidate."""
+    url, _, _ = server
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 5,
+            "n": 2, "best_of": 4}  # fmt: skip
+    response = httpx.post(f"{url}/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    candidates = []
+    for i in range(4):
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5 + i, logprobs=0)
+        out = llm.generate(PROMPT, params, chat=False)
+        mean = sum(t.logprob for t in out.logprobs) / len(out.logprobs)
+        candidates.append((-mean, i, out))
+    best = [out for _, _, out in sorted(candidates, key=lambda c: (c[0], c[1]))[:2]]
+    assert [c["text"] for c in data["choices"]] == [o.text for o in best]
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in data["choices"])
+    assert data["usage"]["completion_tokens"] == sum(len(o.token_ids) for *_, o in candidates)
+    for bad, param in (({"best_of": 1, "n": 2}, "best_of"), ({"stream": True}, "best_of")):
+        response = httpx.post(f"{url}/v1/completions", json={**body, **bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param

@@ -233,7 +233,7 @@ def text_of(response: httpx.Response) -> str:
 
 #: For every unsupported field, a value that asks for something.
 ASKING = {
-    "best_of": 3, "suffix": " w9",
+    "suffix": " w9",
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f"}], "function_call": {"name": "f"}, "tool_choice": "required",
     "reasoning_effort": "high", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
@@ -270,9 +270,10 @@ def test_every_unsupported_field_asking_for_something_is_refused_by_name(server)
         for response in (completion(url, **{field: value}), chat(url, **{field: value})):
             error = assert_error(response, 400, field)
             assert error["message"].startswith(f"not supported by this server: {field} (")
-    error = assert_error(completion(url, suffix="x", best_of=3), 400, "best_of")
-    assert "best_of, suffix" in error["message"]
-    error = assert_error(chat(url, echo=True), 400, "echo")  # completions only
+    error = assert_error(completion(url, suffix="x", verbosity="low"), 400, "suffix")
+    assert "suffix, verbosity" in error["message"]
+    assert_error(chat(url, echo=True), 400, "echo")  # completions only
+    assert_error(chat(url, best_of=2), 400, "best_of")
     assert app.state.engine.num_live == 0
 
 

@@ -201,11 +201,15 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
             await asyncio.to_thread(llm.grammars.compile, spec)
         except ValueError as error:
             raise BadRequest(f"{field}: {error}", field) from None
-    jobs = []  # (choice index, prompt ids, params)
+    best_of = getattr(body, "best_of", None) or body.n  # candidates per prompt
+    jobs = []  # (candidate index, prompt ids, params)
     for p, ids in enumerate(prompts):
-        for i in range(body.n):
+        for i in range(best_of):
             seed = None if body.seed is None else (body.seed + i) % 2**63
-            jobs.append((p * body.n + i, ids, _sampling(llm, body, ids, seed, spec)))
+            params = _sampling(llm, body, ids, seed, spec)
+            if best_of > body.n and params.logprobs is None:  # to rank the candidates
+                params = dataclasses.replace(params, logprobs=0)
+            jobs.append((p * best_of + i, ids, params))
     drafters = [_prediction(llm, body, speculative) for _ in jobs]  # one per choice
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
@@ -224,7 +228,8 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
             engine.abort(request_id)
         raise
     streams = [TextStream(llm.tokenizer, params.stop) for _, _, params in jobs]
-    wanted = [params.logprobs is not None for _, _, params in jobs]
+    asked = body.logprobs is not None if not chat else bool(body.logprobs)
+    wanted = [asked] * len(jobs)
     logprobs = LogprobFormat(llm.tokenizer, chat, wanted)
     echo = not chat and body.echo
     texts = _echo_texts(llm, body.prompt) if echo else []
@@ -241,7 +246,8 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _events(engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs)
         return StreamingResponse(events, media_type="text/event-stream")
-    return await _complete(engine, ids, queues, streams, meta, chat, usage, request, logprobs)
+    pick = (body.n, best_of)
+    return await _complete(engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick)
 
 
 def _prediction(llm: LLM, body, speculative: SpeculativeConfig):
@@ -283,7 +289,10 @@ class Usage:
         return usage
 
 
-async def _complete(engine, ids, queues, streams, meta, chat, usage, request, logprobs):
+async def _complete(engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick):
+    """Wait for every candidate (aborting all if the client goes away); answer the ``n``
+    of each prompt's ``best_of`` with the highest mean log-probability per token
+    (``pick = (n, best_of)``; all of them when equal)."""
     """Wait for every choice (aborting all if the client goes away)."""
     collected: list[list] = [[] for _ in queues]
     tasks = [
@@ -308,10 +317,11 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
         return JSONResponse(error_body(errors[0].error, kind), status_code=status)
     choices = []
     echo = logprobs.prompts
-    for index, (update, stream) in enumerate(zip(finals, streams, strict=True)):
+    for out, index in enumerate(_best(collected, *pick)):
+        update, stream = finals[index], streams[index]
         entries = echo.logprob_entries(index) + collected[index]
         choice = {
-            "index": index,
+            "index": out,
             "logprobs": logprobs.format(index, entries),
             "finish_reason": update.finish_reason,
         }
@@ -331,6 +341,24 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
     if len(finals) == 1 and finals[0].stats is not None:
         response["metrics"] = {"speculative_decoding": speculation_metrics(finals[0].stats)}
     return response
+
+
+def _best(collected: list[list], n: int, best_of: int) -> list[int]:
+    """Candidate indices to answer, in choice order: per prompt, the ``n`` of its
+    ``best_of`` candidates with the highest mean log-probability per token (OpenAI's
+    ``best_of`` rule; ties keep the earlier seed)."""
+    if best_of == n:
+        return list(range(len(collected)))
+    chosen = []
+    for start in range(0, len(collected), best_of):
+        group = range(start, start + best_of)
+
+        def score(i: int) -> float:
+            values = [e.logprob for e in collected[i]]
+            return sum(values) / len(values) if values else float("-inf")
+
+        chosen += sorted(group, key=lambda i: (-score(i), i))[:n]
+    return chosen
 
 
 def speculation_metrics(stats) -> dict:

@@ -10,7 +10,7 @@ sends falls under one rule:
 
 - the fields this server implements work as documented; ``null`` means the default;
 - known OpenAI fields and vLLM sampling extensions that it does not implement
-  (:data:`UNSUPPORTED`: ``tools``, ``best_of``, ``suffix``, ...) are accepted when
+  (:data:`UNSUPPORTED`: ``tools``, ``suffix``, ``functions``, ...) are accepted when
   their value asks for nothing
   (``null`` or the neutral value: ``false``, ``tool_choice: "none"`` or ``"auto"`` without tools,
   ...) and otherwise refused
@@ -139,7 +139,6 @@ class SpeculativeOptions(BaseModel):
 #: values that ask for nothing (accepted, and then dropped); any other value is refused.
 UNSUPPORTED: dict[str, tuple] = {
     # OpenAI
-    "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
@@ -417,6 +416,17 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str | list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=16, strict=True)
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        """OpenAI's rules: ``best_of`` >= ``n``, and no streaming when it is larger."""
+        if self.best_of is not None and self.best_of < self.n:
+            raise BadRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise BadRequest("best_of > n cannot be streamed", "best_of")
+        return self
+
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     #: completions have no top_logprobs (``logprobs`` is the count); 0 asks for nothing
     unsupported_fields: ClassVar[dict] = {**UNSUPPORTED, "top_logprobs": (None, 0)}
@@ -464,8 +474,12 @@ class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``; without ``max_tokens`` / ``max_completion_tokens`` the
     output may fill the rest of the context."""
 
-    #: chat has no ``echo`` (vLLM's chat echo repeats the last message); false asks nothing
-    unsupported_fields: ClassVar[dict] = {**UNSUPPORTED, "echo": (None, False)}
+    #: chat has no ``echo`` (vLLM's chat echo repeats the last message) and no ``best_of``
+    unsupported_fields: ClassVar[dict] = {
+        **UNSUPPORTED,
+        "echo": (None, False),
+        "best_of": (None, 1),
+    }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
