@@ -28,13 +28,13 @@ from test_transforms import (
     Transformed,
     reference_probs,
 )
+from test_transforms import chain_law as transforms_chain_law
+from test_transforms import tree_law as transforms_tree_law
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-import specdec.engine.commit as commit
-import specdec.verify.tree as tree_verify
 from conftest import make_model, perturbed_copy
-from exact_laws import _chain_draws, _extend, _subtrees, worst_error
+from exact_laws import _extend, worst_error
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.drafters.base import DraftProposal, NoDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
@@ -43,8 +43,6 @@ from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
 from specdec.sampling import TokenHistory
 from specdec.structured import GrammarCompiler, GrammarState, StructuredOutputsParams
-from specdec.trees.tree import ROOT, TokenTree
-from specdec.verify.exact import exact_output_law
 
 # ------------------------------------------------------------ a byte-level tiny model
 
@@ -266,48 +264,17 @@ class Masked(Transformed):
         return reference_probs(logits, self.params, PROMPT_IDS, output, STOPS)
 
 
-def _history(bug: bool = False) -> TokenHistory:
-    return TokenHistory(PROMPT_IDS, OUTPUT_IDS, STOPS, NoRepeat(OUTPUT_IDS, bug))
+def _history(bug: bool = False):
+    """The oracle's committed state with the toy grammar (``bug``: first row only)."""
+    return lambda: TokenHistory(PROMPT_IDS, OUTPUT_IDS, STOPS, NoRepeat(OUTPUT_IDS, bug))
 
 
 def chain_law(model: Masked, k: int, mode: str, bug: bool = False) -> dict:
-    total: dict = {}
-    for drafts, prob in _chain_draws(model, k, mode):
-        logits = torch.stack([model.raw(drafts[:i]).log() for i in range(k + 1)]).float()
-        q = (
-            None
-            if mode == "deterministic"
-            else torch.stack([model.q(drafts[:i]) for i in range(k)])
-        )
-        proposal = DraftProposal(list(drafts), None if q is None else q.float())
-
-        def run(source, proposal=proposal, logits=logits):
-            result = commit.verify(proposal, logits, model.params, source, _history(bug))
-            return tuple(result.output_token_ids)
-
-        _extend(model, exact_output_law(run), k + 1, prob, total)
-    return total
+    return transforms_chain_law(model, k, mode, history=_history(bug))
 
 
 def tree_law(model: Masked, shape, mode: str) -> dict:
-    total: dict = {}
-    for nodes, prob in _subtrees(model, shape, mode, (), 0):
-        parents = [ROOT if parent < 0 else parent for parent, _, _ in nodes]
-        rows = None if mode == "deterministic" else torch.stack([q for _, _, q in nodes]).float()
-        tree = TokenTree.build(
-            parents, [t for _, t, _ in nodes], rows, without_replacement=mode == "wor"
-        )
-        contexts = [()] + [
-            tuple(tree.token_ids[n] for n in tree.path_to(i)) for i in range(len(tree))
-        ]
-        logits = torch.stack([model.raw(c).log() for c in contexts]).float()
-
-        def run(source, tree=tree, logits=logits):
-            result = tree_verify.verify_tree(tree, logits, model.params, source, _history())
-            return tuple(result.output_token_ids)
-
-        _extend(model, exact_output_law(run), len(shape) + 1, prob, total)
-    return total
+    return transforms_tree_law(model, shape, mode, history=_history())
 
 
 def _want(model, length: int) -> dict:

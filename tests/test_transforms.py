@@ -226,11 +226,14 @@ def _history():
     return TokenHistory(PROMPT_IDS, OUTPUT_IDS, STOPS)
 
 
-def chain_law(model: Transformed, k: int, mode: str, verify=None) -> dict:
+def chain_law(
+    model: Transformed, k: int, mode: str, verify=None, history=None, verifier="rejection"
+) -> dict:
     """Law of the first k + 1 tokens: drafts from the raw draft, one production
-    :func:`specdec.engine.commit.verify` step on the raw target logits, then plain
-    (transformed) target sampling."""
+    :func:`specdec.engine.commit.verify` step on the raw target logits (with ``history()``
+    and ``verifier``), then plain (transformed) target sampling."""
     verify = verify or commit.verify
+    history = history or _history
     total: dict = {}
     for drafts, prob in _chain_draws(model, k, mode):
         logits = torch.stack([model.raw(drafts[:i]).log() for i in range(k + 1)]).float()
@@ -242,15 +245,16 @@ def chain_law(model: Transformed, k: int, mode: str, verify=None) -> dict:
         proposal = DraftProposal(list(drafts), None if q is None else q.float())
 
         def run(source, proposal=proposal, logits=logits):
-            result = verify(proposal, logits, model.params, source, _history())
+            result = verify(proposal, logits, model.params, source, history(), verifier)
             return tuple(result.output_token_ids)
 
         _extend(model, exact_output_law(run), k + 1, prob, total)
     return total
 
 
-def tree_law(model: Transformed, shape: tuple[int, ...], mode: str) -> dict:
+def tree_law(model: Transformed, shape: tuple[int, ...], mode: str, history=None) -> dict:
     """As :func:`chain_law` for a full tree through :func:`specdec.verify.tree.verify_tree`."""
+    history = history or _history
     total: dict = {}
     for nodes, prob in _subtrees(model, shape, mode, (), 0):
         parents = [ROOT if parent < 0 else parent for parent, _, _ in nodes]
@@ -264,7 +268,7 @@ def tree_law(model: Transformed, shape: tuple[int, ...], mode: str) -> dict:
         logits = torch.stack([model.raw(c).log() for c in contexts]).float()
 
         def run(source, tree=tree, logits=logits):
-            result = tree_verify.verify_tree(tree, logits, model.params, source, _history())
+            result = tree_verify.verify_tree(tree, logits, model.params, source, history())
             return tuple(result.output_token_ids)
 
         _extend(model, exact_output_law(run), len(shape) + 1, prob, total)

@@ -12,16 +12,13 @@ import math
 
 import httpx
 import pytest
-import torch
 from test_engine import PROMPTS
+from test_transforms import Transformed, chain_law
 
-import specdec.engine.commit as commit
 from conftest import make_server_llm, uvicorn_thread
 from exact_laws import Synthetic, _chain_draws, _extend, target_sequences, worst_error
 from specdec import LLM, SamplingParams, SpeculativeConfig
-from specdec.drafters.base import DraftProposal
 from specdec.server import create_app
-from specdec.verify.exact import exact_output_law
 from specdec.verify.typical import TypicalOptions
 
 PARAMS = SamplingParams(temperature=1.0)
@@ -29,25 +26,10 @@ VERIFIER = "typical:epsilon=0.3,delta=0.5"
 OPTIONS = TypicalOptions(epsilon=0.3, delta=0.5)
 
 
-def production_law(model: Synthetic, k: int, mode: str) -> dict:
+def production_law(model: Transformed, k: int, mode: str) -> dict:
     """First k + 1 tokens: drafts, one production step with the typical verifier, then
     plain target sampling."""
-    total: dict = {}
-    for drafts, prob in _chain_draws(model, k, mode):
-        logits = torch.stack([model.p(drafts[:i]).log() for i in range(k + 1)]).float()
-        q = (
-            None
-            if mode == "deterministic"
-            else torch.stack([model.q(drafts[:i]) for i in range(k)])
-        )
-        proposal = DraftProposal(list(drafts), None if q is None else q.float())
-
-        def run(source, proposal=proposal, logits=logits):
-            result = commit.verify(proposal, logits, PARAMS, source, verifier=VERIFIER)
-            return tuple(result.output_token_ids)
-
-        _extend(model, exact_output_law(run), k + 1, prob, total)
-    return total
+    return chain_law(model, k, mode, verifier=VERIFIER)
 
 
 def reference_law(model: Synthetic, k: int, mode: str) -> dict:
@@ -74,7 +56,7 @@ def test_the_law_is_the_typical_rule_and_not_the_target(mode):
     lossy = 0.0
     for seed in range(3):
         # deterministic drafts: the target's own argmax, so the rule accepts it
-        model = Synthetic(seed, "peaked" if mode == "iid" else "identical")
+        model = Transformed(seed, "peaked" if mode == "iid" else "identical", PARAMS)
         got = production_law(model, 2, mode)
         assert worst_error(got, reference_law(model, 2, mode)) < 1e-6
         lossy = max(lossy, worst_error(got, target_sequences(model, (), 3)))
