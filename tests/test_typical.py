@@ -18,8 +18,8 @@ from test_transforms import Transformed, chain_law
 from conftest import make_server_llm, uvicorn_thread
 from exact_laws import Synthetic, _chain_draws, _extend, target_sequences, worst_error
 from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.config import TypicalOptions
 from specdec.server import create_app
-from specdec.verify.typical import TypicalOptions
 
 PARAMS = SamplingParams(temperature=1.0)
 VERIFIER = "typical:epsilon=0.3,delta=0.5"

@@ -30,10 +30,34 @@ VERIFIERS = ("rejection", "block")
 LOSSY_VERIFIERS = ("typical",)
 
 
+@dataclass(frozen=True)
+class TypicalOptions:
+    """Options of ``verifier="typical:epsilon=..,delta=.."`` (Medusa-2's typical acceptance,
+    :mod:`specdec.verify.typical`; LOSSY).
+
+    Args:
+        epsilon: the hard probability threshold (float in (0, 1]; default 0.09, Medusa's
+            ``posterior_threshold``).
+        delta: the entropy-scaled threshold's factor (float > 0; default 0.3, Medusa's
+            ``posterior_alpha``).
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    epsilon: float = 0.09
+    delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.epsilon <= 1.0:
+            raise ValueError(f"typical: epsilon must be in (0, 1], got {self.epsilon}")
+        if not self.delta > 0.0:
+            raise ValueError(f"typical: delta must be > 0, got {self.delta}")
+
+
 def parse_verifier(spec: str):
     """``"rejection"``, ``"block"`` or ``"typical[:epsilon=E,delta=D]"`` as ``(name,
-    options)``: ``options`` is ``None``, or a
-    :class:`~specdec.verify.typical.TypicalOptions`.
+    options)``: ``options`` is ``None``, or a :class:`TypicalOptions`.
 
     Raises:
         ValueError: an unknown verifier, options for one that takes none, or a bad option.
@@ -48,8 +72,6 @@ def parse_verifier(spec: str):
         if written:
             raise ValueError(f"verifier {name!r} takes no options, got {written!r}")
         return name, None
-    from specdec.verify.typical import TypicalOptions
-
     values = {}
     for item in filter(None, written.split(",")):
         key, sep, value = item.partition("=")

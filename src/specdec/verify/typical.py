@@ -21,34 +21,11 @@ Medusa's defaults: ``epsilon`` (its ``posterior_threshold``) 0.09, ``delta`` (it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from specdec.config import TypicalOptions
 from specdec.sampling import RandomSource, as_random_source
 from specdec.verify.result import VerifyResult
-
-
-@dataclass(frozen=True)
-class TypicalOptions:
-    """Options of ``verifier="typical:epsilon=..,delta=.."``.
-
-    Args:
-        epsilon: the hard probability threshold (float in (0, 1]; default 0.09).
-        delta: the entropy-scaled threshold's factor (float > 0; default 0.3).
-
-    Raises:
-        ValueError: a value out of range.
-    """
-
-    epsilon: float = 0.09
-    delta: float = 0.3
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.epsilon <= 1.0:
-            raise ValueError(f"typical: epsilon must be in (0, 1], got {self.epsilon}")
-        if not self.delta > 0.0:
-            raise ValueError(f"typical: delta must be > 0, got {self.delta}")
 
 
 def typical_thresholds(target_probs: torch.Tensor, options: TypicalOptions) -> torch.Tensor:
