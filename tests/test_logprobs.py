@@ -180,3 +180,55 @@ def test_prompt_logprobs_bit_equal_across_batch_stream_and_preemption(exact_targ
 def test_bad_prompt_logprobs_values_are_refused(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+# ------------------------------------------------------------ n and best_of
+
+
+def test_n_choices_are_seeded_sequences_of_their_own(target):
+    llm = LLM(target, speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=7, n=3)
+    outs = llm.generate(PROMPTS[0], params)
+    assert isinstance(outs, list) and len(outs) == 3
+    for i, out in enumerate(outs):
+        alone = SamplingParams(max_new_tokens=10, temperature=1.0, seed=7 + i)
+        assert out.token_ids == llm.generate(PROMPTS[0], alone).token_ids
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    batch = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in batch[0]] == [o.token_ids for o in outs]
+    greedy = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=6, n=2))
+    assert greedy[0].token_ids == greedy[1].token_ids
+
+
+def test_best_of_keeps_the_most_probable_candidates(target):
+    llm = LLM(target, speculative=SpeculativeConfig("ngram", num_speculative_tokens=4))
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3, n=2, best_of=5)
+    outs = llm.generate(PROMPTS[1], params)
+    scored = []
+    for i in range(5):
+        alone = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3 + i, logprobs=0)
+        out = llm.generate(PROMPTS[1], alone)
+        scored.append((-sum(t.logprob for t in out.logprobs) / len(out.logprobs), i, out))
+    best = [o for _, _, o in sorted(scored, key=lambda c: (c[0], c[1]))[:2]]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in best]
+    assert all(o.logprobs is None for o in outs)  # computed to rank, not asked for
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(n=0), "n must be"),
+        (dict(n=17), "n must be"),
+        (dict(n=3, best_of=2), "best_of must be"),
+        (dict(best_of=17), "best_of must be"),
+    ],
+)
+def test_bad_choice_counts_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_stream_refuses_several_choices(target):
+    llm = LLM(target, speculative=SpeculativeConfig("none"))
+    with pytest.raises(ValueError, match="stream returns one output"):
+        next(llm.stream(PROMPTS[0], SamplingParams(n=2)))

@@ -322,6 +322,7 @@ METHODS = [
     ("draft-model", None),
     ("draft-model", "dynamic:top_k=3,depth=4,budget=10"),
     ("ngram", "static:tree-8"),
+    ("suffix", None),
 ]
 
 

@@ -361,6 +361,7 @@ SPECS = [
     ("draft-model", "near_draft", None),
     ("draft-model", "near_draft", "dynamic:top_k=3,depth=4,budget=10"),
     ("ngram", None, "static:tree-8"),
+    ("suffix", None, None),
 ]
 
 
@@ -370,7 +371,7 @@ def _plain(target, prompt, params):
 
 @pytest.mark.parametrize("field", list(E2E))
 @pytest.mark.parametrize(
-    "method, draft_name, tree", SPECS, ids=["ngram", "draft", "draft-tree", "ngram-tree"]
+    "method, draft_name, tree", SPECS, ids=["ngram", "draft", "draft-tree", "ngram-tree", "suffix"]
 )
 def test_greedy_speculation_equals_plain_decoding(request, target, field, method, draft_name, tree):
     draft = request.getfixturevalue(draft_name) if draft_name else None

@@ -23,6 +23,8 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 #: Most top log-probabilities per output token (OpenAI's ``top_logprobs`` bound).
 MAX_LOGPROBS = 20
+#: Most choices (``n``, ``best_of``) per request.
+MAX_CHOICES = 16
 #: Lossless chain verifiers (:attr:`SpeculativeConfig.verifier`).
 VERIFIERS = ("rejection", "block")
 #: Lossy chain verifiers: they change the output's law, and run only with
@@ -142,6 +144,13 @@ class SamplingParams:
         min_tokens: no stop token (EOS, end-of-turn, ``stop_token_ids``) before this many
             output tokens: their logits are -inf until then (int >= 0; vLLM's field).
             Stop strings still end the output (vLLM also defers them).
+        n: how many outputs (choices) to return per prompt (int 1 to 16; vLLM's and
+            OpenAI's field): each is its own sequence with its own drafter state and, when
+            ``seed`` is set, the seed ``seed + i`` (choice i); with ``n > 1``
+            :meth:`specdec.LLM.generate` returns a list of outputs per prompt.
+        best_of: sample this many candidates (int, ``n`` to 16) and return the ``n`` with
+            the highest mean log-probability per token under the target (OpenAI's rule;
+            ``None``: ``n``).
         logprobs: return, for every output token, its log-probability and the ``logprobs``
             most probable tokens' (int 0 to 20: 0 = the chosen token's only; ``None``, the
             default, returns none). They are the target's *raw* distribution at that
@@ -206,6 +215,8 @@ class SamplingParams:
     logits_processors: tuple = field(default_factory=tuple)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     bad_words: tuple[str, ...] = field(default_factory=tuple)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
@@ -338,6 +349,15 @@ class SamplingParams:
                 f"{type(self.structured_outputs).__name__}"
             )
         self._check_bad_words()
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
+        if self.best_of is not None and (
+            not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_CHOICES
+        ):
+            raise ValueError(
+                f"best_of must be an integer in [n, {MAX_CHOICES}] (n = {self.n}), got "
+                f"{self.best_of!r}"
+            )
         procs = self.logits_processors
         procs = (procs,) if callable(procs) else tuple(procs or ())
         if not all(callable(p) for p in procs):

@@ -388,7 +388,10 @@ class LLM:
         Returns:
             a :class:`GenerationOutput`, or a list of them in prompt order for a batch
             (each equal to what the prompt gives alone: greedy token for token, seeded
-            sampling the same draws).
+            sampling the same draws). With ``sampling_params.n > 1`` (or ``best_of``), a
+            prompt's entry is instead a list of ``n`` outputs (choice i: seed ``seed + i``;
+            with ``best_of``, the ``n`` candidates with the highest mean log-probability
+            per token, best first).
 
         Raises:
             ValueError: empty prompt or batch, a prompt that fills the model's context, bad
@@ -403,6 +406,8 @@ class LLM:
                 "a list of sampling parameters or speculative settings needs a list of prompts"
             )
         params = self.resolve_params(sampling_params or SamplingParams())
+        if params.n > 1 or params.best_of is not None:  # choices run as a batch
+            return self._generate_batch([prompt], [params], [speculative], chat, [prediction])[0]
         config = speculative or self.speculative
         drafter = self.prediction_drafter(prediction, config)
         prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
@@ -473,10 +478,32 @@ class LLM:
         if prediction is not None and not isinstance(prediction, list):
             raise ValueError("for a batch, prediction is a list with one per prompt")
         predictions = _per_prompt(prediction, len(prompts), "predictions")
+        for p, c in zip(predictions, configs, strict=True):
+            self.prediction_drafter(p, c)  # checked before anything runs
+        encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked first
+        groups = [_choices(p) for p in all_params]  # per prompt: its candidates' params
+        if any(
+            len(g) > 1 or p.best_of is not None for g, p in zip(groups, all_params, strict=True)
+        ):
+            flat = [(ids, c, config, pred) for ids, g, config, pred in zip(
+                encoded, groups, configs, predictions, strict=True) for c in g]  # fmt: skip
+            outputs = self._run_batch(
+                [f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat],
+                [f[3] for f in flat],
+            )  # fmt: skip
+            results: list = []
+            for params, group in zip(all_params, groups, strict=True):
+                candidates, outputs = outputs[: len(group)], outputs[len(group) :]
+                chosen = _best_of(candidates, params)
+                results.append(chosen if params.n > 1 or params.best_of else chosen[0])
+            return results
+        return self._run_batch(encoded, all_params, configs, predictions)
+
+    def _run_batch(self, encoded, all_params, configs, predictions) -> list[GenerationOutput]:
+        """Encoded prompts, one sequence each, through one batched engine."""
         drafters = [
             self.prediction_drafter(p, c) for p, c in zip(predictions, configs, strict=True)
         ]
-        encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked first
         with self._lock:
             engine = Engine(self.target, self.engine_config, self.cost_model)
             sequences = [
@@ -542,6 +569,8 @@ class LLM:
         yielded.
         """
         params = self.resolve_params(sampling_params or SamplingParams())
+        if params.n > 1 or params.best_of is not None:
+            raise ValueError("stream returns one output: use generate for n > 1 or best_of")
         drafter = self.prediction_drafter(prediction, speculative or self.speculative)
         prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
         for chunk in _stream_text(self.tokenizer, prompt_ids, steps, params):
@@ -596,6 +625,41 @@ class LLM:
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
         return StopChecker(stop_ids, params.stop, self.tokenizer.decode)
+
+
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """The candidates of one prompt: ``best_of`` (or ``n``) single-choice params, choice i
+    with seed ``seed + i``; log-probabilities computed when they rank the candidates."""
+    count = params.best_of or params.n
+    rank = count > params.n
+    return [
+        dataclasses.replace(
+            params,
+            n=1,
+            best_of=None,
+            seed=None if params.seed is None else (params.seed + i) % 2**63,
+            logprobs=0 if rank and params.logprobs is None else params.logprobs,
+        )
+        for i in range(count)
+    ]
+
+
+def _best_of(candidates: list[GenerationOutput], params: SamplingParams) -> list:
+    """The ``n`` candidates with the highest mean log-probability per token (all of them,
+    in order, without ``best_of``); log-probabilities computed only to rank are dropped."""
+    if len(candidates) == params.n:
+        return candidates
+
+    def score(i: int) -> float:
+        values = [t.logprob for t in candidates[i].logprobs]
+        return sum(values) / len(values) if values else float("-inf")
+
+    chosen = [candidates[i] for i in sorted(range(len(candidates)), key=lambda i: (-score(i), i))]
+    chosen = chosen[: params.n]
+    if params.logprobs is None:
+        for out in chosen:
+            out.logprobs = None
+    return chosen
 
 
 def _per_prompt(value, num_prompts: int, what: str) -> list:
