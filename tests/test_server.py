@@ -542,7 +542,10 @@ def test_prompt_logprobs_in_vllm_format(server, llm, route):
         want = llm.generate(messages, SamplingParams(max_new_tokens=2, prompt_logprobs=3))
     response = httpx.post(f"{url}/v1/{route}", json=body)
     assert response.status_code == 200, response.text
-    scored = response.json()["choices"][0]["prompt_logprobs"]
+    data = response.json()  # vLLM: per choice in completions, top level in chat
+    scored = (
+        data["choices"][0]["prompt_logprobs"] if route == "completions" else data["prompt_logprobs"]
+    )
     assert len(scored) == len(want.prompt_token_ids) and scored[0] is None
     for entry, expected in zip(scored[1:], want.prompt_logprobs[1:], strict=True):
         own = entry[str(expected.token_id)]
@@ -550,7 +553,7 @@ def test_prompt_logprobs_in_vllm_format(server, llm, route):
         tops = sorted((v["rank"], int(k)) for k, v in entry.items() if v["rank"] <= 3)
         assert [i for _, i in tops][:3] == [i for i, _ in expected.top]
     plain = httpx.post(f"{url}/v1/{route}", json={**body, "prompt_logprobs": None}).json()
-    assert "prompt_logprobs" not in plain["choices"][0]
+    assert "prompt_logprobs" not in plain["choices"][0] and "prompt_logprobs" not in plain
 
 
 def test_best_of_answers_the_n_most_probable_candidates(server, llm):

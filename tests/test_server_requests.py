@@ -239,7 +239,8 @@ ASKING = {
     "reasoning_effort": "high", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
     "web_search_options": {}, "verbosity": "low",
     "length_penalty": 2, "use_beam_search": True,
-    "guided_decoding_backend": "xgrammar", "allowed_token_ids": [4, 5],
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "allowed_token_ids": [4, 5],
     "truncate_prompt_tokens": 5, "include_stop_str_in_output": True,
     "skip_special_tokens": False, "priority": 1,
 }  # fmt: skip

@@ -173,3 +173,30 @@ def test_bad_constraints_are_400s_naming_the_field(url, extra, param):
     response = httpx.post(f"{url}/v1/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def test_an_ill_posed_request_is_a_400_and_others_still_finish(url, llm):
+    """A grammar that needs a banned word: that request gets a 400 naming the dead end; a
+    request running beside it gets its normal answer."""
+    import threading
+
+    normal = {"model": NAME, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+    results = {}
+    thread = threading.Thread(
+        target=lambda: results.setdefault(
+            "normal", httpx.post(f"{url}/v1/completions", json=normal)
+        )
+    )
+    thread.start()
+    bad = {"model": NAME, "prompt": PROMPT, "max_tokens": 10, "guided_choice": ["the cat"],
+           "bad_words": ["cat"]}  # fmt: skip
+    for stream in (False, True):
+        response = httpx.post(f"{url}/v1/completions", json={**bad, "stream": stream})
+        if stream:
+            assert "no token is allowed" in response.text
+        else:
+            assert response.status_code == 400 and "no token is allowed" in response.text
+    thread.join()
+    assert results["normal"].status_code == 200
+    want = llm.generate(PROMPT, SamplingParams(max_new_tokens=40), chat=False).text
+    assert results["normal"].json()["choices"][0]["text"] == want

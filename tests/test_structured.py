@@ -137,23 +137,25 @@ def test_bad_specs_are_refused(kwargs, message):
         StructuredOutputsParams(**kwargs)
 
 
-def test_sampling_params_take_only_the_spec_type():
+def test_sampling_params_take_the_spec_or_a_dict_of_its_fields():
+    params = SamplingParams(structured_outputs={"regex": "a+"})
+    assert params.structured_outputs == StructuredOutputsParams(regex="a+")
     with pytest.raises(ValueError, match="StructuredOutputsParams"):
-        SamplingParams(structured_outputs={"json": {}})
+        SamplingParams(structured_outputs="a+")
 
 
 @pytest.mark.parametrize(
-    "spec, message",
+    "kwargs, message",
     [
-        (StructuredOutputsParams(regex="(ab"), "invalid regex"),
-        (StructuredOutputsParams(grammar="start: undefined_rule"), "invalid grammar"),
-        (StructuredOutputsParams(json={"type": "no-such-type"}), "invalid json"),
+        (dict(regex="(ab"), "invalid regex"),
+        (dict(grammar="start: undefined_rule"), "invalid grammar"),
+        (dict(json={"type": "no-such-type"}), "invalid json"),
+        (dict(json={"type": "string", "minLength": 3, "maxLength": 1}), "invalid json"),
     ],
 )
-def test_invalid_grammars_are_refused_before_generating(byte_target, spec, message):
-    llm = LLM(byte_target, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
+def test_invalid_grammars_are_refused_before_any_model(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        llm.generate("the cat", SamplingParams(max_new_tokens=4, structured_outputs=spec))
+        StructuredOutputsParams(**kwargs)
 
 
 def test_a_tokenizer_llguidance_cannot_read_is_refused(target):
@@ -486,3 +488,45 @@ def test_sampled_speculation_with_a_grammar_matches_plain_law(small, method):
             ids += step.new_token_ids
         counts[ids[0], ids[1]] += 1
     assert chi_square_pvalue(counts, np.asarray(joint)) > 1e-3
+
+
+# ------------------------------------------------------------ dead ends
+
+
+@pytest.mark.parametrize("tree", [None, "static:tree-8"])
+def test_a_grammar_whose_words_are_banned_fails_that_request_only(byte_target, tree):
+    """choice "the cat" with the bad word "cat": after "the" nothing is allowed. The
+    request fails with a clear error (never a crash, never a token outside the grammar);
+    in a batch, the other requests finish as they would alone."""
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.engine import Engine
+    from specdec.sampling import NoAllowedToken
+
+    llm = LLM(byte_target, speculative=SpeculativeConfig("ngram", 4, tree=tree))
+    spec = StructuredOutputsParams(choice=["the cat"])
+    bad = SamplingParams(max_new_tokens=10, structured_outputs=spec, bad_words=["cat"])
+    with pytest.raises(
+        NoAllowedToken, match="no token is allowed.*choice constraint and bad_words"
+    ):
+        llm.generate("yes", bad)
+    banned_first = SamplingParams(max_new_tokens=10, structured_outputs=spec, bad_words=["the"])
+    with pytest.raises(ValueError, match="no token is allowed after 0 output tokens"):
+        llm.generate("yes", banned_first)
+    good = SamplingParams(
+        max_new_tokens=10, structured_outputs=StructuredOutputsParams(regex="[a-z ]+")
+    )
+    engine = Engine(byte_target)
+    hf = byte_target.tokenizer.hf
+    prompt = hf.encode("the cat sat", add_special_tokens=False)
+    ok = engine.add_request(
+        "ok", prompt, good, drafter=NgramDrafter(), num_speculative_tokens=4,
+        grammar=llm.grammar(good),
+    )  # fmt: skip
+    failing = engine.add_request(
+        "bad", prompt, llm.resolve_params(bad), drafter=NgramDrafter(), num_speculative_tokens=4,
+        grammar=llm.grammar(bad),
+    )  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert failing.finish_reason == "error" and "no token is allowed" in failing.error
+    assert ok.output_ids == llm.generate(prompt, good).token_ids

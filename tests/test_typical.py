@@ -96,7 +96,7 @@ def test_the_cli_says_lossy(capsys, tiny_model_dir):
     args = ["generate", "w1 w2 w3", "--model", tiny_model_dir, "--max-new-tokens", "6",
             "--temperature", "1", "--verifier", "typical", "--backend", "hf"]  # fmt: skip
     assert main(args) == 2
-    assert "allow_lossy" in capsys.readouterr().err
+    assert "--allow-lossy" in capsys.readouterr().err
     assert main([*args, "--allow-lossy"]) == 0
     assert "LOSSY" in capsys.readouterr().out
 
@@ -116,3 +116,25 @@ def test_the_server_refuses_without_opt_in_and_labels_with_it():
         body["speculative"] = {"verifier": "typical:epsilon=7", "allow_lossy": True}
         response = httpx.post(f"{url}/v1/completions", json=body)
         assert response.status_code == 400 and "epsilon" in response.text
+
+
+def test_a_request_opts_out_of_the_servers_lossy_verifier():
+    import dataclasses
+
+    llm = make_server_llm()
+    llm.speculative = dataclasses.replace(llm.speculative, verifier="typical", allow_lossy=True)
+    with uvicorn_thread(create_app(llm, "tiny"), log_level="error") as (url, _):
+        body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 6, "temperature": 1.0,
+                "seed": 3}  # fmt: skip
+        metrics = httpx.post(f"{url}/v1/completions", json=body).json()["metrics"]
+        assert metrics["speculative_decoding"]["lossy"] is True  # the server's default
+        body["speculative"] = {"allow_lossy": False}
+        metrics = httpx.post(f"{url}/v1/completions", json=body).json()["metrics"]
+        spec = metrics["speculative_decoding"]
+        assert spec["lossy"] is False and spec["verifier"] == "rejection"
+        body["speculative"] = {"allow_lossy": "yes"}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
+        body["speculative"] = {"allow_lossy": False, "verifier": "typical"}
+        response = httpx.post(f"{url}/v1/completions", json=body)
+        assert response.status_code == 400
+        assert '"allow_lossy": true' in response.json()["error"]["message"]

@@ -15,6 +15,7 @@ _EXPORTS = {
     "SamplingParams": "specdec.config",
     "SpecStats": "specdec.metrics",
     "SpeculativeConfig": "specdec.config",
+    "StructuredOutputsParams": "specdec.structured",
     "register_drafter": "specdec.registry",
 }
 

@@ -116,15 +116,18 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
             "sharing the target's tokenizer, e.g. --draft-model smollm2-135m-instruct "
             "--draft-dtype int8-dynamic)"
         )
-    return SpeculativeConfig(
-        method=drafter,
-        num_speculative_tokens=args.num_speculative_tokens,
-        draft_model=args.draft_model,
-        tree=args.tree,
-        controller=args.controller,
-        verifier=getattr(args, "verifier", "rejection"),
-        allow_lossy=getattr(args, "allow_lossy", False),
-    )
+    try:
+        return SpeculativeConfig(
+            method=drafter,
+            num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=args.draft_model,
+            tree=args.tree,
+            controller=args.controller,
+            verifier=getattr(args, "verifier", "rejection"),
+            allow_lossy=getattr(args, "allow_lossy", False),
+        )
+    except ValueError as error:
+        raise ValueError(str(error).replace("allow_lossy=True", "--allow-lossy")) from None
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:

@@ -165,7 +165,8 @@ class SamplingParams:
         bad_words_token_ids: the same as token id sequences (transformers'
             ``bad_words_ids``), used as given; ``bad_words`` add theirs when the request
             starts.
-        structured_outputs: a :class:`~specdec.structured.StructuredOutputsParams` (JSON
+        structured_outputs: a :class:`~specdec.structured.StructuredOutputsParams` (or a
+            dict of its fields; JSON
             schema, regex, choice, Lark grammar or any JSON object) the output must match:
             every verified row's logits outside the grammar become ``-inf`` before the
             other transforms, each row with the grammar state of its own history; the
@@ -341,12 +342,13 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}"
                 )
-        if self.structured_outputs is not None and not isinstance(
-            self.structured_outputs, StructuredOutputsParams
-        ):
+        spec = self.structured_outputs
+        if isinstance(spec, dict):  # vLLM's field names
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**spec))
+        elif spec is not None and not isinstance(spec, StructuredOutputsParams):
             raise ValueError(
-                "structured_outputs must be a StructuredOutputsParams, got "
-                f"{type(self.structured_outputs).__name__}"
+                "structured_outputs must be a StructuredOutputsParams (or a dict of its "
+                f"fields), got {type(spec).__name__}"
             )
         self._check_bad_words()
         if not _is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:

@@ -30,7 +30,7 @@ from specdec.models.loading import (
     check_quantization,
     load,
 )
-from specdec.sampling import TokenLogprob, make_generator
+from specdec.sampling import NoAllowedToken, TokenLogprob, make_generator
 from specdec.structured import GrammarCompiler, GrammarState
 from specdec.text import TextStream, final_text
 from specdec.tokenizer import Tokenizer
@@ -38,6 +38,9 @@ from specdec.trees.builders import TreeBuilder, make_tree_builder
 from specdec.unicode import check_text
 
 Prompt = str | list[dict] | list[int]
+
+#: Fewest draft tokens per step a prediction drafts (the configured k when larger).
+PREDICTION_K = 16
 
 logger = logging.getLogger(__name__)
 
@@ -379,8 +382,9 @@ class LLM:
             chat: force the chat template on/off for string prompts.
             prediction: OpenAI's Predicted Outputs: the expected output (text, or token
                 ids), drafted from by prompt lookup instead of the configured drafter
-                (:class:`~specdec.drafters.prediction.PredictionDrafter`; a chain of up to
-                ``num_speculative_tokens``, the configured controller and verifier).
+                (:class:`~specdec.drafters.prediction.PredictionDrafter`; chains of up to
+                ``max(num_speculative_tokens, 16)`` tokens, the configured controller and
+                verifier).
                 Lossless: it changes speed only. The output then reports
                 ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``. For a
                 batch, a list with one per prompt (``None`` for none).
@@ -415,6 +419,8 @@ class LLM:
         logprobs = [] if params.logprobs is not None else None
         prompt_logprobs = None
         for step in steps:  # no per-step detokenization: the text is built once at the end
+            if step.error:
+                raise NoAllowedToken(step.error)
             ids.extend(step.new_token_ids)
             if logprobs is not None:
                 logprobs.extend(step.logprobs)
@@ -532,9 +538,12 @@ class LLM:
         """The per-request engine arguments for ``config`` and ``params``; ``drafter``
         (a request's own, e.g. its prediction) replaces the configured one and drafts
         chains."""
+        k = 0 if config.method == "none" else config.num_speculative_tokens
+        if isinstance(drafter, PredictionDrafter):  # long exact runs are what it is for
+            k = max(k, PREDICTION_K)
         return dict(
             drafter=drafter or self.drafter(config),
-            num_speculative_tokens=0 if config.method == "none" else config.num_speculative_tokens,
+            num_speculative_tokens=k,
             tree_builder=None if drafter else self.tree_builder(config, params.seed),
             stop_checker=self._stop_checker(params),
             generator=make_generator(params.seed, self.target.device),
@@ -681,7 +690,13 @@ def _is_batch(prompt) -> bool:
 
 
 def _output(tokenizer: Tokenizer, seq) -> GenerationOutput:
-    """A finished engine :class:`~specdec.engine.Sequence` as a :class:`GenerationOutput`."""
+    """A finished engine :class:`~specdec.engine.Sequence` as a :class:`GenerationOutput`.
+
+    Raises:
+        NoAllowedToken: the sequence failed (its transforms allowed no token).
+    """
+    if seq.error:
+        raise NoAllowedToken(seq.error)
     ids = seq.output_ids
     text = final_text(tokenizer, ids, seq.finish_reason, seq.text_end)
     logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
@@ -697,6 +712,8 @@ def _stream_text(tokenizer: Tokenizer, prompt_ids: list[int], steps, params: Sam
     logprobs = [] if params.logprobs is not None else None
     prompt_logprobs = None
     for step in steps:
+        if step.error:
+            raise NoAllowedToken(step.error)
         delta = stream.push(step.new_token_ids, step.finish_reason, step.text_end)
         if logprobs is not None:
             logprobs.extend(step.logprobs)

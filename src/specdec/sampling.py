@@ -24,6 +24,37 @@ import torch
 from specdec.config import SamplingParams
 
 
+class NoAllowedToken(ValueError):
+    """A verified row that the request itself must sample from has no allowed token: its
+    transforms (a grammar, ``bad_words``, ``min_tokens``, a user processor) put -inf on
+    every token. The request fails with this message; other requests are unaffected."""
+
+
+def dead_rows(logits: torch.Tensor) -> list[int]:
+    """Rows of ``[N, V]`` processed logits where no token is allowed (every entry -inf or
+    NaN)."""
+    alive = torch.isfinite(logits).any(dim=-1) | (logits == float("inf")).any(dim=-1)
+    return torch.nonzero(~alive).flatten().tolist()
+
+
+def no_allowed_token(history: TokenHistory | None, params) -> NoAllowedToken:
+    """The error for a dead end after ``history``'s output."""
+    causes = []
+    if params.structured_outputs is not None:
+        causes.append(f"the {params.structured_outputs.kind} constraint")
+    if params.bad_words_token_ids:
+        causes.append("bad_words")
+    if params.min_tokens:
+        causes.append("min_tokens")
+    if params.logits_processors:
+        causes.append("logits_processors")
+    where = "" if history is None else f" after {len(history.output_ids)} output tokens"
+    return NoAllowedToken(
+        f"no token is allowed{where}: {' and '.join(causes) or 'the transforms'} exclude every "
+        "token (e.g. a bad word that the grammar requires)"
+    )
+
+
 @dataclass(frozen=True)
 class TokenHistory:
     """What the history-dependent transforms read about one sequence.

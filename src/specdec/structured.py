@@ -67,9 +67,10 @@ class StructuredOutputsParams:
 
     Raises:
         ValueError: none or more than one of the fields given, an empty value, a schema
-            that is not a JSON object, or a source larger than :data:`MAX_GRAMMAR_CHARS`.
-            (A syntactically valid but unusable schema, regex or grammar is refused when
-            it is compiled for a tokenizer, see :class:`GrammarCompiler`.)
+            that is not a JSON object, a source larger than :data:`MAX_GRAMMAR_CHARS`, or
+            a schema, regex or grammar llguidance cannot read (checked here, without a
+            tokenizer; what needs the tokenizer is checked when it is compiled, see
+            :class:`GrammarCompiler`).
     """
 
     json: str | dict | None = None
@@ -123,6 +124,20 @@ class StructuredOutputsParams:
                 f"the {kind} has {len(self.source_text)} characters; at most "
                 f"{MAX_GRAMMAR_CHARS} are accepted"
             )
+        self._check_syntax()
+
+    def _check_syntax(self) -> None:
+        """Refuse a schema, regex or grammar llguidance cannot read, before any model is
+        loaded (the tokenizer-dependent checks come when it is compiled)."""
+        from llguidance import LLMatcher
+
+        try:
+            grammar = self.to_llguidance()
+        except ValueError as error:
+            raise ValueError(f"invalid {self.kind}: {_short(str(error))}") from None
+        error = LLMatcher.validate_grammar(grammar, None)
+        if error:
+            raise ValueError(f"invalid {self.kind}: {_short(error)}")
 
     @property
     def source_text(self) -> str:

@@ -13,6 +13,7 @@ greedy and sampled verification stay lossless: the prediction only changes speed
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,22 +46,16 @@ class PredictionDrafter(DrafterBase):
             raise ValueError(f"max_n must be >= 1, got {max_n}")
         self.prediction_ids = np.asarray(list(prediction_ids), dtype=np.int64)
         self.max_n = max_n
-        #: (output position, prediction start, length) of every prediction draft
-        self._drafts: list[tuple[int, int, int]] = []
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> _PredictionSequence:
         return _PredictionSequence(self, len(prompt_ids))
 
     def usage(self, output_ids: Sequence[int]) -> tuple[int, int]:
         """OpenAI's ``accepted_prediction_tokens`` and ``rejected_prediction_tokens`` for
-        the final output.
-
-        A prediction token is accepted when a draft proposed it at an output position and
-        the output holds it there (a verified draft token: the token after a rejected
-        draft token never equals it, so the common prefix of each draft with the output is
-        exactly its accepted part, cut where a stop ended the output). Rejected: the
-        prediction's tokens that were never accepted, so the two add up to the
-        prediction's length.
+        the final output: the prediction's tokens that the output holds, in order (the
+        matching blocks of :class:`difflib.SequenceMatcher` between the two token
+        sequences), and the rest of the prediction. They add up to the prediction's
+        length; an output equal to the prediction accepts all of it.
 
         Args:
             output_ids: the output's token ids (after stops).
@@ -68,14 +63,10 @@ class PredictionDrafter(DrafterBase):
         Returns:
             ``(accepted, rejected)``.
         """
-        pred = self.prediction_ids
-        accepted: set[int] = set()
-        for position, start, length in self._drafts:
-            for i in range(length):
-                if position + i >= len(output_ids) or output_ids[position + i] != pred[start + i]:
-                    break
-                accepted.add(start + i)
-        return len(accepted), len(pred) - len(accepted)
+        pred = self.prediction_ids.tolist()
+        matcher = difflib.SequenceMatcher(None, pred, list(output_ids), autojunk=False)
+        accepted = sum(block.size for block in matcher.get_matching_blocks())
+        return accepted, len(pred) - accepted
 
 
 class _PredictionSequence(DrafterBase):
@@ -111,7 +102,5 @@ class _PredictionSequence(DrafterBase):
         start = self._align(output) if num_tokens > 0 else None
         if start is None:  # nothing of the prediction matches: prompt lookup
             return DraftProposal(find_ngram_continuation(ids, 2, 4, num_tokens).tolist())
-        tokens = self.drafter.prediction_ids[start : start + num_tokens].tolist()
         self.hint = start
-        self.drafter._drafts.append((int(output.size), start, len(tokens)))
-        return DraftProposal(tokens)
+        return DraftProposal(self.drafter.prediction_ids[start : start + num_tokens].tolist())

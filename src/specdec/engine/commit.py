@@ -11,7 +11,13 @@ from specdec.config import SamplingParams, parse_verifier
 from specdec.drafters.base import DraftProposal
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
-from specdec.sampling import TokenHistory, logits_to_probs, process_logits
+from specdec.sampling import (
+    TokenHistory,
+    dead_rows,
+    logits_to_probs,
+    no_allowed_token,
+    process_logits,
+)
 from specdec.verify.block import block_verify
 from specdec.verify.greedy import verify_greedy
 from specdec.verify.rejection import rejection_sample
@@ -34,6 +40,8 @@ class StepOutput:
             :class:`~specdec.sampling.TokenLogprob` per new token (else ``None``).
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the first step only:
             one entry per prompt token (``None`` for the first), else ``None``.
+        error: with ``finish_reason`` ``"error"``, why the request failed (see
+            :class:`~specdec.sampling.NoAllowedToken`).
     """
 
     new_token_ids: list[int]
@@ -42,6 +50,7 @@ class StepOutput:
     text_end: int | None = None
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    error: str | None = None
 
 
 def verify(
@@ -64,12 +73,35 @@ def verify(
         verifier: ``"rejection"`` (token-wise, Leviathan et al. 2023), ``"block"``
             (Sun et al. 2024), or the lossy ``"typical[:...]"`` (Medusa-2), for sampled
             chains; greedy matches the argmax either way.
+
+    Raises:
+        NoAllowedToken: the step must emit a token at a row whose transforms allow none
+            (the request is ill-posed there, as plain decoding would find at the same
+            position); rows after such a row are not verified.
     """
     draft_ids = torch.tensor(proposal.token_ids, dtype=torch.long, device=target_logits.device)
+    draft_probs = proposal.draft_probs
+    dead_end = None
     if params.transforms_logits:
         tokens = list(proposal.token_ids)
         prefixes = [tokens[:i] for i in range(len(tokens) + 1)]
         target_logits = process_logits(target_logits, params, history, prefixes)
+        dead = dead_rows(target_logits)
+        if dead:  # a row where no token is allowed: emitting there fails the request
+            if dead[0] == 0:
+                raise no_allowed_token(history, params)
+            dead_end = dead[0]  # the drafts after it are never verified
+            draft_ids = draft_ids[:dead_end]
+            draft_probs = None if draft_probs is None else draft_probs[:dead_end]
+            target_logits = target_logits[: dead_end + 1].clone()
+            target_logits[dead_end] = 0.0  # a placeholder, never emitted from
+    result = _verify_rows(draft_ids, draft_probs, target_logits, params, generator, verifier)
+    if dead_end is not None and result.num_accepted == dead_end:
+        raise no_allowed_token(history, params)
+    return result
+
+
+def _verify_rows(draft_ids, draft_probs, target_logits, params, generator, verifier):
     if params.greedy:
         return verify_greedy(draft_ids, target_logits)
     target_probs = logits_to_probs(target_logits, params)
@@ -77,7 +109,7 @@ def verify(
     if name == "typical":  # LOSSY, opt-in (checked by SpeculativeConfig)
         return typical_acceptance(draft_ids, target_probs, generator, options)
     sample = block_verify if name == "block" else rejection_sample
-    return sample(draft_ids, proposal.draft_probs, target_probs, generator)
+    return sample(draft_ids, draft_probs, target_probs, generator)
 
 
 @functools.lru_cache(maxsize=64)

@@ -68,7 +68,7 @@ from specdec.engine.commit import StepOutput, finish_step, verify
 from specdec.engine.sequence import Sequence, SequenceStatus
 from specdec.engine.stops import WHOLE_TEXT, StopChecker
 from specdec.models.base import Backend, BatchItem, check_capture
-from specdec.sampling import TokenHistory, token_logprobs
+from specdec.sampling import NoAllowedToken, TokenHistory, token_logprobs
 from specdec.structured import GrammarState
 from specdec.trees.builders import TreeBuilder, TreeProposal
 from specdec.trees.tree import TokenTree
@@ -335,7 +335,10 @@ class Engine:
 
         Returns:
             ``(sequence, StepOutput)`` for every sequence that ran a verification step
-            this time (a step that only prefilled returns ``[]``).
+            this time (a step that only prefilled returns ``[]``). A sequence whose step
+            had to emit where its transforms allow no token
+            (:class:`~specdec.sampling.NoAllowedToken`) finishes with ``finish_reason``
+            ``"error"`` and the message in ``StepOutput.error``; the others go on.
         """
         t_step = time.perf_counter()
         budget = self.config.max_num_batched_tokens
@@ -382,7 +385,12 @@ class Engine:
         for seq, k, (draft, aux), seq_logits, hidden in zip(
             verified, plans, drafts, logits[len(chunks) :], captured[len(chunks) :], strict=True
         ):
-            step = self._commit(seq, k, draft, aux, seq_logits, forward_s, rows, hidden)
+            try:
+                step = self._commit(seq, k, draft, aux, seq_logits, forward_s, rows, hidden)
+            except NoAllowedToken as error:  # this request is ill-posed here; no other is
+                step = StepOutput([], "error", seq.stats, error=str(error))
+                seq.error = str(error)
+                self._finish(seq, "error", SequenceStatus.FINISHED)
             outputs.append((seq, step))
         elapsed = time.perf_counter() - t_step
         for seq in {id(s): s for s in [*verified, *(c[0] for c in chunks)]}.values():

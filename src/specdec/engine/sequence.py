@@ -53,7 +53,8 @@ class Sequence:
         num_prefilled: tokens of ``tokens[:-1]`` already in ``cache`` (prefill progress).
         num_kv_reserved: cache slots the scheduler accounts to this sequence.
         status, finish_reason: see :class:`SequenceStatus`; ``finish_reason`` is
-            ``"stop"``, ``"length"`` or ``"abort"`` once done.
+            ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (then ``error`` says
+            why) once done.
         text_end: for a stop string, where the output text ends (character offset).
         arrival: admission order key (earlier requests are admitted first, preempted last).
         observes: the drafter declared ``observes`` (its state gets every verification's
@@ -110,6 +111,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     grammar: GrammarState | None = None
     prompt_logprobs: list = field(default_factory=list)
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -329,7 +329,7 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
             choice["message"] = {"role": "assistant", "content": stream.text}
         else:
             choice["text"] = echo.text(index) + stream.text
-        if echo.top is not None:
+        if echo.top is not None and not chat:  # vLLM: per choice in completions
             choice["prompt_logprobs"] = echo.vllm_format(index)
         choices.append(choice)
     response = {
@@ -338,6 +338,8 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
         "choices": choices,
         "usage": usage.body(),
     }
+    if chat and echo.top is not None:  # vLLM: one prompt, at the response's top level
+        response["prompt_logprobs"] = echo.vllm_format(0)
     if len(finals) == 1 and finals[0].stats is not None:
         response["metrics"] = {"speculative_decoding": speculation_metrics(finals[0].stats)}
     return response
@@ -461,10 +463,12 @@ async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage
                 delta = {"content": text} if chat else text
                 choice = _chunk(index, delta, update.finish_reason, chat)
                 choice["logprobs"] = logprobs.format(index, pending[index])
-                if first and echo.top is not None:
+                if first and echo.top is not None and not chat:
                     choice["prompt_logprobs"] = echo.vllm_format(index)
                 pending[index] = []
                 chunk = {**meta, "object": obj, "choices": [choice]}
+                if first and echo.top is not None and chat:
+                    chunk["prompt_logprobs"] = echo.vllm_format(index)
                 if update.stats is not None and len(queues) == 1:
                     chunk["metrics"] = {"speculative_decoding": speculation_metrics(update.stats)}
                 yield _sse(chunk)
@@ -745,11 +749,14 @@ def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) ->
         changes["tree"] = options.tree
     if options.verifier is not None:
         changes["verifier"] = options.verifier
-    if options.allow_lossy:
-        changes["allow_lossy"] = True
+    if "allow_lossy" in options.model_fields_set:
+        changes["allow_lossy"] = options.allow_lossy
+        if not options.allow_lossy and options.verifier is None and base.lossy:
+            changes["verifier"] = "rejection"  # "no lossy verification": the server's is
     if options.controller is not None and options.controller != base.controller:
         changes.update(controller=options.controller, controller_options=None)
     try:
         return dataclasses.replace(base, **changes)
     except ValueError as error:
-        raise BadRequest(f"speculative: {error}", "speculative") from None
+        text = str(error).replace("allow_lossy=True", '"allow_lossy": true')
+        raise BadRequest(f"speculative: {text}", "speculative") from None

@@ -225,6 +225,11 @@ class AsyncEngine:
             self.metrics.time_to_first_token.observe(now - handle.arrived)
         self.metrics.generation_tokens.inc(len(step.new_token_ids))
         self._record_speculation(seq)
+        if step.error:  # this request failed (its transforms allow no token); a 400
+            self.metrics.request_success.labels(finished_reason="error").inc()
+            self._last_stats.pop(seq.request_id, None)
+            self._post(seq.request_id, Update([], "abort", error=step.error, status=400), True)
+            return
         final = step.finish_reason is not None
         if final:
             self.metrics.request_success.labels(finished_reason=step.finish_reason).inc()

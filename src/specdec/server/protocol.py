@@ -87,7 +87,8 @@ class SpeculativeOptions(BaseModel):
         verifier: ``"rejection"`` or ``"block"`` (lossless chain verifiers), or the lossy
             ``"typical[:epsilon=E,delta=D]"`` (see :attr:`specdec.SpeculativeConfig.verifier`).
         allow_lossy: ``true`` opts in to a lossy verifier (refused otherwise); the
-            response's ``metrics.speculative_decoding.lossy`` then says so.
+            response's ``metrics.speculative_decoding.lossy`` then says so. ``false`` on a
+            server started with a lossy verifier runs this request with ``rejection``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -98,7 +99,7 @@ class SpeculativeOptions(BaseModel):
     enabled: bool = True
     controller: str | None = None
     verifier: str | None = None
-    allow_lossy: bool = False
+    allow_lossy: bool = Field(False, strict=True)
 
     @field_validator("verifier")
     @classmethod
@@ -154,6 +155,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "use_beam_search": (None, False),
     # one grammar engine (llguidance) serves every request; naming it is accepted
     "guided_decoding_backend": (None, "auto", "guidance", "llguidance"),
+    "guided_whitespace_pattern": (None,),
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
     "include_stop_str_in_output": (None, False),

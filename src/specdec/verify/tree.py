@@ -33,7 +33,9 @@ from specdec.sampling import (
     RandomSource,
     TokenHistory,
     as_random_source,
+    dead_rows,
     logits_to_probs,
+    no_allowed_token,
     process_logits,
 )
 from specdec.trees.tree import ROOT, TokenTree
@@ -195,12 +197,17 @@ def verify_tree(
             nodes in flattened order).
         history: the sequence's prompt and committed output (needed when
             ``params.needs_history``).
+
+    Raises:
+        NoAllowedToken: a row of the tree allows no token (its transforms exclude all).
     """
     if params.transforms_logits:
         prefixes = [()] + [
             tuple(tree.token_ids[m] for m in tree.path_to(n)) for n in range(len(tree))
         ]
         target_logits = process_logits(target_logits, params, history, prefixes)
+        if dead_rows(target_logits):  # stricter than chains: any dead end in the tree
+            raise no_allowed_token(history, params)
     if params.greedy:
         return verify_tree_greedy(tree, target_logits)
     return verify_tree_sampling(tree, logits_to_probs(target_logits, params), generator)
