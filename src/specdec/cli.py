@@ -253,14 +253,20 @@ def _generate(llm, prompt, params, args, speculative, run: _Run) -> GenerationOu
         print(f"prompt:\n{DEMO_PROMPT}\n\nspeculative output ({speculative.spec}{tree}):")
     run.streamed = not args.json
     output = None
-    for chunk in llm.stream(prompt, params, chat=args.chat):
-        run.text.append(chunk.text)
-        run.ids.extend(chunk.token_ids)
-        run.metrics = chunk.metrics.snapshot()  # what these chunks hold, for Ctrl-C
-        if run.streamed:
-            sys.stdout.write(chunk.text)
+    try:
+        for chunk in llm.stream(prompt, params, chat=args.chat):
+            run.text.append(chunk.text)
+            run.ids.extend(chunk.token_ids)
+            run.metrics = chunk.metrics.snapshot()  # what these chunks hold, for Ctrl-C
+            if run.streamed:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            output = chunk.output or output
+    except ValueError:  # e.g. no allowed token: end the streamed line before the error
+        if run.streamed and any(run.text):
+            sys.stdout.write("\n")
             sys.stdout.flush()
-        output = chunk.output or output
+        raise
     if run.streamed:
         sys.stdout.write("\n")
     return output
@@ -361,6 +367,8 @@ def _print_metrics(
     if m.lossy:
         print(f"verifier                 {m.verifier}: LOSSY, the output does not follow the "
               "model's distribution")  # fmt: skip
+    elif m.verifier != "rejection":
+        print(f"verifier                 {m.verifier} (lossless)")
     print(f"tokens / steps           {m.num_output_tokens} / {m.num_steps}")
     print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")
     rate = f"{m.acceptance_rate:.1%}" if m.num_draft_tokens else "n/a"

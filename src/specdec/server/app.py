@@ -317,7 +317,8 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
         return JSONResponse(error_body(errors[0].error, kind), status_code=status)
     choices = []
     echo = logprobs.prompts
-    for out, index in enumerate(_best(collected, *pick)):
+    answered = _best(collected, *pick)
+    for out, index in enumerate(answered):
         update, stream = finals[index], streams[index]
         entries = echo.logprob_entries(index) + collected[index]
         choice = {
@@ -340,8 +341,9 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
     }
     if chat and echo.top is not None:  # vLLM: one prompt, at the response's top level
         response["prompt_logprobs"] = echo.vllm_format(0)
-    if len(finals) == 1 and finals[0].stats is not None:
-        response["metrics"] = {"speculative_decoding": speculation_metrics(finals[0].stats)}
+    if len(answered) == 1 and finals[answered[0]].stats is not None:  # one choice answered
+        stats = finals[answered[0]].stats
+        response["metrics"] = {"speculative_decoding": speculation_metrics(stats)}
     return response
 
 
