@@ -124,20 +124,26 @@ class StructuredOutputsParams:
                 f"the {kind} has {len(self.source_text)} characters; at most "
                 f"{MAX_GRAMMAR_CHARS} are accepted"
             )
-        self._check_syntax()
+        self.validated()
 
-    def _check_syntax(self) -> None:
-        """Refuse a schema, regex or grammar llguidance cannot read, before any model is
-        loaded (the tokenizer-dependent checks come when it is compiled)."""
+    def validated(self, tokenizer=None) -> str:
+        """The llguidance grammar of this constraint, checked: without ``tokenizer``
+        (construction, before any model loads) its syntax and satisfiability; with an
+        ``LLTokenizer`` (:meth:`GrammarCompiler.compile`) also what needs the vocabulary.
+
+        Raises:
+            ValueError: ``invalid <kind>: <llguidance's reason>``.
+        """
         from llguidance import LLMatcher
 
         try:
             grammar = self.to_llguidance()
         except ValueError as error:
             raise ValueError(f"invalid {self.kind}: {_short(str(error))}") from None
-        error = LLMatcher.validate_grammar(grammar, None)
+        error = LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             raise ValueError(f"invalid {self.kind}: {_short(error)}")
+        return grammar
 
     @property
     def source_text(self) -> str:
@@ -222,15 +228,7 @@ class GrammarCompiler:
             if grammar is not None:
                 self._cache.move_to_end(spec)
                 return grammar
-            from llguidance import LLMatcher
-
-            try:
-                grammar = spec.to_llguidance()
-            except ValueError as error:
-                raise ValueError(f"invalid {spec.kind}: {error}") from None
-            error = LLMatcher.validate_grammar(grammar, tokenizer)
-            if error:
-                raise ValueError(f"invalid {spec.kind}: {_short(error)}")
+            grammar = spec.validated(tokenizer)
             self._cache[spec] = grammar
             if len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
