@@ -253,6 +253,15 @@ def test_metrics_parse_as_prometheus_text(server, client):
     assert drafts > 0 and 0 <= accepted <= drafts
     per_pos = families["specdec:spec_decode_num_accepted_tokens_per_pos"].samples
     assert sum(s.value for s in per_pos if s.name.endswith("_total")) == accepted
+    # vLLM's names and labels, which llm-d's endpoint picker and AIPerf scrape.
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc"):  # fmt: skip
+        (sample,) = families[name].samples
+        assert sample.labels == {"model_name": NAME, "engine": "0"}
+        specdec_name = name.replace("vllm:", "specdec:")
+        assert sample.value == families[specdec_name].samples[0].value
+        assert families[name].type == "gauge"
+    assert 0 <= families["vllm:kv_cache_usage_perc"].samples[0].value <= 1
 
 
 def test_overload_is_429_and_shutdown_drains(llm):

@@ -192,6 +192,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     llm = llm_from_args(args, speculative)
     _warm_up(llm, speculative, params)
     meta = {  # what every --json record carries, an interrupted one too
+        "drafter": speculative.method,
         "tree": str(speculative.tree) if speculative.tree else None,
         "backend": llm.target.backend,
         "dtype": str(llm.target.dtype).replace("torch.", ""),

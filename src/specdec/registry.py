@@ -10,12 +10,28 @@ A drafter is named with a *spec string*: ``NAME`` or ``NAME:key=value,...``, e.g
 the drafter's options dataclass (frozen, validated in its ``__post_init__``). Each option
 may carry a one-line description (:func:`option`); :func:`option_docs` reads them for
 ``specdec drafters``, ``specdec controllers`` and the README (:func:`options_markdown`).
+
+Third-party drafters register as plugins: a pip package declares an entry point in the
+``specdec.drafters`` group (:data:`PLUGIN_GROUP`) whose object is a :class:`DrafterEntry`,
+or a callable returning one or a sequence of them::
+
+    # the plugin's pyproject.toml
+    [project.entry-points."specdec.drafters"]
+    my-drafter = "my_package.drafting:ENTRY"
+
+The registry loads the group once, the first time a drafter is listed or looked up, so the
+CLI's ``--drafter`` and ``specdec drafters``, ``specdec bench --method`` and the server's
+``speculative.method`` all see plugin drafters. A plugin that fails to load, or that names
+a drafter already registered, is skipped with a :class:`PluginWarning` naming it; it never
+stops the built-in drafters from working.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -168,7 +184,8 @@ def option_docs(options_cls: type) -> tuple[OptionDoc, ...]:
 
 
 def options_markdown(kind: str) -> str:
-    """The options table of every registered drafter or controller, as in the README.
+    """The options table of every built-in drafter, or every registered controller, as in
+    the README (plugin drafters are not listed).
 
     Args:
         kind: ``"drafter"`` or ``"controller"``.
@@ -181,7 +198,8 @@ def options_markdown(kind: str) -> str:
     Raises:
         ValueError: ``kind`` is neither.
     """
-    tables = {"drafter": _DRAFTERS, "controller": _CONTROLLERS}
+    builtin = {name: _DRAFTERS[name] for name in _BUILTIN_DRAFTERS}
+    tables = {"drafter": builtin, "controller": _CONTROLLERS}
     if kind not in tables:
         raise ValueError(f"kind must be 'drafter' or 'controller', got {kind!r}")
     rows = [f"| {kind} | option | default | description |", "|---|---|---|---|"]
@@ -199,9 +217,76 @@ def _markdown_row(*cells: str) -> str:
     return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
+PLUGIN_GROUP = "specdec.drafters"
+"""The entry-point group third-party packages register drafters in."""
+
+_BUILTIN_DRAFTERS: tuple[str, ...] = ()
+_plugins_loaded = False
+
+
+class PluginWarning(UserWarning):
+    """A drafter plugin was skipped (it failed to load, or its name is taken)."""
+
+
+def load_plugins(*, reload: bool = False) -> tuple[str, ...]:
+    """Register the drafters of every ``specdec.drafters`` entry point (once).
+
+    Each entry point's object is a :class:`DrafterEntry`, or a callable returning one or a
+    sequence of them. Called by :func:`drafter_names` and :func:`drafter_entry`, so a
+    caller seldom needs it.
+
+    Args:
+        reload: load the group again (after installing a plugin in a running process);
+            drafters registered before are kept.
+
+    Returns:
+        the names of the drafters registered by this call, in entry-point order.
+
+    Warns:
+        PluginWarning: for each entry point that cannot be loaded, returns something other
+            than drafter entries, or names a drafter already registered; it is skipped.
+    """
+    global _plugins_loaded
+    if _plugins_loaded and not reload:
+        return ()
+    _plugins_loaded = True
+    added: list[str] = []
+    for point in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        where = f"drafter plugin {point.name!r} ({point.value})"
+        try:
+            obj = point.load()
+            entries = obj() if callable(obj) and not isinstance(obj, DrafterEntry) else obj
+            if isinstance(entries, DrafterEntry):
+                entries = (entries,)
+            entries = tuple(entries) if isinstance(entries, (list, tuple)) else ()
+            if not entries or not all(isinstance(e, DrafterEntry) for e in entries):
+                raise TypeError(
+                    "its object must be a DrafterEntry, a sequence of them, or a callable "
+                    "returning either"
+                )
+        except Exception as exc:  # noqa: BLE001 - one broken plugin must not stop the rest
+            warnings.warn(f"skipped {where}: {exc}", PluginWarning, stacklevel=2)
+            continue
+        for entry in entries:
+            try:
+                register_drafter(entry)
+            except ValueError as exc:
+                warnings.warn(f"skipped {where}: {exc}", PluginWarning, stacklevel=2)
+            else:
+                added.append(entry.name)
+    return tuple(added)
+
+
 def drafter_names() -> tuple[str, ...]:
-    """Registered drafter names, in registration order."""
+    """Registered drafter names: the built-in ones in registration order, then plugins'
+    (:func:`load_plugins`) and any added by :func:`register_drafter`."""
+    load_plugins()
     return tuple(_DRAFTERS)
+
+
+def builtin_drafter_names() -> tuple[str, ...]:
+    """The drafters that ship with specdec (no plugins), in registration order."""
+    return _BUILTIN_DRAFTERS
 
 
 def drafter_entry(name: str) -> DrafterEntry:
@@ -210,6 +295,8 @@ def drafter_entry(name: str) -> DrafterEntry:
     Raises:
         ValueError: no drafter has that name (the message lists the names).
     """
+    if name not in _DRAFTERS:
+        load_plugins()
     return _lookup(_DRAFTERS, "drafter", name)
 
 
@@ -450,6 +537,7 @@ for _entry in (
     ),
 ):
     register_drafter(_entry)
+_BUILTIN_DRAFTERS = tuple(_DRAFTERS)
 
 
 # ---------------------------------------------------------------------- controllers

@@ -34,6 +34,7 @@ from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
 from specdec.llm import LLM
 from specdec.sampling import TokenLogprob
 from specdec.server.async_engine import AsyncEngine, Overloaded, Unavailable, Update
+from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -67,7 +68,7 @@ def create_app(
             main thread, for speed: see :meth:`AsyncEngine.run`).
     """
     name = model_name or llm.target.name
-    engine = AsyncEngine(llm, max_waiting)
+    engine = AsyncEngine(llm, max_waiting, ServerMetrics(name))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

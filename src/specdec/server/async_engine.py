@@ -277,6 +277,7 @@ class AsyncEngine:
 
     def _update_gauges(self) -> None:
         engine, m = self.engine, self.metrics
-        m.num_requests_running.set(len(engine.running))
-        m.num_requests_waiting.set(len(engine.waiting))
-        m.kv_cache_usage.set(engine.num_kv_tokens_used / engine.config.max_kv_tokens)
+        m.set_load(
+            len(engine.running), len(engine.waiting),
+            engine.num_kv_tokens_used / engine.config.max_kv_tokens,
+        )  # fmt: skip

@@ -10,6 +10,13 @@ The speculative-decoding counters use the names vLLM and llama.cpp share, with a
 ``specdec:request_success{finished_reason}`` counts each choice once when it ends:
 ``stop``, ``length``, or ``abort`` (its client disconnected, the server shut down before it
 finished, or the engine failed).
+
+The load gauges are also exposed under vLLM's own names and labels
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``, labelled ``model_name`` and ``engine``), beside the
+``specdec:`` ones, so tools that scrape a vLLM server unchanged (the Gateway API inference
+extension and llm-d's endpoint picker, AIPerf, vLLM's Grafana dashboards) read a specdec
+server too.
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 class ServerMetrics:
     """Counters, gauges and histograms of one server."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "specdec") -> None:
+        """Args:
+        model_name: the served model's id, the ``model_name`` label of the vLLM-named
+            gauges.
+        """
         self.registry = r = CollectorRegistry()
         self.request_success = Counter(
             "specdec:request_success", "Finished requests.", ["finished_reason"], registry=r
@@ -41,6 +52,20 @@ class ServerMetrics:
         self.kv_cache_usage = Gauge(
             "specdec:kv_cache_usage_perc", "Fraction of the KV slot budget in use.", registry=r
         )
+        # vLLM's names and labels (vllm/v1/metrics/loggers.py), one engine per server.
+        labels = {"model_name": model_name, "engine": "0"}
+        self.vllm_num_requests_running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.",
+            list(labels), registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.vllm_num_requests_waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+            list(labels), registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.vllm_kv_cache_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+            list(labels), registry=r,
+        ).labels(**labels)  # fmt: skip
         self.num_drafts = Counter(
             "specdec:spec_decode_num_drafts", "Steps that drafted at least one token.",
             registry=r,
@@ -76,6 +101,24 @@ class ServerMetrics:
             "specdec:e2e_request_latency_seconds", "Request latency.",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+
+    def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
+        """Set the load gauges, under both names.
+
+        Args:
+            running: requests admitted (prefilling or decoding).
+            waiting: requests queued for admission.
+            kv_usage: fraction of the KV slot budget in use, in [0, 1].
+        """
+        for gauge, value in (
+            (self.num_requests_running, running),
+            (self.vllm_num_requests_running, running),
+            (self.num_requests_waiting, waiting),
+            (self.vllm_num_requests_waiting, waiting),
+            (self.kv_cache_usage, kv_usage),
+            (self.vllm_kv_cache_usage, kv_usage),
+        ):
+            gauge.set(value)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
