@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
-.PHONY: setup demo test test-vllm lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
+.PHONY: setup demo test test-vllm docs lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
 	datastore train-setup train-heads bench-heads
 
 setup: $(STAMP)
@@ -24,8 +24,20 @@ demo: $(STAMP)
 		--max-new-tokens 160 --demo-prompt
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests tests_vllm
+	$(VENV)/bin/ruff check src tests tests_vllm tests_docs
 	$(PY) -m pytest -q
+
+# The documentation site (docs/ + mkdocs.yml -> out/site/), built with --strict: a broken
+# link or a missing docstring reference fails. Then every shell command of the README and
+# the docs runs as written (tests_docs/; the slow ones are listed there with the reason).
+DOCS_STAMP := $(VENV)/.specdec-docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	$(PY) -m pytest -q -p no:cacheprovider -o addopts= tests_docs
 
 # specdec's drafters inside a real vLLM (its CPU build), in its own virtual environment:
 # vLLM pins an older transformers than specdec's .venv has, and pulls in torchvision /
@@ -114,8 +126,8 @@ bench-adaptive: $(STAMP)
 		--method ngram:k=10+heuristic --method suffix:k=24+bandit --out benchmarks/adaptive_cpu
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests tests_vllm
-	$(VENV)/bin/ruff format --check src tests tests_vllm
+	$(VENV)/bin/ruff check src tests tests_vllm tests_docs
+	$(VENV)/bin/ruff format --check src tests tests_vllm tests_docs
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

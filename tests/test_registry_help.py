@@ -1,4 +1,4 @@
-"""Help text, listings and the README say what the registry and the code do."""
+"""Help text, listings and the docs say what the registry and the code do."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from specdec import LLM, SpeculativeConfig, registry
 from specdec.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+OPTION_PAGES = {"drafter": DOCS / "drafters.md", "controller": DOCS / "controllers.md"}
 KINDS = {
     "drafter": (registry.drafter_names, registry.drafter_entry),
     "controller": (registry.controller_names, registry.controller_entry),
@@ -107,19 +108,20 @@ def test_options_markdown_lists_every_entry():
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_readme_options_reference_is_current(kind):
-    text = README.read_text(encoding="utf-8")
+def test_docs_options_reference_is_current(kind):
+    page = OPTION_PAGES[kind]
+    text = page.read_text(encoding="utf-8")
     block = rf"<!-- options:{kind}\b[^>]*-->\n(.*?)\n<!-- /options:{kind} -->"
     found = re.findall(block, text, re.S)
-    assert len(found) == 1, f"README.md needs one <!-- options:{kind} --> block"
+    assert len(found) == 1, f"{page.name} needs one <!-- options:{kind} --> block"
     assert found[0] == registry.options_markdown(kind), (
-        f"README.md's {kind} options are stale: replace the block with the output of "
+        f"{page.name}'s {kind} options are stale: replace the block with the output of "
         f"python -c 'from specdec import registry; print(registry.options_markdown(\"{kind}\"))'"
     )
 
 
-def test_readme_names_ngram_as_the_default_drafter():
-    text = README.read_text(encoding="utf-8")
+def test_docs_name_ngram_as_the_default_drafter():
+    text = OPTION_PAGES["drafter"].read_text(encoding="utf-8")
     assert "the default choice without a draft model" not in text
     assert SpeculativeConfig().method == "ngram"
     row = next(line for line in text.splitlines() if line.startswith("| `ngram` | prompt"))

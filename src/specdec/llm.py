@@ -150,9 +150,10 @@ class LLM:
             :class:`~specdec.drafters.DrafterBase`); configs with ``method="custom"`` use
             it. Its output is verified like any drafter's, so it cannot change what is
             generated, only how fast.
-        dtype, device: for models loaded by name; dtype ``"auto"`` (default) is bfloat16
-            where the hardware runs it faster, else float32
+        dtype: for models loaded by name; ``"auto"`` (default) is bfloat16 where the
+            hardware runs it faster, else float32
             (:func:`specdec.models.loading.resolve_dtype`).
+        device: for models loaded by name (``"cpu"``, ``"cuda"``, ...).
         backend: ``"auto"`` (default: specdec's runtime where it supports the model, else
             transformers, logged), ``"native"`` or ``"hf"`` for models loaded by name (see
             :func:`specdec.models.load`); it applies to the draft too, except that an

@@ -1,7 +1,7 @@
 """``option(default, help)``: an options dataclass field with a one-line description.
 
 Drafters' and controllers' options dataclasses use it; ``specdec drafters``, ``specdec
-controllers`` and the README's options tables show the descriptions (see
+controllers`` and the docs' options tables show the descriptions (see
 :func:`specdec.registry.option_docs`). A leaf module: it imports nothing from specdec, so
 any layer may use it.
 """
@@ -20,7 +20,7 @@ HELP = "help"
 def option(default: _T, help: str) -> _T:
     """An options dataclass field with a default and a one-line description.
 
-    ``specdec drafters``, ``specdec controllers`` and the README's options tables show the
+    ``specdec drafters``, ``specdec controllers`` and the docs' options tables show the
     description (see :func:`specdec.registry.option_docs`).
 
     Args:

@@ -9,7 +9,7 @@ A drafter is named with a *spec string*: ``NAME`` or ``NAME:key=value,...``, e.g
 ``ngram:min_n=1,max_n=3`` or ``suffix:max_depth=32,global_cache=false``; the options go to
 the drafter's options dataclass (frozen, validated in its ``__post_init__``). Each option
 may carry a one-line description (:func:`option`); :func:`option_docs` reads them for
-``specdec drafters``, ``specdec controllers`` and the README (:func:`options_markdown`).
+``specdec drafters``, ``specdec controllers`` and the docs (:func:`options_markdown`).
 
 Third-party drafters register as plugins: a pip package declares an entry point in the
 ``specdec.drafters`` group (:data:`PLUGIN_GROUP`) whose object is a :class:`DrafterEntry`,
@@ -65,7 +65,7 @@ class DrafterEntry:
         name: the name used in configs, ``--drafter``, ``--method`` and the server.
         options: its options dataclass (frozen; every field has a default).
         factory: ``factory(context, options) -> Drafter``.
-        summary: one line for ``--help`` and the README.
+        summary: one line for ``--help`` and the docs.
         samples: its drafts carry a distribution (trees may sample children, ``draw=iid``
             / ``wor``); deterministic drafters' tokens are verified as point masses.
         needs_draft_model: it drafts with a second model (``draft=`` / ``--draft-model``).
@@ -137,7 +137,7 @@ NO_DESCRIPTION = "(no description)"
 
 @dataclass(frozen=True)
 class OptionDoc:
-    """One option of an options dataclass, as ``specdec drafters`` and the README show it.
+    """One option of an options dataclass, as ``specdec drafters`` and the docs show it.
 
     Attributes:
         name: the key in ``NAME:key=value``.
@@ -185,7 +185,7 @@ def option_docs(options_cls: type) -> tuple[OptionDoc, ...]:
 
 def options_markdown(kind: str) -> str:
     """The options table of every built-in drafter, or every registered controller, as in
-    the README (plugin drafters are not listed).
+    the docs (plugin drafters are not listed).
 
     Args:
         kind: ``"drafter"`` or ``"controller"``.
@@ -552,7 +552,7 @@ class ControllerEntry:
             ``bench --method ...+NAME`` and the server.
         options: its options dataclass (frozen; every field has a default).
         factory: ``factory(options) -> SpeculationController``.
-        summary: one line for ``--help`` and the README.
+        summary: one line for ``--help`` and the docs.
     """
 
     name: str

