@@ -35,7 +35,7 @@ NOT_RUN = {
     "specdec bench --method vllm-ar": "needs vLLM and llama.cpp environments; committed",
     "python -m venv": "creates environments and installs packages",
     "M=$(.venv-vllm": "needs make test-vllm's environment",
-    ".venv-vllm/bin/vllm serve": "a vLLM server (minutes to start); run by hand",
+    ".venv-vllm/bin/python -m vllm.entrypoints": "a vLLM server (minutes to start); run by hand",
     "specdec generate --model PATH_OR_HUB_ID": "a placeholder for your model",
 }
 TIMEOUT_S = 240
