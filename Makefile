@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
-.PHONY: setup demo test test-vllm docs lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
+.PHONY: setup demo test test-vllm test-ray docs lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
 	datastore train-setup train-heads bench-heads
 
 setup: $(STAMP)
@@ -24,7 +24,7 @@ demo: $(STAMP)
 		--max-new-tokens 160 --demo-prompt
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests tests_vllm tests_docs
+	$(VENV)/bin/ruff check src tests tests_vllm tests_docs tests_ray
 	$(PY) -m pytest -q
 
 # The documentation site (docs/ + mkdocs.yml -> out/site/), built with --strict: a broken
@@ -38,6 +38,17 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) -m pytest -q -p no:cacheprovider -o addopts= tests_docs
+
+# `specdec serve --replicas` on Ray Serve: two replicas of a tiny model on loopback, 32
+# concurrent requests, a replica killed mid-run, a graceful drain (~3 minutes; not in CI,
+# whose 30 minutes make test, test-vllm and docs fill).
+RAY_STAMP := $(VENV)/.specdec-ray-installed
+$(RAY_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,ray]'
+	touch $(RAY_STAMP)
+
+test-ray: $(RAY_STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -o addopts= tests_ray
 
 # specdec's drafters inside a real vLLM (its CPU build), in its own virtual environment:
 # vLLM pins an older transformers than specdec's .venv has, and pulls in torchvision /
@@ -126,8 +137,8 @@ bench-adaptive: $(STAMP)
 		--method ngram:k=10+heuristic --method suffix:k=24+bandit --out benchmarks/adaptive_cpu
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests tests_vllm tests_docs
-	$(VENV)/bin/ruff format --check src tests tests_vllm tests_docs
+	$(VENV)/bin/ruff check src tests tests_vllm tests_docs tests_ray
+	$(VENV)/bin/ruff format --check src tests tests_vllm tests_docs tests_ray
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

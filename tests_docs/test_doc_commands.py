@@ -34,6 +34,8 @@ NOT_RUN = {
     "specdec bench --forward-cost": "1-2 minutes on an idle machine; committed result",
     "specdec bench --method vllm-ar": "needs vLLM and llama.cpp environments; committed",
     "python -m venv": "creates environments and installs packages",
+    ".venv/bin/pip install": "installs packages",
+    "specdec serve --replicas": "needs Ray Serve: make test-ray tests the replicas; run by hand",
     "M=$(.venv-vllm": "needs make test-vllm's environment",
     ".venv-vllm/bin/python -m vllm.entrypoints": "a vLLM server (minutes to start); run by hand",
     "specdec generate --model PATH_OR_HUB_ID": "a placeholder for your model",

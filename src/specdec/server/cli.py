@@ -77,6 +77,15 @@ def add_parser(sub) -> None:
         "--max-waiting", type=int, default=256,
         help="queued requests beyond which new ones get HTTP 429 (default: 256)",
     )  # fmt: skip
+    p.add_argument(
+        "--replicas", type=int, default=1,
+        help="servers behind one endpoint, on Ray Serve (needs pip install 'specdec[ray]'; "
+        "RAY_ADDRESS joins a cluster; default: 1, no Ray)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cpus-per-replica", type=int, default=1,
+        help="with --replicas: CPUs Ray reserves per replica, its threads (default: 1)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_serve)
 
 
@@ -86,6 +95,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from specdec.server.app import create_app
 
     speculative, config = _checked(args)
+    if args.replicas > 1:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("--replicas needs Ray Serve: pip install 'specdec[ray]'")
+        from specdec.integrations.ray import serve_replicated
+
+        bind(args.host, args.port).close()  # a busy port fails now, not in Ray's proxy
+        return serve_replicated(args)
     listener = bind(args.host, args.port)  # before the model loads: a busy port fails now
     choose_threads(args, adapt=False)  # --threads or OMP_NUM_THREADS; else every core
     llm = llm_from_args(args, speculative, engine_config=config)
@@ -137,6 +155,10 @@ def _checked(args: argparse.Namespace):
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if getattr(args, "replicas", 1) < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if getattr(args, "cpus_per_replica", 1) < 1:
+        raise ValueError(f"--cpus-per-replica must be >= 1, got {args.cpus_per_replica}")
     speculative = speculative_config(args)
     check_model_args(args)
     config = EngineConfig(

@@ -1,0 +1,28 @@
+"""``specdec serve --replicas``: option checks that need no Ray (``make test-ray`` runs the
+replicas themselves)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from specdec.cli import main
+
+
+def test_replicas_without_ray_is_a_clear_error(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    assert main(["serve", "--replicas", "2", "--port", "8765"]) == 2
+    assert "--replicas needs Ray Serve: pip install 'specdec[ray]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [("--replicas", "--replicas must be >= 1"), ("--cpus-per-replica", "--cpus-per-replica")],
+)
+def test_bad_replica_options_are_refused_before_loading(capsys, flag, message):
+    assert main(["serve", flag, "0"]) == 2
+    assert message in capsys.readouterr().err
