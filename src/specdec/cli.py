@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _build_parser().parse_args(argv)
         logging.basicConfig(level=logging.WARNING, format="specdec: %(message)s")
         _quiet_transformers()
+        if getattr(args, "replicas", 1) > 1:  # specdec serve --replicas N
+            return _serve_replicated(args)
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C while loading or outside a generation
         print("\nspecdec: interrupted", file=sys.stderr)
@@ -62,6 +64,22 @@ def main(argv: list[str] | None = None) -> int:
         message = printable(" ".join(str(error).split()))  # always one line
         print(f"specdec: error: {message}", file=sys.stderr)
         return 2
+
+
+def _serve_replicated(args: argparse.Namespace) -> int:
+    """``specdec serve --replicas N`` on Ray Serve, every option checked first."""
+    import importlib.util
+
+    from specdec.server.cli import bind
+    from specdec.server.options import check_serve_args
+
+    check_serve_args(args)
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("--replicas needs Ray Serve: pip install 'specdec[ray]'")
+    bind(args.host, args.port).close()  # a busy port fails now, not in Ray's proxy
+    from specdec.integrations.ray import serve_replicated
+
+    return serve_replicated(args)
 
 
 def _printable_output() -> None:

@@ -51,12 +51,12 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
         ValueError: an option is invalid (the message names it).
         SystemExit: an unknown option (argparse's usage error).
     """
-    from specdec.server.cli import _checked, add_parser
+    from specdec.server.options import add_serve_arguments, check_serve_args
 
-    parser = argparse.ArgumentParser(prog="specdec")
-    add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", *argv])
-    _checked(args)
+    parser = argparse.ArgumentParser(prog="specdec serve")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    check_serve_args(args)
     return args
 
 
@@ -66,13 +66,13 @@ def _replica_app(args: argparse.Namespace, cpus: int) -> Any:
 
     from specdec.cli_common import llm_from_args
     from specdec.server.app import create_app
-    from specdec.server.cli import _checked
+    from specdec.server.options import check_serve_args
 
     if args.threads is None:
         torch.set_num_threads(max(1, cpus))
     else:
         torch.set_num_threads(args.threads)
-    speculative, config = _checked(args)
+    speculative, config = check_serve_args(args)
     llm = llm_from_args(args, speculative, engine_config=config)
     return create_app(llm, args.served_model_name or args.model, args.max_waiting)
 
@@ -111,9 +111,9 @@ def build_app(
     ):
         raise ValueError(f"cpus_per_replica must be an integer >= 1, got {cpus_per_replica!r}")
     if isinstance(serve_args, argparse.Namespace):
-        from specdec.server.cli import _checked
+        from specdec.server.options import check_serve_args
 
-        _checked(serve_args)
+        check_serve_args(serve_args)
         args = serve_args
     else:
         args = parse_serve_args(list(serve_args))

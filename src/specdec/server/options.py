@@ -1,0 +1,105 @@
+"""``specdec serve``'s options: defined and checked in one place, for the command
+(:mod:`specdec.server.cli`) and for its replicas on Ray Serve
+(:mod:`specdec.integrations.ray`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.cli_common import (
+    add_drafter_args,
+    add_quantization_arg,
+    add_threads_arg,
+    check_model_args,
+    speculative_config,
+)
+from specdec.models.loading import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    DEFAULT_DTYPE,
+    DEFAULT_MODEL,
+    check_backend,
+    check_dtype,
+    check_quantization,
+)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Add every ``specdec serve`` option to ``p``."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"target (default: {DEFAULT_MODEL})")
+    p.add_argument("--served-model-name", help="the id clients send as 'model' (default: --model)")
+    add_drafter_args(p)
+    p.add_argument(
+        "--dtype", default=DEFAULT_DTYPE,
+        help="auto (default: bfloat16 where this machine runs it faster, else float32), "
+        "float32, bfloat16, float16, or int8-dynamic (runs on transformers)",
+    )  # fmt: skip
+    p.add_argument("--draft-dtype", default=None, help="dtype of --draft-model (default: --dtype)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument(
+        "--backend",
+        default=DEFAULT_BACKEND,
+        choices=BACKENDS,
+        help="auto (default: the native runtime, which batches, when it supports the model), "
+        "native or hf",
+    )
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                   help="native backend: batch-invariant forwards (default: on)")  # fmt: skip
+    add_quantization_arg(p, default="none")
+    add_threads_arg(p, adapt=False)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="sequences decoding at once (default: 64)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=4096,
+        help="tokens per forward, draft tokens included (default: 4096)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-kv-tokens", type=int, default=1 << 16,
+        help="KV cache slots over all sequences (default: 65536)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-waiting", type=int, default=256,
+        help="queued requests beyond which new ones get HTTP 429 (default: 256)",
+    )  # fmt: skip
+    p.add_argument(
+        "--replicas", type=int, default=1,
+        help="servers behind one endpoint, on Ray Serve (needs pip install 'specdec[ray]'; "
+        "RAY_ADDRESS joins a cluster; default: 1, no Ray)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cpus-per-replica", type=int, default=1,
+        help="with --replicas: CPUs Ray reserves per replica, its threads (default: 1)",
+    )  # fmt: skip
+
+
+def check_serve_args(args: argparse.Namespace):
+    """Every option checked before anything loads: the speculative settings and the
+    engine's limits.
+
+    Raises:
+        ValueError: the message names the option.
+    """
+    from specdec.engine import EngineConfig
+
+    check_dtype(args.dtype)
+    check_backend(args.backend, args.dtype)
+    check_quantization(args.quantization, args.backend)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if getattr(args, "replicas", 1) < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if getattr(args, "cpus_per_replica", 1) < 1:
+        raise ValueError(f"--cpus-per-replica must be >= 1, got {args.cpus_per_replica}")
+    speculative = speculative_config(args)
+    check_model_args(args)
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_kv_tokens=args.max_kv_tokens,
+    )
+    return speculative, config
