@@ -212,6 +212,10 @@ def test_best_of_keeps_the_most_probable_candidates(target):
     best = [o for _, _, o in sorted(scored, key=lambda c: (c[0], c[1]))[:2]]
     assert [o.token_ids for o in outs] == [o.token_ids for o in best]
     assert all(o.logprobs is None for o in outs)  # computed to rank, not asked for
+    # n == 1 with best_of: one output (not a list), the best candidate
+    one = llm.generate(PROMPTS[1], SamplingParams(max_new_tokens=10, temperature=1.0, seed=3,
+                                                  best_of=5))  # fmt: skip
+    assert one.token_ids == best[0].token_ids
 
 
 @pytest.mark.parametrize(

@@ -145,11 +145,14 @@ def test_vllm_suffix_fields_set_options_and_the_environment_overrides(monkeypatc
         ("recycling", "the target's logits"),
         ("draft-model", "a draft model"),
         ("lookahead", "extra rows"),
+        ("eagle", "the target's hidden states"),
+        ("medusa", "the target's hidden states"),
+        ("layer-skip", "the target's own layers"),
     ],
 )
 def test_drafters_needing_more_than_token_ids_are_refused(monkeypatch, spec, need):
     monkeypatch.setenv(integ.DRAFTER_ENV, spec)
-    with pytest.raises(ValueError, match=f"needs {need}.*custom_class hook"):
+    with pytest.raises(ValueError, match=f"^SPECDEC_VLLM_DRAFTER='{spec}': .*needs {need}.*hook"):
         integ.SpecdecProposer(vllm_config())
 
 
@@ -163,6 +166,12 @@ def test_bad_configurations_are_refused(monkeypatch):
     monkeypatch.setenv(integ.DRAFTER_ENV, "suffix:depth=3")
     with pytest.raises(ValueError, match="no option 'depth'"):
         integ.SpecdecProposer(vllm_config())
+    monkeypatch.setenv(integ.DRAFTER_ENV, "none")
+    with pytest.raises(ValueError, match="proposes nothing: leave speculative_config out"):
+        integ.SpecdecProposer(vllm_config())
+    monkeypatch.setenv(integ.DRAFTER_ENV, "retrieval")
+    with pytest.raises(ValueError, match=r"retrieval needs a datastore: retrieval:datastore=PATH"):
+        integ.RetrievalProposer(vllm_config())
     monkeypatch.delenv(integ.DRAFTER_ENV)
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
         integ.NgramProposer(vllm_config(k=0))

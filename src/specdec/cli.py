@@ -47,6 +47,7 @@ EXIT_INTERRUPTED = 130
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 refused, 130 interrupted)."""
     _printable_output()
+    _plugin_warnings_as_lines()
     try:
         args = _build_parser().parse_args(argv)
         logging.basicConfig(level=logging.WARNING, format="specdec: %(message)s")
@@ -80,6 +81,27 @@ def _serve_replicated(args: argparse.Namespace) -> int:
     from specdec.integrations.ray import serve_replicated
 
     return serve_replicated(args)
+
+
+def _plugin_warnings_as_lines() -> None:
+    """A skipped drafter plugin is one ``specdec: warning:`` line on standard error (not
+    Python's warning format pointing into specdec's own source)."""
+    import warnings
+
+    from specdec.registry import PluginWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "specdec_plugin_lines", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, PluginWarning):
+            print(f"specdec: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.specdec_plugin_lines = True
+    warnings.showwarning = show
 
 
 def _printable_output() -> None:

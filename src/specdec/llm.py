@@ -393,10 +393,10 @@ class LLM:
         Returns:
             a :class:`GenerationOutput`, or a list of them in prompt order for a batch
             (each equal to what the prompt gives alone: greedy token for token, seeded
-            sampling the same draws). With ``sampling_params.n > 1`` (or ``best_of``), a
-            prompt's entry is instead a list of ``n`` outputs (choice i: seed ``seed + i``;
-            with ``best_of``, the ``n`` candidates with the highest mean log-probability
-            per token, best first).
+            sampling the same draws). With ``sampling_params.n > 1``, a prompt's entry is
+            instead a list of ``n`` outputs (choice i: seed ``seed + i``; with
+            ``best_of``, the ``n`` candidates with the highest mean log-probability per
+            token, best first); with ``n == 1`` and ``best_of``, the one best output.
 
         Raises:
             ValueError: empty prompt or batch, a prompt that fills the model's context, bad
@@ -502,7 +502,7 @@ class LLM:
             for params, group in zip(all_params, groups, strict=True):
                 candidates, outputs = outputs[: len(group)], outputs[len(group) :]
                 chosen = _best_of(candidates, params)
-                results.append(chosen if params.n > 1 or params.best_of else chosen[0])
+                results.append(chosen if params.n > 1 else chosen[0])
             return results
         return self._run_batch(encoded, all_params, configs, predictions)
 

@@ -271,7 +271,10 @@ def load_plugins(*, reload: bool = False) -> tuple[str, ...]:
             try:
                 register_drafter(entry)
             except ValueError as exc:
-                warnings.warn(f"skipped {where}: {exc}", PluginWarning, stacklevel=2)
+                warnings.warn(
+                    f"skipped drafter {entry.name!r} of {where}: {exc}", PluginWarning,
+                    stacklevel=2,
+                )  # fmt: skip
             else:
                 added.append(entry.name)
     return tuple(added)

@@ -252,7 +252,10 @@ class Engine:
         largest = 1 + num_speculative_tokens + aux
         if tree_builder is not None:
             if not getattr(drafter, "supports_trees", False):
-                raise ValueError(f"{type(drafter).__name__} cannot draft token trees")
+                raise ValueError(
+                    f"{type(drafter).__name__} (the drafter) cannot draft token trees: use "
+                    "a chain (no --tree / tree=None) or a drafter that drafts trees"
+                )
             largest = 1 + tree_builder.max_nodes + aux
             if largest > cfg.max_num_batched_tokens:
                 raise ValueError(

@@ -21,13 +21,15 @@ laptop (``ray.init(num_cpus=N)``, what ``specdec serve --replicas N`` does unles
   objects), so each replica's cross-request suffix cache learns from the requests it
   happens to serve.
 
-Python::
+In Python:
 
-    from ray import serve
-    from specdec.integrations.ray import build_app
+```python
+from ray import serve
+from specdec.integrations.ray import build_app
 
-    serve.run(build_app(["--model", "smollm2-135m-instruct", "--drafter", "suffix"],
-                        replicas=2))
+serve.run(build_app(["--model", "smollm2-135m-instruct", "--drafter", "suffix"],
+                    replicas=2))
+```
 
 (the list holds ``specdec serve``'s own options: every replica builds its server from
 them).

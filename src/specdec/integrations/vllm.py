@@ -1,10 +1,12 @@
-"""specdec's history-based drafters inside vLLM, through its ``custom_class`` proposer hook.
+r"""specdec's history-based drafters inside vLLM, through its ``custom_class`` proposer hook.
 
-vLLM (0.32+, PR #39487) loads a proposer class named in ``speculative_config``::
+vLLM (0.32+, PR #39487) loads a proposer class named in ``speculative_config``:
 
-    vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config \\
-        '{"method": "custom_class", "model": "specdec.integrations.vllm.SuffixProposer",
-          "num_speculative_tokens": 8}'
+```bash
+python -m vllm.entrypoints.openai.api_server --model HuggingFaceTB/SmolLM2-135M-Instruct \
+    --speculative-config '{"method": "custom_class", "num_speculative_tokens": 8,
+                           "model": "specdec.integrations.vllm.SuffixProposer"}'
+```
 
 and calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` once per step
 with the whole persistent batch. vLLM verifies every proposed token (greedy: its output
@@ -43,6 +45,7 @@ proposer token ids only. Token trees are not used (vLLM verifies a chain per req
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +58,8 @@ import torch
 from specdec import registry
 from specdec.config import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DRAFTER_ENV",
     "NgramProposer",
@@ -65,8 +70,19 @@ __all__ = [
     "check_history_drafter",
 ]
 
-#: The environment variable naming the drafter spec (overrides the class's).
 DRAFTER_ENV = "SPECDEC_VLLM_DRAFTER"
+"""The environment variable naming the drafter spec (overrides the class's)."""
+
+#: Built-in drafters that need more than token ids, and what they need (checked before
+#: the drafter is built, so the refusal names the reason, not a missing attribute).
+_NEEDS = {
+    "draft-model": "a draft model",
+    "layer-skip": "the target's own layers and KV cache",
+    "eagle": "the target's hidden states",
+    "medusa": "the target's hidden states",
+    "recycling": "the target's logits after every verification",
+    "lookahead": "extra rows in the verification forward",
+}
 
 #: vLLM's suffix-decoding fields and the SuffixOptions they set.
 _VLLM_SUFFIX_FIELDS = {
@@ -86,7 +102,9 @@ def check_history_drafter(name: str, drafter: Any = None) -> None:
             states, drafts over the target's KV cache, or adds auxiliary rows; the message
             names what it needs.
     """
-    if registry.drafter_entry(name).needs_draft_model:
+    if name in _NEEDS:
+        need = _NEEDS[name]
+    elif registry.drafter_entry(name).needs_draft_model:
         need = "a draft model"
     elif getattr(drafter, "max_aux_rows", 0):
         need = "extra rows in the verification forward"
@@ -235,32 +253,56 @@ class SpecdecProposer:
     def __init__(self, vllm_config: Any) -> None:
         spec_config = vllm_config.speculative_config
         model_config = vllm_config.model_config
-        spec = os.environ.get(DRAFTER_ENV) or self.DRAFTER
+        from_env = os.environ.get(DRAFTER_ENV)
+        spec = from_env or self.DRAFTER
         if not spec:
             raise ValueError(
                 f"{type(self).__name__} runs the drafter named by {DRAFTER_ENV} (e.g. "
                 f"{DRAFTER_ENV}=suffix:max_depth=32); it is not set"
             )
-        name, values = registry.parse_spec(spec)
-        if name == "suffix" and not os.environ.get(DRAFTER_ENV):
-            for field, option in _VLLM_SUFFIX_FIELDS.items():
-                if getattr(spec_config, field, None) is not None:
-                    values.setdefault(option, getattr(spec_config, field))
-        options = registry.make_options(name, values)
-        check_history_drafter(name)
-        vocab_size = _vocab_size(model_config)
-        context = registry.DrafterContext(
-            target=SimpleNamespace(vocab_size=vocab_size, name=str(model_config.model)),
-            tokenizer=_LazyTokenizer(model_config),
-            load_draft=_no_draft_model,
-        )
-        drafter = registry.drafter_entry(name).factory(context, options)
-        check_history_drafter(name, drafter)
+        try:
+            drafter, name, options = self._build(spec, bool(from_env), spec_config, model_config)
+        except ValueError as exc:
+            source = f"{DRAFTER_ENV}={spec!r}" if from_env else f"{type(self).__name__}"
+            raise ValueError(f"{source}: {exc}") from None
+        if from_env and self.DRAFTER and name != self.DRAFTER:
+            logger.warning(
+                "specdec: %s=%s overrides %s's drafter (%s)",
+                DRAFTER_ENV, spec, type(self).__name__, self.DRAFTER,
+            )  # fmt: skip
         self.name = name
         self.options = options
         self.states = RowStates(
             drafter, spec_config.num_speculative_tokens, model_config.max_model_len
         )
+
+    @staticmethod
+    def _build(spec: str, from_env: bool, spec_config: Any, model_config: Any):
+        name, values = registry.parse_spec(spec)
+        if name == "none":
+            raise ValueError(
+                "drafter 'none' proposes nothing: leave speculative_config out instead"
+            )
+        if name == "suffix" and not from_env:
+            for field, option in _VLLM_SUFFIX_FIELDS.items():
+                if getattr(spec_config, field, None) is not None:
+                    values.setdefault(option, getattr(spec_config, field))
+        options = registry.make_options(name, values)
+        check_history_drafter(name)
+        if name == "retrieval" and not options.datastore:
+            raise ValueError(
+                "retrieval needs a datastore: retrieval:datastore=PATH (build one with "
+                "`specdec datastore build`)"
+            )
+        context = registry.DrafterContext(
+            target=SimpleNamespace(vocab_size=_vocab_size(model_config),
+                                   name=str(model_config.model)),
+            tokenizer=_LazyTokenizer(model_config),
+            load_draft=_no_draft_model,
+        )  # fmt: skip
+        drafter = registry.drafter_entry(name).factory(context, options)
+        check_history_drafter(name, drafter)
+        return drafter, name, options
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to load (vLLM calls it for every proposer)."""
