@@ -391,7 +391,8 @@ class LLM:
                 batch, a list with one per prompt (``None`` for none).
 
         Returns:
-            a :class:`GenerationOutput`, or a list of them in prompt order for a batch
+            GenerationOutput | list: one :class:`GenerationOutput`, or a list of them in
+            prompt order for a batch
             (each equal to what the prompt gives alone: greedy token for token, seeded
             sampling the same draws). With ``sampling_params.n > 1``, a prompt's entry is
             instead a list of ``n`` outputs (choice i: seed ``seed + i``; with

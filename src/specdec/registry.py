@@ -164,7 +164,7 @@ def option_docs(options_cls: type) -> tuple[OptionDoc, ...]:
         options_cls: a drafter's or controller's options dataclass (``entry.options``).
 
     Returns:
-        one :class:`OptionDoc` per field, in declaration order.
+        tuple[OptionDoc, ...]: one :class:`OptionDoc` per field, in declaration order.
 
     Raises:
         ValueError: ``options_cls`` is not a dataclass.
