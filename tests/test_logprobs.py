@@ -225,6 +225,7 @@ def test_best_of_keeps_the_most_probable_candidates(target):
         (dict(n=17), "n must be"),
         (dict(n=3, best_of=2), "best_of must be"),
         (dict(best_of=17), "best_of must be"),
+        (dict(best_of=2, temperature=0.0), "best_of > 1 needs sampling"),
     ],
 )
 def test_bad_choice_counts_are_refused(kwargs, message):

@@ -588,6 +588,7 @@ def test_best_of_answers_the_n_most_probable_candidates(server, llm):
     assert data["usage"]["completion_tokens"] == sum(len(o.token_ids) for *_, o in candidates)
     one = httpx.post(f"{url}/v1/completions", json={**body, "n": 1, "best_of": 2}).json()
     assert len(one["choices"]) == 1 and "speculative_decoding" in one["metrics"]
-    for bad, param in (({"best_of": 1, "n": 2}, "best_of"), ({"stream": True}, "best_of")):
+    bads = ({"best_of": 1, "n": 2}, {"stream": True}, {"temperature": 0})
+    for bad, param in ((b, "best_of") for b in bads):
         response = httpx.post(f"{url}/v1/completions", json={**body, **bad})
         assert response.status_code == 400 and response.json()["error"]["param"] == param

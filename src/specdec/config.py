@@ -360,6 +360,11 @@ class SamplingParams:
                 f"best_of must be an integer in [n, {MAX_CHOICES}] (n = {self.n}), got "
                 f"{self.best_of!r}"
             )
+        if self.best_of is not None and self.best_of > 1 and self.temperature == 0:
+            raise ValueError(
+                "best_of > 1 needs sampling (temperature > 0): greedy candidates are all the "
+                "same output"
+            )
         procs = self.logits_processors
         procs = (procs,) if callable(procs) else tuple(procs or ())
         if not all(callable(p) for p in procs):

@@ -427,6 +427,11 @@ class CompletionRequest(_Common):
             raise BadRequest(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise BadRequest("best_of > n cannot be streamed", "best_of")
+        if self.best_of is not None and self.best_of > 1 and self.temperature == 0:
+            raise BadRequest(
+                "best_of > 1 needs sampling (temperature > 0): greedy candidates are all "
+                "the same output", "best_of",
+            )  # fmt: skip
         return self
 
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
