@@ -291,10 +291,16 @@ def test_token_ids_outside_vocabulary_raise(target):
         LLM(target).generate([1, 2, 10_000])
 
 
-def test_mismatched_vocabulary_is_refused(target):
+def test_mismatched_vocabulary_is_refused_when_ids_must_be_shared(target):
     other = make_model(make_tokenizer(prefix="v"), seed=5, name="other-vocab")
+    shared = SpeculativeConfig(method="draft-model:tokenizers=shared")
     with pytest.raises(ValueError, match="different vocabularies"):
-        LLM(target, draft=other, speculative=SpeculativeConfig(method="draft-model"))
+        LLM(target, draft=other, speculative=shared)
+    # by default such a draft translates through text (tests/test_cross_tokenizer.py)
+    llm = LLM(target, draft=other, speculative=SpeculativeConfig(method="draft-model"))
+    plain = LLM(target, speculative=SpeculativeConfig(method="none"))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    assert llm.generate([1, 5, 6], params).token_ids == plain.generate([1, 5, 6], params).token_ids
 
 
 def test_draft_model_method_needs_a_draft(target):

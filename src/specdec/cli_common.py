@@ -112,9 +112,9 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
         raise ValueError(f"--draft-model is only used with --drafter draft-model, not {name}")
     if needs_draft and not args.draft_model:
         raise ValueError(
-            f"--drafter {name} needs a draft model: add --draft-model NAME_OR_PATH (a model "
-            "sharing the target's tokenizer, e.g. --draft-model smollm2-135m-instruct "
-            "--draft-dtype int8-dynamic)"
+            f"--drafter {name} needs a draft model: add --draft-model NAME_OR_PATH (a "
+            "smaller model, best one sharing the target's tokenizer, e.g. --draft-model "
+            "smollm2-135m-instruct --draft-dtype int8-dynamic)"
         )
     try:
         return SpeculativeConfig(

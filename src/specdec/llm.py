@@ -13,7 +13,6 @@ from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
 from specdec.control.base import SpeculationController
 from specdec.control.cost import CostModel
 from specdec.drafters.base import Drafter, check_drafter
-from specdec.drafters.draft_model import check_vocab_compatible
 from specdec.drafters.prediction import PredictionDrafter
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.generate import generate_steps
@@ -173,8 +172,8 @@ class LLM:
     one ``LLM``; steps run one at a time.
 
     Raises:
-        ValueError: invalid configuration, or a draft whose vocabulary differs from the
-            target's.
+        ValueError: invalid configuration, or (``draft-model:tokenizers=shared``) a draft
+            whose vocabulary differs from the target's.
 
     Example:
         >>> llm = LLM(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=8))
@@ -327,7 +326,6 @@ class LLM:
                 )  # fmt: skip
                 backend = "hf"
             draft = load(source, self._draft_dtype, self._device, backend, self._exact)
-        check_vocab_compatible(self.target, draft)
         self._draft = draft
         return draft
 

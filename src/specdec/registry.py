@@ -416,10 +416,17 @@ def _ngram(context: DrafterContext, options: opts.NgramOptions):
     return NgramDrafter(options.min_n, options.max_n)
 
 
-def _draft_model(context: DrafterContext, options: opts.NoOptions):
-    from specdec.drafters.draft_model import DraftModelDrafter
+def _draft_model(context: DrafterContext, options: opts.DraftModelOptions):
+    from specdec.drafters.cross_tokenizer import CrossTokenizerDrafter
+    from specdec.drafters.draft_model import DraftModelDrafter, check_vocab_compatible
 
     draft = context.load_draft()
+    mode = options.tokenizers
+    if mode == "auto":
+        mode = "shared" if draft.tokenizer.get_vocab() == context.tokenizer.get_vocab() else "text"
+    if mode == "text":
+        return CrossTokenizerDrafter(draft, context.tokenizer, context.target.vocab_size)
+    check_vocab_compatible(context.target, draft)
     return DraftModelDrafter(draft, context.target.vocab_size, len(context.tokenizer))
 
 
@@ -439,6 +446,12 @@ def _layer_skip(context: DrafterContext, options: opts.LayerSkipOptions):
     from specdec.drafters.layer_skip import LayerSkipDrafter
 
     return LayerSkipDrafter(context.target, options)
+
+
+def _sparse_kv(context: DrafterContext, options: opts.SparseKVOptions):
+    from specdec.drafters.sparse_kv import SparseKVDrafter
+
+    return SparseKVDrafter(context.target, options)
 
 
 def _head(context: DrafterContext, kind: str, path: str):
@@ -487,9 +500,9 @@ for _entry in (
     ),
     DrafterEntry(
         "draft-model",
-        opts.NoOptions,
+        opts.DraftModelOptions,
         _draft_model,
-        "a smaller model sharing the target's tokenizer",
+        "a smaller model: shared token ids, or text between two tokenizers",
         samples=True,
         needs_draft_model=True,
     ),
@@ -522,6 +535,13 @@ for _entry in (
         opts.LayerSkipOptions,
         _layer_skip,
         "self-speculative: the target minus some layers drafts (Draft & Verify, SWIFT)",
+        samples=True,
+    ),
+    DrafterEntry(
+        "sparse-kv",
+        opts.SparseKVOptions,
+        _sparse_kv,
+        "long-context self-speculative: the target over a sinks + recent KV window drafts",
         samples=True,
     ),
     DrafterEntry(

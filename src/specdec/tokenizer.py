@@ -3,7 +3,8 @@ messages) to token ids, ids to text, and the ids that end generation.
 
 A backend (:class:`specdec.models.Backend`) only maps token ids to logits; :class:`LLM`,
 the benchmark and the server encode and decode with a :class:`Tokenizer`. A target and its
-draft model share one vocabulary (checked when the draft is attached).
+draft model share one vocabulary unless the draft translates through text
+(:mod:`specdec.drafters.cross_tokenizer`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""An independent draft model: a smaller causal LM sharing the target's tokenizer.
+"""An independent draft model: a smaller causal LM sharing the target's tokenizer (a
+draft with another tokenizer: :mod:`specdec.drafters.cross_tokenizer`).
 
 Source: Leviathan et al. 2023 (arXiv:2211.17192), Chen et al. 2023 (arXiv:2302.01318): the
 draft samples γ tokens autoregressively; the target verifies them in one forward pass.

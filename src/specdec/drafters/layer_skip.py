@@ -293,6 +293,9 @@ class LayerSkipDrafter(DrafterBase):
             )
         self.observes = self.search is not None
         self._kept: dict[tuple[int, ...], list[int] | None] = {}
+        #: ``(sinks, recent)`` context window of draft forwards (``None``: the whole
+        #: cache; :class:`~specdec.drafters.sparse_kv.SparseKVDrafter` sets it)
+        self.kv_window: tuple[int, int] | None = None
 
     @property
     def skip_set(self) -> tuple[int, ...]:
@@ -364,7 +367,9 @@ class LayerSkipSequence(DrafterBase):
         token = int(token_ids[-1])
         try:
             for i in range(num_tokens):
-                out = self.target.forward_full([token], self.cache, num_logits=1, layers=layers)
+                out = self.target.forward_full(
+                    [token], self.cache, num_logits=1, **self._draft_args(layers)
+                )
                 self._forwards += 1
                 picked = self._pick(out.logits, generator, i, stop_drafting)
                 if picked is None:
@@ -398,7 +403,14 @@ class LayerSkipSequence(DrafterBase):
         return int(sample(probs, generator)), probs[0], top
 
     def _skip_set(self) -> tuple[int, ...]:
-        return self.drafter.search.initial if self.isolated else self.drafter.skip_set
+        if self.isolated:
+            return self.drafter.search.initial
+        return self.drafter.skip_set
+
+    def _draft_args(self, layers: list[int] | None) -> dict:
+        """Keyword arguments of a draft forward: the layers run and the KV window."""
+        window = self.drafter.kv_window
+        return {"layers": layers} if window is None else {"layers": layers, "kv_window": window}
 
     def _check_cursor(self, token_ids: Sequence[int]) -> int:
         if self.cache is None:
@@ -425,8 +437,8 @@ class LayerSkipSequence(DrafterBase):
         origin = self._check_cursor(token_ids)
         self.params = params
         self._used, self._forwards = self._skip_set(), None
-        layers = self.drafter.kept_layers(self._used)
-        return LayerSkipTreeSession(self.target, self.cache, layers, token_ids, params, origin)
+        args = self._draft_args(self.drafter.kept_layers(self._used))
+        return LayerSkipTreeSession(self.target, self.cache, args, token_ids, params, origin)
 
     def close(self) -> None:
         """Forget the cache (the engine owns it)."""
@@ -445,17 +457,18 @@ class LayerSkipTreeSession(CachedTreeSession):
     Args:
         target: the native target.
         cache: the sequence's cache, holding every token but the pending one.
-        layers: the layers to run (``None`` = all).
+        draft_args: keyword arguments of every draft forward: ``layers`` (the layers to
+            run, ``None`` = all) and optionally ``kv_window``.
         token_ids: the sequence (its last token is the pending root).
         params: sampling parameters.
         origin: ``cache.num_tokens`` to restore on ``close``.
     """
 
-    def __init__(self, target, cache, layers, token_ids, params, origin: int) -> None:
-        self.target, self.cache, self.layers, self.params = target, cache, layers, params
+    def __init__(self, target, cache, draft_args, token_ids, params, origin: int) -> None:
+        self.target, self.cache, self.draft_args, self.params = target, cache, draft_args, params
         self.origin = origin
         try:
-            out = target.forward_full([int(token_ids[-1])], cache, num_logits=1, layers=layers)
+            out = target.forward_full([int(token_ids[-1])], cache, num_logits=1, **draft_args)
         except Exception:
             cache.truncate(origin)
             raise
@@ -468,7 +481,7 @@ class LayerSkipTreeSession(CachedTreeSession):
             self.cache,
             positions=positions,
             tree_mask=mask,
-            layers=self.layers,
+            **self.draft_args,
         )
         return out.logits
 

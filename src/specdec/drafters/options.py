@@ -53,6 +53,30 @@ class NgramOptions:
 
 
 @dataclass(frozen=True)
+class DraftModelOptions:
+    """An independent draft model (Leviathan et al. 2023; Chen et al. 2023); see
+    :mod:`specdec.drafters.draft_model` and, for a draft with another tokenizer,
+    :mod:`specdec.drafters.cross_tokenizer`.
+
+    Attributes:
+        tokenizers: ``auto`` (default): token ids are shared when the draft's vocabulary
+            is the target's, else drafts travel as text (Universal Assisted Generation /
+            SLEM: greedy output identical to plain decoding, sampled drafts verified as
+            point masses, chains only); ``shared``: refuse a draft whose vocabulary
+            differs; ``text``: always translate through text (for testing the text path
+            on a pair that shares a tokenizer).
+    """
+
+    tokenizers: str = option(
+        "auto", "auto: shared ids when the vocabularies match, else text; shared; text"
+    )
+
+    def __post_init__(self) -> None:
+        if self.tokenizers not in ("auto", "shared", "text"):
+            raise ValueError(f"tokenizers must be auto, shared or text, got {self.tokenizers!r}")
+
+
+@dataclass(frozen=True)
 class SuffixOptions:
     """SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975).
 
@@ -209,6 +233,50 @@ class LayerSkipOptions:
         _check_int("search_steps", self.search_steps, 1)
         _check_int("search_rounds", self.search_rounds, 0)
         _check_int("seed", self.seed, 0)
+
+
+@dataclass(frozen=True)
+class SparseKVOptions:
+    """Long-context self-speculation with a sparse KV cache (StreamingLLM's window as the
+    draft's cache: Xiao et al. 2024, arXiv:2309.17453; as a self-draft: TriForce, Sun et
+    al. 2024, arXiv:2404.11912, and MagicDec, Chen et al. 2025, arXiv:2408.11049); see
+    :mod:`specdec.drafters.sparse_kv`.
+
+    Attributes:
+        sinks: first cached tokens every draft forward attends to (attention sinks, >= 0).
+        recent: last cached tokens every draft forward attends to (>= 1); ``sinks +
+            recent`` is the draft's KV budget.
+        min_context: draft only once the sequence holds at least this many tokens
+            (>= 0): below it a windowed forward saves too little of a step to pay for
+            drafting (measured on the embedded model, bf16: a step at 2k tokens costs
+            1.2x one at 256, at 8k 2.7x).
+        skip: decoder layers the draft also skips (as ``layer-skip:skip=``; ``""``:
+            none), for a cheaper draft at a lower acceptance.
+        confidence: end a chain draft before a token whose draft top-1 probability is
+            below this, in [0, 1); ``0`` disables.
+    """
+
+    sinks: int = option(16, "first cached tokens the draft attends to (attention sinks, >= 0)")
+    recent: int = option(496, "last cached tokens the draft attends to (>= 1)")
+    min_context: int = option(
+        1024, "draft only once the sequence holds this many tokens (>= 0); shorter: plain steps"
+    )
+    skip: str = option("", "decoder layers the draft also skips, e.g. 10-14; empty: none")
+    confidence: float = option(
+        0.0, "end a chain draft before a token whose draft probability is below this; 0: off"
+    )
+
+    def __post_init__(self) -> None:
+        _check_int("sinks", self.sinks, 0)
+        _check_int("recent", self.recent, 1)
+        _check_int("min_context", self.min_context, 0)
+        if not isinstance(self.skip, str):
+            raise ValueError(f"skip must be a string like '10-14', got {self.skip!r}")
+        parse_layer_set(self.skip)
+        value = self.confidence
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not 0.0 <= value < 1.0:
+            raise ValueError(f"confidence must be a number in [0, 1), got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,11 @@ class BatchItem:
             same chunk comes, alone or in a batch) instead of the batch-invariant tiles
             that decoding and verification rows need; a chunk recomputing earlier *output*
             (after preemption) must say ``False`` to get its first bits again.
+        kv_window: native backend only: ``(sinks, recent)``: attend to only the first
+            ``sinks`` and the last ``recent`` slots of the context (the cached slots
+            before these rows, or before a tree's first slot), besides these rows as the
+            mask says: StreamingLLM's attention sinks + recent window (Xiao et al. 2024,
+            arXiv:2309.17453), for sparse-KV self-drafting. ``None`` = the whole context.
     """
 
     token_ids: Sequence[int] | torch.Tensor
@@ -55,6 +60,7 @@ class BatchItem:
     tree_mask: torch.Tensor | None = None
     num_logits: int = 0
     prefill: bool | None = None
+    kv_window: tuple[int, int] | None = None
 
 
 @runtime_checkable

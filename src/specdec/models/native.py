@@ -127,11 +127,14 @@ class NativeModel(BackendBase):
         tree_mask: torch.Tensor | None = None,
         layers: Sequence[int] | None = None,
         capture: Sequence[int] = (),
+        kv_window: tuple[int, int] | None = None,
     ) -> ForwardOutput:
         """:meth:`forward` with the hidden states, optionally over a subset of the layers
-        (early exit / layer skip sharing this cache) or capturing hidden states of every
-        row; see :meth:`specdec.runtime.model.NativeDecoder.forward_full`."""
-        item = BatchItem(token_ids, cache, positions, tree_mask, num_logits)
+        (early exit / layer skip sharing this cache), over a window of the cached context
+        (``kv_window``, see :attr:`~specdec.models.base.BatchItem.kv_window`), or
+        capturing hidden states of every row; see
+        :meth:`specdec.runtime.model.NativeDecoder.forward_full`."""
+        item = BatchItem(token_ids, cache, positions, tree_mask, num_logits, kv_window=kv_window)
         return self.decoder.forward_full([item], layers=layers, capture=capture)[0]
 
     def forward_batch_full(

@@ -234,7 +234,7 @@ class NativeDecoder:
             positions = torch.as_tensor(item.positions, dtype=torch.long, device=self.device)
             if positions.shape != (t,):
                 raise ValueError(f"{positions.numel()} positions for {t} tokens")
-        visible = _visibility(item.tree_mask, start, t, self.device)
+        visible = _visibility(item.tree_mask, start, t, self.device, item.kv_window)
         n = t if item.num_logits <= 0 else min(item.num_logits, t)
         return _Plan(item, ids, positions, visible, start, t, n)
 
@@ -430,26 +430,45 @@ def _prefill_groups(items: Sequence[BatchItem]) -> list[list[int]]:
     return ([rest] if rest else []) + [[i] for i in chunks]
 
 
-def _visibility(tree_mask, start: int, t: int, device) -> list[Visibility]:
-    """Per new row: a prefix length (causal) or the slots it sees (tree)."""
+def _visibility(tree_mask, start: int, t: int, device, window=None) -> list[Visibility]:
+    """Per new row: a prefix length (causal) or the slots it sees (tree, or a KV window).
+
+    ``window = (sinks, recent)`` (:attr:`BatchItem.kv_window`) narrows the context (the
+    slots before the rows' own part: before ``start`` for causal rows, before the tree's
+    first slot for a tree) to its first ``sinks`` and last ``recent`` slots; the rows'
+    own part stays visible as the mask says."""
     if tree_mask is None:
-        return [start + i + 1 for i in range(t)]
-    mask = torch.as_tensor(tree_mask, dtype=torch.bool)
-    s = mask.shape[1] if mask.dim() == 2 else -1
-    if mask.dim() != 2 or mask.shape[0] != t or not t <= s <= start + t:
-        raise ValueError(
-            f"tree_mask must be [{t}, S] with {t} <= S <= {start + t}, got {tuple(mask.shape)}"
-        )
-    base = start + t - s  # slots before the tree part: all visible
+        base, tree_rows = start, None
+    else:
+        mask = torch.as_tensor(tree_mask, dtype=torch.bool)
+        s = mask.shape[1] if mask.dim() == 2 else -1
+        if mask.dim() != 2 or mask.shape[0] != t or not t <= s <= start + t:
+            raise ValueError(
+                f"tree_mask must be [{t}, S] with {t} <= S <= {start + t}, got {tuple(mask.shape)}"
+            )
+        base = start + t - s  # slots before the tree part: all visible (context)
+        tree_rows = [base + torch.nonzero(mask[row]).flatten() for row in range(t)]
+    context = _window_slots(base, window)
     out: list[Visibility] = []
     for row in range(t):
-        tree_slots = base + torch.nonzero(mask[row]).flatten()
-        n = tree_slots.numel()
-        if torch.equal(tree_slots, torch.arange(base, base + n)):
+        own = torch.arange(start, start + row + 1) if tree_rows is None else tree_rows[row]
+        n = own.numel()
+        if context is None and torch.equal(own, torch.arange(base, base + n)):
             out.append(base + n)  # a plain prefix of the slots (the causal case)
         else:
-            out.append(torch.cat([torch.arange(base), tree_slots]).to(device))
+            prefix = torch.arange(base) if context is None else context
+            out.append(torch.cat([prefix, own]).to(device))
     return out
+
+
+def _window_slots(base: int, window) -> torch.Tensor | None:
+    """The context slots a KV window keeps of ``base`` (``None``: all of them)."""
+    if window is None:
+        return None
+    sinks, recent = window
+    if base <= sinks + recent:
+        return None
+    return torch.cat([torch.arange(sinks), torch.arange(base - recent, base)])
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

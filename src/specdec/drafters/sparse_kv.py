@@ -1,0 +1,123 @@
+"""Sparse-KV self-speculation: the target drafts for itself over a small window of its
+own KV cache.
+
+Sources:
+
+* StreamingLLM (Xiao et al. 2024, arXiv:2309.17453): a model attending to only the first
+  few tokens (the *attention sinks*) and a window of the most recent ones keeps
+  predicting well far beyond the window.
+* TriForce (Sun et al. 2024, arXiv:2404.11912) and MagicDec (Chen et al. 2025,
+  arXiv:2408.11049): at long contexts a decoding step reads the KV cache as much as the
+  weights, so the target itself, attending over a small KV budget (StreamingLLM's window,
+  or retrieved blocks in TriForce), is a cheap draft that accepts well; MagicDec shows the
+  gain grows with batch size, where KV reads dominate.
+
+What this module implements: :class:`SparseKVDrafter`, the target with every layer (or
+all but a fixed set, ``skip=``) drafting over the sequence's own KV cache, each draft
+forward attending to the cache's first ``sinks`` and last ``recent`` slots plus the draft
+tokens (:attr:`specdec.models.base.BatchItem.kv_window`). The window's keys are the full
+cache's own slots, read in place: the draft keeps no cache of its own. Draft tokens'
+keys and values are written at the next slots and rolled back after drafting (the
+verification forward rewrites them), exactly as layer skip does
+(:mod:`specdec.drafters.layer_skip`, whose sequence state and tree session this drafter
+reuses). Positions stay the tokens' true positions (the cached keys carry their rotary
+phases), as in TriForce and MagicDec. Below ``min_context`` tokens the drafter proposes
+nothing: the window then saves too little of a step.
+
+Not implemented: TriForce's retrieval of the top-scoring KV blocks (the window is
+StreamingLLM's fixed one) and its hierarchical second draft model.
+
+Losslessness never depends on the window: the drafter only proposes, and sampled drafts
+carry their distributions for rejection sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import DraftProposal
+from specdec.drafters.layer_skip import LayerSkipDrafter, LayerSkipSequence
+from specdec.drafters.options import LayerSkipOptions, SparseKVOptions
+from specdec.trees.builders import Expansion
+
+
+class SparseKVDrafter(LayerSkipDrafter):
+    """The target drafting over a sinks + recent window of its own KV cache (see the
+    module docstring).
+
+    Args:
+        target: the target on the native backend.
+        options: :class:`~specdec.drafters.options.SparseKVOptions`.
+
+    Attributes:
+        kv_window: ``(sinks, recent)``.
+        sparse_options: the options.
+
+    Raises:
+        ValueError: the target is not on the native backend, or ``skip`` names layers
+            outside the model or skips every layer.
+    """
+
+    def __init__(self, target, options: SparseKVOptions | None = None) -> None:
+        if getattr(target, "backend", None) != "native":
+            raise ValueError(
+                "sparse-kv needs the native backend (--backend native, or auto on a model "
+                "the runtime supports): it attends over a window of the runtime's KV cache"
+            )
+        self.sparse_options = options = options or SparseKVOptions()
+        super().__init__(
+            target,
+            LayerSkipOptions(
+                skip=options.skip, skip_ratio=0.0, confidence=options.confidence,
+                search_rounds=0,
+            ),
+        )  # fmt: skip
+        self.search = None  # a fixed set (empty: every layer); nothing is searched
+        self.observes = False
+        self.kv_window = (options.sinks, options.recent)
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> SparseKVSequence:
+        """A sequence's state; it drafts once the engine attaches its cache."""
+        return SparseKVSequence(self, params)
+
+
+class SparseKVSequence(LayerSkipSequence):
+    """One sequence's windowed self-drafting (below ``min_context`` tokens: nothing)."""
+
+    def propose(
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        generator: torch.Generator,
+        *,
+        stop_drafting: Callable[[int, float], bool] | None = None,
+    ) -> DraftProposal:
+        """As :meth:`LayerSkipSequence.propose` over the KV window; no draft while the
+        sequence is shorter than ``min_context``."""
+        if len(token_ids) < self.drafter.sparse_options.min_context:
+            return DraftProposal([])
+        return super().propose(token_ids, num_tokens, generator, stop_drafting=stop_drafting)
+
+    def tree_session(self, token_ids: Sequence[int], params: SamplingParams):
+        """A tree session over the KV window; below ``min_context`` one that offers no
+        candidates (the step verifies the root alone)."""
+        if len(token_ids) < self.drafter.sparse_options.min_context:
+            self._used = None
+            return _EmptyTreeSession()
+        return super().tree_session(token_ids, params)
+
+
+class _EmptyTreeSession:
+    """A tree session with no candidates anywhere: a plain step."""
+
+    def add(self, parent: int, token: int) -> int:  # pragma: no cover - never called
+        raise ValueError("this tree session offers no candidates")
+
+    def expand(self, nodes: Sequence[int], width: int) -> list[Expansion]:
+        return [Expansion([], [], None) for _ in nodes]
+
+    def close(self) -> None:
+        pass
