@@ -425,9 +425,15 @@ def _draft_model(context: DrafterContext, options: opts.DraftModelOptions):
     if mode == "auto":
         mode = "shared" if draft.tokenizer.get_vocab() == context.tokenizer.get_vocab() else "text"
     if mode == "text":
-        return CrossTokenizerDrafter(draft, context.tokenizer, context.target.vocab_size)
-    check_vocab_compatible(context.target, draft)
-    return DraftModelDrafter(draft, context.target.vocab_size, len(context.tokenizer))
+        drafter = CrossTokenizerDrafter(draft, context.tokenizer, context.target.vocab_size)
+    else:
+        check_vocab_compatible(context.target, draft)
+        drafter = DraftModelDrafter(draft, context.target.vocab_size, len(context.tokenizer))
+    if options.overlap:
+        from specdec.drafters.overlap import OverlapDrafter
+
+        return OverlapDrafter(drafter, options.overlap_threads)
+    return drafter
 
 
 def _suffix(context: DrafterContext, options: opts.SuffixOptions):

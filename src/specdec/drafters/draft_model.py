@@ -233,8 +233,10 @@ class DraftModelSequence(DrafterBase):
 
     def _sync(self, token_ids: Sequence[int]) -> list[int]:
         """Roll the draft cache back to the prefix it shares with ``token_ids``; return the rest."""
-        n = min(self._synced, len(self._cached_ids))
         limit = min(len(self._cached_ids), len(token_ids) - 1)
+        n = min(self._synced, limit)
+        if self._cached_ids[:n] != list(token_ids[:n]):  # drafted for another history
+            n = 0  # (overlapped drafting assumes one: specdec.drafters.overlap)
         while n < limit and self._cached_ids[n] == token_ids[n]:
             n += 1
         self._cache.truncate(n)

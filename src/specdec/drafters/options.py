@@ -65,13 +65,21 @@ class DraftModelOptions:
             point masses, chains only); ``shared``: refuse a draft whose vocabulary
             differs; ``text``: always translate through text (for testing the text path
             on a pair that shares a tokenizer).
+        overlap: draft the next step in a background thread while the target verifies
+            this one (PEARL's post-verify, :mod:`specdec.drafters.overlap`); chains only.
+        overlap_threads: PyTorch threads of the background thread (>= 1).
     """
 
     tokenizers: str = option(
         "auto", "auto: shared ids when the vocabularies match, else text; shared; text"
     )
+    overlap: bool = option(
+        False, "draft the next step in the background while this one is verified (chains)"
+    )
+    overlap_threads: int = option(1, "PyTorch threads of the background drafting thread (>= 1)")
 
     def __post_init__(self) -> None:
+        _check_int("overlap_threads", self.overlap_threads, 1)
         if self.tokenizers not in ("auto", "shared", "text"):
             raise ValueError(f"tokenizers must be auto, shared or text, got {self.tokenizers!r}")
 

@@ -1,0 +1,189 @@
+"""Long-context benchmark of sparse-KV self-speculation (issue 23).
+
+Prompts: long documents found offline on any Debian/Ubuntu machine with Python 3.11 --
+the GNU licence texts under /usr/share/common-licenses and modules of Python's standard
+library (plain text and code) -- cut to ~4k and ~8k tokens of the embedded model's
+tokenizer, each followed by a request to summarize (prose) or explain (code). Every
+method decodes the same prompts, interleaved, greedy; a method's output must equal plain
+decoding's token for token. Reported: decode speed (output tokens over the time after the
+prompt's prefill, which is the same for every method), end-to-end speed, mean acceptance
+length and the drafter's share of decode time.
+
+Run: .venv/bin/python benchmarks/long_context_cpu/run.py [--methods ...] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.models.loading import load
+
+DOCUMENTS = {
+    "gpl-3": (
+        "/usr/share/common-licenses/GPL-3",
+        "Summarize the licence above in a few sentences.",
+    ),
+    "gfdl-lgpl": (
+        "/usr/share/common-licenses/GFDL-1.3+/usr/share/common-licenses/LGPL-2.1",
+        "Summarize the licence texts above in a few sentences.",
+    ),
+    "argparse": (
+        f"{sys.base_prefix}/lib/python3.11/argparse.py",
+        "Explain what the code above does.",
+    ),
+    "typing": (f"{sys.base_prefix}/lib/python3.11/typing.py", "Explain what the code above does."),
+}
+
+
+def read(paths: str) -> str:
+    texts = []
+    for p in paths.split("+"):
+        path = Path(p)
+        if not path.exists():  # python installed elsewhere: fall back to this interpreter's
+            import sysconfig
+
+            path = Path(sysconfig.get_paths()["stdlib"]) / path.name
+        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    return "\n\n".join(texts)
+
+
+def build_prompts(tokenizer, lengths, names):
+    prompts = []
+    for name in names:
+        path, ask = DOCUMENTS[name]
+        ids = tokenizer.encode(read(path), chat=False)
+        for length in lengths:
+            body = tokenizer.decode(ids[:length])
+            text = f"{body}\n\n{ask}"
+            prompt_ids = tokenizer.encode([{"role": "user", "content": text}])
+            prompts.append(
+                {"id": f"{name}-{round(length / 1024)}k", "length": length, "ids": prompt_ids}
+            )
+    return prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--methods", nargs="+", default=["sparse-kv:k=4", "sparse-kv:k=4,skip=6+12+18+24"]
+    )
+    ap.add_argument("--lengths", nargs="+", type=int, default=[3968, 7936])
+    ap.add_argument("--documents", nargs="+", default=list(DOCUMENTS))
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    target = load("smollm2-135m-instruct", dtype=args.dtype, backend="native")
+    prompts = build_prompts(target.tokenizer, args.lengths, args.documents)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    methods = ["ar", *args.methods]
+    llms = {}
+    for m in methods:
+        if m == "ar":
+            llms[m] = LLM(target, speculative=SpeculativeConfig(method="none"))
+            continue
+        spec, _, rest = m.partition(":")
+        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        k = int(opts.pop("k", 4))
+        controller = opts.pop("controller", "fixed")
+        option_text = ",".join(f"{a}={b}" for a, b in opts.items())
+        method = f"{spec}:{option_text}" if option_text else spec
+        llms[m] = LLM(
+            target,
+            speculative=SpeculativeConfig(
+                method=method, num_speculative_tokens=k, controller=controller
+            ),
+        )
+    llms["ar"].generate(prompts[0]["ids"][:64], SamplingParams(max_new_tokens=8))  # warm-up
+    records = []
+    for prompt in prompts:
+        baseline = None
+        for m in methods:
+            t0 = time.perf_counter()
+            out = llms[m].generate(prompt["ids"], params)
+            wall = time.perf_counter() - t0
+            s = out.metrics
+            decode_s = s.elapsed_s - s.prefill_s
+            rec = {
+                "method": m,
+                "prompt": prompt["id"],
+                "prompt_tokens": len(prompt["ids"]),
+                "output_tokens": len(out.token_ids),
+                "wall_s": wall,
+                "prefill_s": s.prefill_s,
+                "decode_s": decode_s,
+                "draft_s": s.draft_s,
+                "decode_tok_s": len(out.token_ids) / decode_s,
+                "e2e_tok_s": len(out.token_ids) / wall,
+                "tau": s.num_output_tokens / max(s.num_steps, 1),
+                "acceptance_rate": s.acceptance_rate,
+                "identical": None,
+            }
+            if m == "ar":
+                baseline = out.token_ids
+            else:
+                rec["identical"] = out.token_ids == baseline
+            records.append(rec)
+            print(
+                json.dumps(
+                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}
+                ),
+                flush=True,
+            )
+    summary = {}
+    for m in methods:
+        for length in args.lengths:
+            rs = [
+                r
+                for r in records
+                if r["method"] == m and r["prompt"].endswith(f"-{round(length / 1024)}k")
+            ]
+            ar = [
+                r
+                for r in records
+                if r["method"] == "ar" and r["prompt"].endswith(f"-{round(length / 1024)}k")
+            ]
+            dec = sum(r["output_tokens"] for r in rs) / sum(r["decode_s"] for r in rs)
+            dec_ar = sum(r["output_tokens"] for r in ar) / sum(r["decode_s"] for r in ar)
+            e2e = sum(r["output_tokens"] for r in rs) / sum(r["wall_s"] for r in rs)
+            e2e_ar = sum(r["output_tokens"] for r in ar) / sum(r["wall_s"] for r in ar)
+            summary[f"{m} @ {round(length / 1024)}k"] = {
+                "decode_tok_s": dec,
+                "decode_speedup": dec / dec_ar,
+                "e2e_tok_s": e2e,
+                "e2e_speedup": e2e / e2e_ar,
+                "tau": sum(r["tau"] for r in rs) / len(rs),
+                "draft_share": sum(r["draft_s"] for r in rs) / sum(r["decode_s"] for r in rs),
+                "identical": f"{sum(bool(r['identical']) for r in rs)}/{len(rs)}"
+                if m != "ar"
+                else "-",
+            }
+    for key, v in summary.items():
+        print(key, {a: (round(b, 3) if isinstance(b, float) else b) for a, b in v.items()})
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "machine": platform.processor() or platform.machine(),
+            "cpus": torch.get_num_threads(),
+            "dtype": args.dtype,
+            "max_new_tokens": args.max_new_tokens,
+            "methods": methods,
+            "lengths": args.lengths,
+            "documents": {n: DOCUMENTS[n][0] for n in args.documents},
+        }
+        (out / "results.json").write_text(
+            json.dumps({"meta": meta, "summary": summary, "records": records}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
