@@ -78,6 +78,7 @@ DRAFTER_ENV = "SPECDEC_VLLM_DRAFTER"
 _NEEDS = {
     "draft-model": "a draft model",
     "layer-skip": "the target's own layers and KV cache",
+    "sparse-kv": "the target's own layers and KV cache",
     "eagle": "the target's hidden states",
     "medusa": "the target's hidden states",
     "recycling": "the target's logits after every verification",
