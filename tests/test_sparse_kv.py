@@ -6,11 +6,12 @@ conformance suite on native targets."""
 from __future__ import annotations
 
 import pytest
+import test_layer_skip
 import torch
 from drafter_conformance import PROMPTS, DrafterConformance
 from test_layer_skip import _NativeTargets
 
-from conftest import make_model, make_tokenizer, perturbed_copy
+from conftest import make_model, make_tokenizer
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.drafters.options import SparseKVOptions
 from specdec.drafters.sparse_kv import SparseKVDrafter
@@ -184,11 +185,5 @@ class TestSparseKVSkipConformance(_NativeTargets, DrafterConformance):
     spec = "sparse-kv:sinks=1,recent=3,min_context=0,skip=1,confidence=0.1"
     ks = (1, 4)
     trees = ("dynamic:top_k=2,depth=4,budget=8",)
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def small(cls):
-        """The statistical test's target with 2 layers (the default one has 1)."""
-        tokenizer = make_tokenizer(num_words=5)
-        target = make_model(tokenizer, seed=0, hidden_size=16, num_layers=2, init_std=0.2)
-        return target, perturbed_copy(target, noise=0.08, seed=1)
+    # a 2-layer target, so layer 1 can be skipped (imported by module: no second collection)
+    small = test_layer_skip.TestFixedLayerSkipConformance.small
