@@ -198,9 +198,9 @@ def test_sampling_follows_the_target_distribution(small, which):
 
 def test_modes_and_refusals(pair):
     target, draft = pair
-    with pytest.raises(ValueError, match="different vocabularies"):
+    with pytest.raises(ValueError, match="different vocabularies.*tokenizers=auto"):
         _cross(target, draft, options={"tokenizers": "shared"}).generate([1, 5], GREEDY)
-    with pytest.raises(ValueError, match="cannot draft token trees"):
+    with pytest.raises(ValueError, match="another tokenizer cannot draft token trees"):
         _cross(target, draft, tree="dynamic:top_k=2,depth=3,budget=6").generate([1, 5], GREEDY)
     with pytest.raises(ValueError, match="tokenizers must be auto, shared or text"):
         SpeculativeConfig(method="draft-model:tokenizers=other")

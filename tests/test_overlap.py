@@ -73,10 +73,12 @@ def test_overlap_with_another_tokenizer():
 def test_refusals(target, near_draft):
     with pytest.raises(ValueError, match="learns from each verification"):
         OverlapDrafter(RecyclingDrafter(target.vocab_size))
-    with pytest.raises(ValueError, match="cannot draft token trees"):
+    with pytest.raises(ValueError, match="overlap=true cannot draft token trees"):
         _llm(target, near_draft, tree="dynamic:top_k=2,depth=3,budget=6").generate([1, 5], GREEDY)
     with pytest.raises(ValueError, match="overlap_threads must be an integer >= 1"):
         SpeculativeConfig(method="draft-model:overlap=true,overlap_threads=0")
+    with pytest.raises(ValueError, match="overlap_threads applies only with overlap=true"):
+        SpeculativeConfig(method="draft-model:overlap_threads=2")
 
 
 def test_close_waits_for_the_background_draft(target):

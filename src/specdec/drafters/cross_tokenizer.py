@@ -134,6 +134,12 @@ class CrossTokenizerDrafter(DrafterBase):
         ValueError: the draft scores fewer tokens than its tokenizer has.
     """
 
+    #: why the engine refuses token trees with it (chains only)
+    tree_refusal = (
+        "draft-model with a draft of another tokenizer cannot draft token trees: they need "
+        "a draft sharing the target's vocabulary (drop the tree to draft chains)"
+    )
+
     def __init__(self, draft: Backend, target_tokenizer, target_vocab_size: int) -> None:
         if draft.vocab_size < len(draft.tokenizer):
             raise ValueError(

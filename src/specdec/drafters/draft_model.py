@@ -45,7 +45,8 @@ def check_vocab_compatible(target: Backend, draft: Backend) -> None:
     raise ValueError(
         f"draft model {draft.name!r} and target {target.name!r} have different vocabularies "
         f"({len(draft_vocab)} vs {len(target_vocab)} tokens; e.g. {example!r} is not shared). "
-        "A draft model must use the target's tokenizer."
+        "draft-model:tokenizers=shared needs the target's tokenizer; tokenizers=auto (the "
+        "default) or text translates this draft's tokens through text."
     )
 
 

@@ -276,8 +276,8 @@ class LayerSkipDrafter(DrafterBase):
     def __init__(self, target, options: LayerSkipOptions | None = None) -> None:
         if getattr(target, "backend", None) != "native":
             raise ValueError(
-                "layer-skip needs the native backend (--backend native, or auto on a model "
-                "the runtime supports)"
+                "layer-skip needs the native backend (backend='native' / --backend native, "
+                "or auto on a model the runtime supports)"
             )
         self.target = target
         self.options = options = options or LayerSkipOptions()

@@ -80,6 +80,8 @@ class DraftModelOptions:
 
     def __post_init__(self) -> None:
         _check_int("overlap_threads", self.overlap_threads, 1)
+        if self.overlap_threads != 1 and not self.overlap:
+            raise ValueError("overlap_threads applies only with overlap=true")
         if self.tokenizers not in ("auto", "shared", "text"):
             raise ValueError(f"tokenizers must be auto, shared or text, got {self.tokenizers!r}")
 
@@ -271,7 +273,8 @@ class SparseKVOptions:
     )
     skip: str = option("", "decoder layers the draft also skips, e.g. 10-14; empty: none")
     confidence: float = option(
-        0.0, "end a chain draft before a token whose draft probability is below this; 0: off"
+        0.0,
+        "end a chain draft before a token whose draft probability is below this, in [0, 1); 0: off",
     )
 
     def __post_init__(self) -> None:

@@ -59,6 +59,12 @@ class OverlapDrafter(DrafterBase):
             hidden states or adds auxiliary rows.
     """
 
+    #: why the engine refuses token trees with it (chains only)
+    tree_refusal = (
+        "draft-model:overlap=true cannot draft token trees: it drafts chains only (drop the "
+        "tree or overlap)"
+    )
+
     def __init__(self, inner, threads: int = 1) -> None:
         for flag in ("observes", "uses_target_cache"):
             if getattr(inner, flag, False):

@@ -64,8 +64,9 @@ class SparseKVDrafter(LayerSkipDrafter):
     def __init__(self, target, options: SparseKVOptions | None = None) -> None:
         if getattr(target, "backend", None) != "native":
             raise ValueError(
-                "sparse-kv needs the native backend (--backend native, or auto on a model "
-                "the runtime supports): it attends over a window of the runtime's KV cache"
+                "sparse-kv needs the native backend (backend='native' / --backend native, "
+                "or auto on a model the runtime supports): it attends over a window of the "
+                "runtime's KV cache"
             )
         self.sparse_options = options = options or SparseKVOptions()
         super().__init__(

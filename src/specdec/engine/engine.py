@@ -252,6 +252,9 @@ class Engine:
         largest = 1 + num_speculative_tokens + aux
         if tree_builder is not None:
             if not getattr(drafter, "supports_trees", False):
+                why = getattr(drafter, "tree_refusal", None)
+                if why:
+                    raise ValueError(why)
                 raise ValueError(
                     f"{type(drafter).__name__} (the drafter) cannot draft token trees: use "
                     "a chain (no --tree / tree=None) or a drafter that drafts trees"
