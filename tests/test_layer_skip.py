@@ -144,7 +144,10 @@ def test_check_skip_set_refuses_sets_the_model_cannot_run():
 
 
 def test_factory_refuses_transformers_targets_and_bad_fixed_sets(target, deep):
-    with pytest.raises(ValueError, match="layer-skip needs the native backend \\(--backend native"):
+    with pytest.raises(
+        ValueError,
+        match="layer-skip needs the native backend \\(backend='native' / --backend native",
+    ):
         LLM(target, speculative=SpeculativeConfig(method="layer-skip"))
     with pytest.raises(ValueError, match=r"names layers \[6\]"):
         LLM(deep, speculative=SpeculativeConfig(method="layer-skip:skip=1+6"))
