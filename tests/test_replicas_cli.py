@@ -26,3 +26,8 @@ def test_replicas_without_ray_is_a_clear_error(monkeypatch, capsys):
 def test_bad_replica_options_are_refused_before_loading(capsys, flag, message):
     assert main(["serve", flag, "0"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cpus_per_replica_needs_replicas(capsys):
+    assert main(["serve", "--cpus-per-replica", "2", "--port", "8765"]) == 2
+    assert "--cpus-per-replica applies to Ray Serve replicas" in capsys.readouterr().err

@@ -95,6 +95,11 @@ def check_serve_args(args: argparse.Namespace):
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if getattr(args, "cpus_per_replica", 1) < 1:
         raise ValueError(f"--cpus-per-replica must be >= 1, got {args.cpus_per_replica}")
+    if getattr(args, "cpus_per_replica", 1) != 1 and getattr(args, "replicas", 1) == 1:
+        raise ValueError(
+            "--cpus-per-replica applies to Ray Serve replicas: add --replicas N (N >= 2), "
+            "or use --threads for one server"
+        )
     speculative = speculative_config(args)
     check_model_args(args)
     config = EngineConfig(
