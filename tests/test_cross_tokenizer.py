@@ -119,11 +119,13 @@ def test_aligner_translates_through_text(pair):
     assert aligner.drafted_text(chars, draft.tokenizer.hf(" w4")["input_ids"]) == " w4"
 
 
-def test_the_pair_really_differs(pair):
+def test_the_pair_really_differs(pair, caplog):
     target, draft = pair
     assert target.tokenizer.get_vocab() != draft.tokenizer.get_vocab()
-    llm = _cross(target, draft)
-    assert isinstance(llm.drafter(llm.speculative), CrossTokenizerDrafter)
+    with caplog.at_level("WARNING", logger="specdec.registry"):
+        llm = _cross(target, draft)
+        assert isinstance(llm.drafter(llm.speculative), CrossTokenizerDrafter)
+    assert "has another tokenizer than" in caplog.text  # the user learns which path
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

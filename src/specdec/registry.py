@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import logging
 import typing
 import warnings
 from collections.abc import Callable, Mapping
@@ -39,6 +40,8 @@ from typing import Any
 from specdec.drafters import options as opts
 from specdec.option import HELP
 from specdec.option import option as option  # re-exported for third-party options
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -424,6 +427,12 @@ def _draft_model(context: DrafterContext, options: opts.DraftModelOptions):
     mode = options.tokenizers
     if mode == "auto":
         mode = "shared" if draft.tokenizer.get_vocab() == context.tokenizer.get_vocab() else "text"
+        if mode == "text":
+            logger.warning(
+                "draft %s has another tokenizer than %s: its drafts travel as text "
+                "(draft-model:tokenizers=auto; chains only, sampled drafts verified as "
+                "point masses)", draft.name, context.target.name,
+            )  # fmt: skip
     if mode == "text":
         drafter = CrossTokenizerDrafter(draft, context.tokenizer, context.target.vocab_size)
     else:
