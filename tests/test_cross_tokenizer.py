@@ -73,6 +73,7 @@ class OracleCharDraft:
         self.tokenizer = Tokenizer(char_tokenizer(chars), name=self.name)
         self.vocab_size = len(self.tokenizer)
         self.calls = 0
+        self._words: dict[tuple[int, ...], str] = {}  # target context -> its argmax word
 
     def new_cache(self, capacity: int = 0) -> _ListCache:
         return _ListCache()
@@ -85,8 +86,11 @@ class OracleCharDraft:
         ids = [1] + self.target.tokenizer.hf(" ".join(complete), add_special_tokens=False)[
             "input_ids"
         ]
-        logits = self.target.forward(ids, self.target.new_cache(len(ids)), num_logits=1)
-        word = self.target.tokenizer.hf.convert_ids_to_tokens(int(logits[0].argmax()))
+        word = self._words.get(tuple(ids))
+        if word is None:
+            logits = self.target.forward(ids, self.target.new_cache(len(ids)), num_logits=1)
+            word = self.target.tokenizer.hf.convert_ids_to_tokens(int(logits[0].argmax()))
+            self._words[tuple(ids)] = word
         inside = word.startswith(partial) and len(partial) < len(word)
         char = word[len(partial)] if inside else " "
         out = torch.zeros(max(num_logits, 1), self.vocab_size)
@@ -128,7 +132,7 @@ def test_the_pair_really_differs(pair, caplog):
     assert "has another tokenizer than" in caplog.text  # the user learns which path
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 4])
 def test_greedy_equals_plain_decoding_random_draft(pair, k):
     target, draft = pair
     llm = _cross(target, draft, k=k)
@@ -182,20 +186,18 @@ def test_batch_and_stops(pair):
     assert out.token_ids == expected[: expected.index(stop) + 1]
 
 
-@pytest.mark.parametrize("which", ["oracle", "random"])
-def test_sampling_follows_the_target_distribution(small, which):
+def test_sampling_follows_the_target_distribution(small):
     """Sampled drafts are verified as point masses (SLEM's exact match): the two-token
-    joint law of the output is the target's."""
+    joint law of the output is the target's. The oracle character draft samples its own
+    tokens (through the drafter's sampling path) and mostly spells the target's likeliest
+    words, so proposals are both accepted and rejected."""
     target, _ = small
-    chars = "w01234 "
-    draft = OracleCharDraft(target, chars) if which == "oracle" else char_model(5, chars)
-    llm = _cross(target, draft, k=3)
+    llm = _cross(target, OracleCharDraft(target, "w01234 "), k=3)
     joint = exact_joint(target, SamplingParams(**PARAMS))
     counts = empirical_joint(llm, PARAMS, 1500, 3)
     assert chi_square_pvalue(counts, joint) > 1e-3
-    if which == "oracle":
-        drafted = llm.generate(PROMPT, SamplingParams(max_new_tokens=20, seed=0, **PARAMS))
-        assert drafted.metrics.num_accepted_tokens > 0
+    drafted = llm.generate(PROMPT, SamplingParams(max_new_tokens=20, seed=0, **PARAMS))
+    assert drafted.metrics.num_draft_tokens > drafted.metrics.num_accepted_tokens > 0
 
 
 def test_modes_and_refusals(pair):
