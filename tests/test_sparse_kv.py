@@ -6,7 +6,6 @@ conformance suite on native targets."""
 from __future__ import annotations
 
 import pytest
-import test_layer_skip
 import torch
 from drafter_conformance import PROMPTS, DrafterConformance
 from test_layer_skip import _NativeTargets
@@ -179,11 +178,14 @@ class TestSparseKVConformance(_NativeTargets, DrafterConformance):
     spec = "sparse-kv:sinks=2,recent=4,min_context=0"
 
 
-class TestSparseKVSkipConformance(_NativeTargets, DrafterConformance):
-    """The window plus a skipped layer (TriForce's cheaper draft, here by layer skip)."""
-
+def test_window_plus_skipped_layers_is_lossless(native32):
+    """The window and a skipped layer together (a cheaper draft): chains and a tree equal
+    plain decoding, and the drafts are accepted sometimes."""
+    plain = LLM(native32, speculative=SpeculativeConfig(method="none"))
     spec = "sparse-kv:sinks=1,recent=3,min_context=0,skip=1,confidence=0.1"
-    ks = (1, 4)
-    trees = ("dynamic:top_k=2,depth=4,budget=8",)
-    # a 2-layer target, so layer 1 can be skipped (imported by module: no second collection)
-    small = test_layer_skip.TestFixedLayerSkipConformance.small
+    for tree in (None, "dynamic:top_k=2,depth=4,budget=8"):
+        config = SpeculativeConfig(method=spec, num_speculative_tokens=4, tree=tree)
+        outs = [LLM(native32, speculative=config).generate(p, GREEDY) for p in PROMPTS]
+        expected = [plain.generate(p, GREEDY).token_ids for p in PROMPTS]
+        assert [o.token_ids for o in outs] == expected
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
