@@ -403,14 +403,11 @@ class LayerSkipSequence(DrafterBase):
         return int(sample(probs, generator)), probs[0], top
 
     def _skip_set(self) -> tuple[int, ...]:
-        if self.isolated:
-            return self.drafter.search.initial
-        return self.drafter.skip_set
+        return self.drafter.search.initial if self.isolated else self.drafter.skip_set
 
     def _draft_args(self, layers: list[int] | None) -> dict:
         """Keyword arguments of a draft forward: the layers run and the KV window."""
-        window = self.drafter.kv_window
-        return {"layers": layers} if window is None else {"layers": layers, "kv_window": window}
+        return {"layers": layers, "kv_window": self.drafter.kv_window}
 
     def _check_cursor(self, token_ids: Sequence[int]) -> int:
         if self.cache is None:

@@ -129,7 +129,7 @@ class OverlapSequence(DrafterBase):
         draft = None
         if ahead is not None and assumed and len(ahead) > 1 and ahead.token_ids[0] == tokens[-1]:
             self.drafter.stats["used"] += 1
-            draft = _tail(ahead)  # drafted after the guessed bonus token, which it was
+            draft = _part(ahead, 1)  # drafted after the guessed bonus token, which it was
         elif ahead is not None:
             self.drafter.stats["discarded"] += 1
         if num_tokens <= 0:
@@ -137,7 +137,7 @@ class OverlapSequence(DrafterBase):
             return DraftProposal([])
         if draft is None:
             draft = self.inner.propose(tokens, num_tokens, generator)
-        out = _head(draft, num_tokens)
+        out = _part(draft, 0, num_tokens)
         self._assumed = None
         if len(out):  # every token accepted: the bonus token's guess, then the next draft
             self._assumed = tokens + list(out.token_ids)
@@ -169,23 +169,11 @@ class OverlapSequence(DrafterBase):
             self.inner.close()
 
 
-def _tail(draft: DraftProposal) -> DraftProposal:
-    """A proposal without its first token (with their distributions and confidences)."""
+def _part(draft: DraftProposal, start: int, stop: int | None = None) -> DraftProposal:
+    """Tokens ``start:stop`` of a proposal, with their distributions and confidences."""
     probs, confidence = draft.draft_probs, draft.confidence
     return DraftProposal(
-        draft.token_ids[1:],
-        None if probs is None else probs[1:],
-        None if confidence is None else confidence[1:],
-    )
-
-
-def _head(draft: DraftProposal, n: int) -> DraftProposal:
-    """The first ``n`` tokens of a proposal (with their distributions and confidences)."""
-    if len(draft) <= n:
-        return draft
-    probs, confidence = draft.draft_probs, draft.confidence
-    return DraftProposal(
-        draft.token_ids[:n],
-        None if probs is None else probs[:n],
-        None if confidence is None else confidence[:n],
+        draft.token_ids[start:stop],
+        None if probs is None else probs[start:stop],
+        None if confidence is None else confidence[start:stop],
     )
