@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
 .PHONY: setup demo test test-vllm test-ray docs lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
-	datastore train-setup train-heads bench-heads
+	datastore train-setup train-heads bench-heads train-parallel bench-parallel
 
 setup: $(STAMP)
 
@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests tests_vllm tests_docs tests_ray
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The documentation site (docs/ + mkdocs.yml -> out/site/), built with --strict: a broken
 # link or a missing docstring reference fails. Then every shell command of the README and
@@ -153,6 +153,19 @@ train-heads: train-setup
 		--max-minutes 25
 	$(VENV)/bin/specdec train-head --kind medusa --out out/heads/medusa --work out/heads/work \
 		--max-minutes 8 --draft-vocab 4096
+
+# The parallel (block) drafting head, warm-started from the shipped EAGLE head on the same
+# data (run train-heads first: it builds out/heads/work).
+train-parallel: train-setup
+	$(VENV)/bin/specdec train-head --kind parallel --out out/heads/parallel --work out/heads/work \
+		--init-from src/specdec/heads/data/smollm2-135m-instruct-eagle --max-minutes 20
+
+# Parallel drafting vs EAGLE vs suffix vs plain decoding on Spec-Bench (benchmarks/parallel_cpu).
+PARALLEL_METHODS := parallel:k=4 eagle:k=4 suffix:k=24
+bench-parallel: $(STAMP)
+	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category $(HEADS_LIMIT) \
+		--max-new-tokens 96 --threads 2 $(addprefix --method ,$(PARALLEL_METHODS)) \
+		--out benchmarks/parallel_cpu
 
 # Draft heads on Spec-Bench beside the best training-free drafters (benchmarks/heads_cpu).
 HEAD_METHODS := eagle:k=4 eagle@dynamic:top_k=4,depth=6,budget=16 medusa:k=3 suffix:k=24 ngram:k=10

@@ -1,6 +1,7 @@
-"""Draft heads (EAGLE-3, Medusa): hidden states through the backends and the engine, the
+"""Draft heads (EAGLE-3, Medusa, parallel): hidden states through the backends and the engine, the
 head format and its target check, training on a tiny model's own outputs, the exact law
-of sampled head drafts, and the drafter conformance suite for ``eagle`` and ``medusa``."""
+of sampled head drafts, and the drafter conformance suite for ``eagle``, ``medusa`` and
+``parallel``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from conftest import make_model, make_tokenizer
 from exact_laws import Synthetic, chain_step_law, target_sequences, tree_step_law, worst_error
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.drafters.eagle import EagleDrafter
-from specdec.drafters.options import EagleOptions
+from specdec.drafters.options import EagleOptions, ParallelOptions
+from specdec.drafters.parallel import ParallelDrafter
 from specdec.heads.format import load_head, read_config, save_head, target_fingerprint
 from specdec.heads.modules import HeadConfig, init_from_target, make_head
 from specdec.models.base import BatchItem
@@ -29,6 +31,7 @@ from specdec.training.train import (
     evaluate,
     extract_features,
     make_batch,
+    parallel_forward,
     train,
 )
 
@@ -55,7 +58,7 @@ def tiny_head(target, kind: str, steps: int = 150, capture=None, seed: int = 0, 
     """A head for ``target`` trained on its own greedy outputs; ``(head, features, held)``
     (held: 16 conversations kept out of training). Outputs and features are cached."""
     view = target.head_view()
-    capture = capture or ([0, 1, view.num_layers] if kind == "eagle" else [view.num_layers])
+    capture = capture or ([view.num_layers] if kind == "medusa" else [0, 1, view.num_layers])
     key = (target_fingerprint(view), tuple(capture), seed)
     if key not in _CACHE:
         _CACHE[key] = extract_features(target, own_outputs(target, seed=seed), capture)
@@ -65,8 +68,9 @@ def tiny_head(target, kind: str, steps: int = 150, capture=None, seed: int = 0, 
         train_set.answer_labels(), view.vocab_size, [view.vocab_size - 4, view.vocab_size]
     )
     config = HeadConfig.for_target(
-        kind, view, target_fingerprint(view), capture, len(vocab_map), medusa_heads=3
-    )
+        kind, view, target_fingerprint(view), capture, len(vocab_map), medusa_heads=3,
+        block_size=3 if kind == "parallel" else 0,
+    )  # fmt: skip
     torch.manual_seed(seed)
     head = make_head(config)
     head.vocab_map.copy_(vocab_map)
@@ -99,7 +103,7 @@ def heads(tmp_path_factory, tokenizer):
     }
     out = {}
     for name, model in models.items():
-        for kind in ("eagle", "medusa"):
+        for kind in ("eagle", "medusa", "parallel"):
             head, _, _ = tiny_head(model, kind, steps=60)
             out[name, kind] = save_head(head, root / f"{name}-{kind}")
     return out
@@ -210,10 +214,36 @@ def test_training_time_test_logits_equal_what_drafting_computes(target):
     assert view.vocab_size == head.config.vocab_size
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_parallel_training_logits_equal_what_drafting_computes(target):
+    """parallel_forward's position-s logits after anchor a are what the drafter's one
+    block forward computes after context a, with the head's cache filled step by step
+    (a prefill, then verified rows, then a repeated draft with no new state)."""
+    head, features, held = tiny_head(target, "parallel", train_it=False)
+    head.eval()
+    with torch.no_grad():
+        head.mask_embed.normal_()  # distinct mask rows, so a swapped one would show
+    index = draft_index(head.vocab_map, head.config.vocab_size)
+    batch = make_batch(held, [0], index)
+    with torch.no_grad():
+        positions = parallel_forward(head, batch)
+    ids = batch.tokens[0].tolist()
+    seq = ParallelDrafter(target, head, ParallelOptions()).start(ids, GREEDY)
+    seq.observe_prefill(0, held.captured[0][:4])
+    for context in (4, 7, 7):  # draft after ids[:context + 1]; anchor: row context - 1
+        if seq._known < context:
+            seq._features.append(held.captured[0][seq._known : context])
+            seq._known = context
+        got = seq.block_logits(ids[: context + 1], 3)
+        for s in range(3):
+            want = positions[s][0, context - 1]
+            torch.testing.assert_close(got[s], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "parallel"])
 def test_a_trained_head_accepts_far_more_than_an_untrained_one(smooth, kind):
-    """Held-out conversations of the target's own outputs: measured 0.79 (EAGLE) and 0.63
-    (Medusa) at the first position after 150 steps, against 0.05 and 0.21 untrained."""
+    """Held-out conversations of the target's own outputs: measured 0.79 (EAGLE), 0.63
+    (Medusa) and 0.79 (parallel) at the first position after 150 steps, against 0.05, 0.21
+    and 0.05 untrained."""
     trained, _, held = tiny_head(smooth, kind, steps=150)
     untrained, _, _ = tiny_head(smooth, kind, train_it=False)
     index = draft_index(trained.vocab_map, trained.config.vocab_size)
@@ -369,11 +399,22 @@ class TestEagleConformance(DrafterConformance):
         model = "small" if "small" in request.fixturenames else "target"
         self.spec = f"{self.kind}:head={heads[model, self.kind]}"
 
+    @pytest.mark.parametrize("max_new_tokens", [3])  # one length (CI time): 3 tokens, 2 steps
+    def test_sampling_follows_the_target_distribution(self, request, small, max_new_tokens):
+        super().test_sampling_follows_the_target_distribution(request, small, max_new_tokens)
+
 
 class TestMedusaConformance(TestEagleConformance):
     kind = "medusa"
     spec = "medusa"
     ks = (1, 3)
+
+
+class TestParallelConformance(TestEagleConformance):
+    kind = "parallel"
+    spec = "parallel"
+    ks = (1, 3)
+    trees = ("dynamic:top_k=2,depth=3,budget=6",)
 
 
 # ---------------------------------------------------------------- train-head
@@ -422,6 +463,17 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
     again = train_head(target, None, tmp_path / "head", recipe, work)  # every stage cached
     assert again["training"]["steps"] == 6
     assert again["timings"]["features_s"] < report["timings"]["features_s"] + 1
+    # a parallel head warm-started from the EAGLE head: its layer and vocabulary copied
+    eagle = load_head(tmp_path / "head", target.head_view(), "eagle")
+    recipe.kind, recipe.block_size, recipe.init_from = "parallel", 3, str(tmp_path / "head")
+    recipe.train = TrainConfig(steps=1, batch_tokens=512, warmup=1, lr=1e-9, bf16=False)
+    block = train_head(target, None, tmp_path / "parallel", recipe, work)
+    assert block["vocabulary"]["size"] == eagle.config.draft_vocab_size
+    assert len(block["held_out"]["acceptance"]) == 3
+    parallel = load_head(tmp_path / "parallel", target.head_view(), "parallel")
+    assert parallel.config.block_size == 3
+    assert torch.equal(parallel.vocab_map, eagle.vocab_map)
+    torch.testing.assert_close(parallel.q.weight, eagle.q.weight, atol=1e-3, rtol=1e-2)
 
 
 @pytest.mark.parametrize(
@@ -433,6 +485,8 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
         (["--max-minutes", "-1"], "--max-minutes must be >= 0"),
         (["--magpie-share", "1.5"], "--magpie-share must be in [0, 1]"),
         (["--out", ""], "--out is empty"),
+        (["--kind", "parallel", "--block-size", "1"], "--block-size must be in [2, 16]"),
+        (["--init-from", "/nonexistent/head"], "does not exist"),
     ],
 )
 def test_train_head_refuses_bad_options_before_loading(tmp_path, capsys, extra, message):

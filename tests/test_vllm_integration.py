@@ -147,6 +147,7 @@ def test_vllm_suffix_fields_set_options_and_the_environment_overrides(monkeypatc
         ("lookahead", "extra rows"),
         ("eagle", "the target's hidden states"),
         ("medusa", "the target's hidden states"),
+        ("parallel", "the target's hidden states"),
         ("layer-skip", "the target's own layers"),
         ("sparse-kv", "the target's own layers"),
     ],

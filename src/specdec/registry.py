@@ -496,6 +496,12 @@ def _medusa(context: DrafterContext, options: opts.MedusaOptions):
     return MedusaDrafter(context.target, _head(context, "medusa", options.head), options)
 
 
+def _parallel(context: DrafterContext, options: opts.ParallelOptions):
+    from specdec.drafters.parallel import ParallelDrafter
+
+    return ParallelDrafter(context.target, _head(context, "parallel", options.head), options)
+
+
 def _retrieval(context: DrafterContext, options: opts.RetrievalOptions):
     from specdec.drafters.retrieval import Datastore, RetrievalDrafter
 
@@ -571,6 +577,13 @@ for _entry in (
         opts.MedusaOptions,
         _medusa,
         "Medusa: trained heads on the target's last hidden state guess further tokens",
+        samples=True,
+    ),
+    DrafterEntry(
+        "parallel",
+        opts.ParallelOptions,
+        _parallel,
+        "parallel drafting (PARD, DFlash): a trained head proposes a block in one forward",
         samples=True,
     ),
 ):

@@ -1,6 +1,6 @@
-"""What the draft-head drafters (:mod:`.eagle`, :mod:`.medusa`) share: the loaded head,
-the hidden-state indices it reads and the map from its draft vocabulary back to the
-target's."""
+"""What the draft-head drafters (:mod:`.eagle`, :mod:`.medusa`, :mod:`.parallel`) share:
+the loaded head, the hidden-state indices it reads and the map from its draft vocabulary
+back to the target's."""
 
 from __future__ import annotations
 

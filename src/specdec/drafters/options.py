@@ -422,6 +422,25 @@ class EagleOptions:
 
 
 @dataclass(frozen=True)
+class ParallelOptions:
+    """Parallel (block) drafting with a trained head (PARD, arXiv:2504.18583; DFlash,
+    arXiv:2602.06036); see :mod:`specdec.drafters.parallel`.
+
+    Attributes:
+        head: folder of a head trained for the target by ``specdec train-head --kind
+            parallel``; ``""`` (default) uses the head shipped for the embedded model.
+        confidence: stop a chain draft before a token whose draft probability is below
+            this, in [0, 1) (``0``: never).
+    """
+
+    head: str = option("", "head folder from specdec train-head; empty: the shipped head")
+    confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
+
+    def __post_init__(self) -> None:
+        _check_head_options("parallel", self.head, self.confidence)
+
+
+@dataclass(frozen=True)
 class MedusaOptions:
     """Medusa drafting with trained heads (arXiv:2401.10774); see
     :mod:`specdec.drafters.medusa`.

@@ -24,6 +24,7 @@ WEIGHTS_FILE = "head.safetensors"
 SHIPPED = {
     "eagle": ("smollm2-135m-instruct-eagle",),
     "medusa": ("smollm2-135m-instruct-medusa",),
+    "parallel": ("smollm2-135m-instruct-parallel",),
 }
 
 

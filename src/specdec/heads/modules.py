@@ -16,6 +16,15 @@ draft distribution, so output stays lossless.
   ``h_j`` predicts token ``j + 2`` through ``lm_head(norm(h_j))``. Drafting further, ``h_j``
   replaces the target's feature for the next row (EAGLE-3's training-time test trains
   exactly this reuse). The token embedding is the target's (frozen, not stored).
+* :class:`ParallelHead` (parallel / block drafting: PARD, An et al. 2025,
+  arXiv:2504.18583, Sec. 3; DFlash, Chen et al. 2026, arXiv:2602.06036): EAGLE's layer,
+  plus ``block_size - 1`` learned *mask* embeddings. After the row of the pending token
+  (``(f_j, t_{j+1})``, predicting token ``j + 2``), mask row ``i`` (``i = 1 ..
+  block_size - 1``) reads ``f_j`` and mask embedding ``i`` at position ``j + i`` and
+  predicts token ``j + 2 + i``; every row sees the verified rows and the earlier rows of
+  its block (causal). One forward therefore proposes ``block_size`` tokens, where EAGLE
+  needs one forward per token; the price is that a mask row does not see the tokens drafted
+  before it.
 * :class:`MedusaHead` (Medusa, Cai et al. 2024, arXiv:2401.10774, Sec. 2.1.1): ``K``
   residual blocks ``h_k = f + SiLU(W_k f)`` on the target's final-normed state ``f`` of the
   last verified token; head ``k`` predicts the token ``k + 2`` positions ahead. Here the
@@ -31,7 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ("eagle", "medusa")
+KINDS = ("eagle", "medusa", "parallel")
+
+#: Token id that stands for mask row ``i`` in :meth:`ParallelHead.step` is ``MASK - i + 1``
+#: (``-1`` is mask row 1, ``-2`` mask row 2, ...).
+MASK = -1
 
 
 @dataclass
@@ -39,7 +52,7 @@ class HeadConfig:
     """A head's architecture and the target it belongs to (``config.json`` of a head).
 
     Attributes:
-        kind: ``"eagle"`` or ``"medusa"``.
+        kind: ``"eagle"``, ``"medusa"`` or ``"parallel"``.
         target_name: the target's name when the head was trained.
         target_fingerprint: :func:`specdec.heads.format.target_fingerprint` of it.
         num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
@@ -49,6 +62,8 @@ class HeadConfig:
             :attr:`~specdec.models.base.ForwardOutput.captured`).
         draft_vocab_size: size of the draft vocabulary (``vocab_map``'s length).
         medusa_heads: number of Medusa heads (``kind == "medusa"``).
+        block_size: tokens one forward proposes (``kind == "parallel"``: the pending
+            token's row plus ``block_size - 1`` mask rows).
         training: a summary of how it was trained (free-form, for reports).
         format_version: the on-disk format (1).
     """
@@ -68,6 +83,7 @@ class HeadConfig:
     capture: list[int]
     draft_vocab_size: int
     medusa_heads: int = 0
+    block_size: int = 0
     training: dict = field(default_factory=dict)
     format_version: int = 1
 
@@ -76,8 +92,9 @@ class HeadConfig:
 
     @classmethod
     def for_target(
-        cls, kind: str, view, fingerprint: str, capture, draft_vocab_size: int, medusa_heads=0
-    ) -> HeadConfig:
+        cls, kind: str, view, fingerprint: str, capture, draft_vocab_size: int, medusa_heads=0,
+        block_size=0,
+    ) -> HeadConfig:  # fmt: skip
         """A config matching a target's :class:`~specdec.models.base.HeadView`."""
         return cls(
             kind=kind,
@@ -95,6 +112,7 @@ class HeadConfig:
             capture=[int(i) for i in capture],
             draft_vocab_size=int(draft_vocab_size),
             medusa_heads=int(medusa_heads),
+            block_size=int(block_size),
         )
 
 
@@ -106,7 +124,7 @@ def default_capture(kind: str, num_layers: int) -> list[int]:
         >>> default_capture("eagle", 30), default_capture("medusa", 30)
         ([2, 15, 27], [30])
     """
-    if kind == "medusa" or num_layers < 4:
+    if kind == "medusa" or num_layers < 4:  # parallel reads EAGLE-3's layers
         return [num_layers]
     return [2, num_layers // 2, num_layers - 3]
 
@@ -172,6 +190,10 @@ class EagleHead(nn.Module):
         self.embed = embed
         return self
 
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[(B,) N]`` int64 -> ``[(B,) N, D]`` the target's token embeddings."""
+        return F.embedding(token_ids, self.embed)
+
     def fuse(self, captured: torch.Tensor) -> torch.Tensor:
         """``[N, C * D]`` captured target states -> ``[N, D]`` features."""
         return captured if self.fc is None else self.fc(captured)
@@ -208,7 +230,7 @@ class EagleHead(nn.Module):
         c = self.config
         lead = features.shape[:-1]  # (B,) N
         n = lead[-1]
-        e = F.embedding(token_ids, self.embed).to(features.dtype)
+        e = self.embed_tokens(token_ids).to(features.dtype)
         x = torch.cat([self.embed_norm(e), self.feature_norm(features)], dim=-1)
         q = self.q(x).view(*lead, c.num_heads, c.head_dim)
         k = self.k(x).view(*lead, c.num_kv_heads, c.head_dim)
@@ -236,6 +258,72 @@ class EagleHead(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[N, D]`` outputs -> ``[N, draft_vocab_size]`` draft logits."""
         return self.lm_head(self.norm(h))
+
+
+class ParallelHead(EagleHead):
+    """The parallel (block) drafting head: EAGLE's layer with learned mask embeddings
+    (see the module docstring).
+
+    Args:
+        config: the head's :class:`HeadConfig` (``kind == "parallel"``, ``block_size >=
+            2``).
+
+    Parameters:
+        mask_embed: ``[block_size - 1, D]``: the embedding mask row ``i`` reads (token id
+            ``-i`` in :meth:`step`).
+
+    Raises:
+        ValueError: ``block_size < 2``.
+    """
+
+    def __init__(self, config: HeadConfig) -> None:
+        if config.block_size < 2:
+            raise ValueError(f"a parallel head needs block_size >= 2, got {config.block_size}")
+        super().__init__(config)
+        self.mask_embed = nn.Parameter(torch.zeros(config.block_size - 1, config.hidden_size))
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``>= 0`` read the target's embedding, ``-i`` reads mask embedding
+        ``i`` (``[(B,) N]`` -> ``[(B,) N, D]``)."""
+        masked = token_ids < 0
+        if not bool(masked.any()):
+            return F.embedding(token_ids, self.embed)
+        tokens = F.embedding(token_ids.clamp(min=0), self.embed)
+        masks = F.embedding((-token_ids - 1).clamp(min=0), self.mask_embed)
+        return torch.where(masked[..., None], masks.to(tokens.dtype), tokens)
+
+    def block(
+        self,
+        features: torch.Tensor,
+        token_ids: torch.Tensor,
+        start: int,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+        size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The drafting forward: the ``N`` rows not yet run (the last one the pending
+        token's) and ``size - 1`` mask rows, causal, in one pass.
+
+        Args:
+            features: ``[N, D]`` fused target features of the new rows.
+            token_ids: ``[N]`` the token each new row reads.
+            start: position of the first new row (the rows in the cache before it).
+            past_k, past_v: ``[start, G, d]`` the cached rows (or ``None``).
+            size: draft tokens wanted, ``1 .. block_size``.
+
+        Returns:
+            ``(logits [size, V'], k [N, G, d], v [N, G, d])``: draft-vocabulary logits of
+            each draft position and the new rows' keys/values (mask rows are not kept).
+        """
+        n = features.shape[0]
+        extra = size - 1
+        if extra:
+            features = torch.cat([features, features[-1:].expand(extra, -1)])
+            masks = -torch.arange(1, extra + 1, dtype=torch.long)
+            token_ids = torch.cat([token_ids, masks])
+        positions = torch.arange(start, start + n + extra)
+        h, k, v = self.step(features, token_ids, positions, past_k, past_v, None)
+        return self.logits(h[n - 1 :]), k[:n], v[:n]
 
 
 class MedusaHead(nn.Module):
@@ -284,7 +372,7 @@ def spread_logits(draft_logits: torch.Tensor, vocab_map: torch.Tensor, vocab_siz
     return out
 
 
-def make_head(config: HeadConfig) -> EagleHead | MedusaHead:
+def make_head(config: HeadConfig) -> EagleHead | MedusaHead | ParallelHead:
     """An untrained head of ``config.kind``.
 
     Raises:
@@ -294,6 +382,8 @@ def make_head(config: HeadConfig) -> EagleHead | MedusaHead:
         return EagleHead(config)
     if config.kind == "medusa":
         return MedusaHead(config)
+    if config.kind == "parallel":
+        return ParallelHead(config)
     raise ValueError(f"unknown head kind {config.kind!r}; known: {', '.join(KINDS)}")
 
 
@@ -310,3 +400,7 @@ def init_from_target(head: EagleHead | MedusaHead, view) -> None:
                 nn.init.normal_(lin.weight, std=std)
             for lin in (head.o, head.down):
                 nn.init.normal_(lin.weight, std=std / 4)
+        if isinstance(head, ParallelHead):  # mask rows start as an average token
+            embed = view.embed.float()
+            head.mask_embed.copy_(embed.mean(0).expand_as(head.mask_embed))
+            head.mask_embed.add_(torch.randn_like(head.mask_embed) * float(embed.std()) * 0.1)

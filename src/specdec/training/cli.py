@@ -1,4 +1,5 @@
-"""``specdec train-head``: train an EAGLE or Medusa head for a target on this machine.
+"""``specdec train-head``: train an EAGLE, Medusa or parallel (block) drafting head for a
+target on this machine.
 
 One command does every stage of :mod:`specdec.training.pipeline` into ``--out``; run it
 again to continue an interrupted run. Its defaults are those of the head shipped for the
@@ -20,16 +21,19 @@ def add_parser(sub) -> None:
     recipe, tc = HeadRecipe(), TrainConfig()
     p = sub.add_parser(
         "train-head",
-        help="train an EAGLE or Medusa draft head for a target (CPU is enough)",
+        help="train an EAGLE, Medusa or parallel draft head for a target (CPU is enough)",
         description="Train a draft head against a target: prompts from offline corpora and "
         "from the target itself (Magpie), the target's own greedy answers, its hidden "
-        "states, then the head (EAGLE-3 with training-time test, or Medusa). Every stage "
+        "states, then the head (EAGLE-3 with training-time test, Medusa, or a parallel "
+        "head proposing a block of tokens per forward, PARD/DFlash-style). Every stage "
         "is kept under OUT/work and resumed by running the same command again. Writes "
         "OUT/config.json and OUT/head.safetensors (use with --drafter eagle:head=OUT), "
         "OUT/report.json and OUT/training.png. Needs: pip install chitchat-dataset "
         "chatterbot-corpus (make train-setup).",
     )
-    p.add_argument("--kind", choices=("eagle", "medusa"), default="eagle", help="head type")
+    p.add_argument(
+        "--kind", choices=("eagle", "medusa", "parallel"), default="eagle", help="head type"
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default: {DEFAULT_MODEL})")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the head to")
     p.add_argument(
@@ -73,6 +77,15 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--medusa-heads", type=int, default=recipe.medusa_heads, metavar="K",
         help=f"Medusa heads (default: {recipe.medusa_heads})",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-size", type=int, default=recipe.block_size, metavar="K",
+        help=f"draft tokens a parallel head proposes per forward (default: {recipe.block_size})",
+    )  # fmt: skip
+    p.add_argument(
+        "--init-from", default=None, metavar="DIR",
+        help="start from a head trained for the same target (its matching weights and draft "
+        "vocabulary; e.g. an EAGLE head for a parallel one)",
     )  # fmt: skip
     p.add_argument(
         "--layers",
@@ -119,6 +132,12 @@ def recipe_from_args(args: argparse.Namespace):
     for name in ("num_prompts", "max_new_tokens", "steps", "batch_tokens", "ttt_steps",
                  "medusa_heads"):  # fmt: skip
         _positive("--" + name.replace("_", "-"), getattr(args, name))
+    if not 2 <= args.block_size <= 16:
+        raise ValueError(f"--block-size must be in [2, 16], got {args.block_size}")
+    if args.init_from is not None:
+        from specdec.heads.format import read_config
+
+        read_config(args.init_from)  # a bad folder fails before the model loads
     if args.draft_vocab is not None:
         _positive("--draft-vocab", args.draft_vocab)
     _positive("--max-minutes", args.max_minutes, allow_zero=True)
@@ -140,7 +159,7 @@ def recipe_from_args(args: argparse.Namespace):
     recipe = HeadRecipe(
         kind=args.kind, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         magpie_share=args.magpie_share, capture=capture, medusa_heads=args.medusa_heads,
-        seed=args.seed, train=train,
+        block_size=args.block_size, init_from=args.init_from, seed=args.seed, train=train,
     )  # fmt: skip
     if args.draft_vocab is not None:
         recipe.vocab_sizes = (args.draft_vocab,)

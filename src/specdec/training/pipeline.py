@@ -43,7 +43,7 @@ class HeadRecipe:
     """Everything ``train-head`` needs besides the target (defaults: the shipped head's).
 
     Attributes:
-        kind: ``"eagle"`` or ``"medusa"``.
+        kind: ``"eagle"``, ``"medusa"`` or ``"parallel"``.
         num_prompts: prompts to answer (self-distillation).
         magpie_share: share of them the target writes itself.
         max_new_tokens: longest answer.
@@ -52,6 +52,10 @@ class HeadRecipe:
             of the answer tokens is chosen.
         coverage: see ``vocab_sizes``.
         medusa_heads: Medusa's number of heads.
+        block_size: tokens a parallel head proposes per forward.
+        init_from: a trained head folder for the same target whose matching weights start
+            this one (an EAGLE head starts a parallel head: its layer already predicts the
+            first draft position); ``None``: the target's LM head and random layers.
         held_out: share of conversations kept out of training for the report.
         seed: of every random choice.
         train: the optimizer settings.
@@ -65,6 +69,8 @@ class HeadRecipe:
     vocab_sizes: tuple[int, ...] = (2048, 4096, 8192, 12288, 16384)
     coverage: float = 0.97
     medusa_heads: int = 4
+    block_size: int = 4
+    init_from: str | None = None
     held_out: float = 0.05
     seed: int = 0
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -147,6 +153,47 @@ def build_features(target, examples, capture, work: Path) -> Features:
     return features
 
 
+def warm_start(head, folder: str | Path, view) -> int:
+    """Copy every tensor of the head in ``folder`` (trained for the same target) whose
+    name and shape match ``head``'s -- its vocabulary map included.
+
+    Returns:
+        the number of tensors copied.
+
+    Raises:
+        ValueError: not a head for this target, or one reading other hidden states.
+    """
+    from safetensors.torch import load_file
+
+    from specdec.heads.format import WEIGHTS_FILE, check_target, read_config
+
+    config = read_config(folder)
+    check_target(config, view, f"--init-from {folder}")
+    mine = head.config
+    if config.capture != mine.capture:
+        raise ValueError(f"--init-from {folder} reads hidden states {config.capture}, this "
+                         f"head {mine.capture}; pass --layers to match")  # fmt: skip
+    state = load_file(str(Path(folder) / WEIGHTS_FILE))
+    own = head.state_dict()
+    copied = {k: v.to(own[k].dtype) for k, v in state.items()
+              if k in own and tuple(v.shape) == tuple(own[k].shape)}  # fmt: skip
+    with torch.no_grad():
+        for name, tensor in copied.items():
+            own[name].copy_(tensor)
+        if hasattr(head, "mask_embed"):  # mask rows start as an average token
+            embed = view.embed.float()
+            head.mask_embed.copy_(embed.mean(0).expand_as(head.mask_embed))
+    return len(copied)
+
+
+def vocabulary_report(vocab_map, labels, vocab_size: int, source: str) -> dict:
+    """Coverage of ``labels`` by a given draft vocabulary (the report's format of
+    :func:`~specdec.training.train.choose_vocabulary`)."""
+    coverage = float(torch.isin(labels, vocab_map).float().mean()) if len(labels) else 1.0
+    return {"size": len(vocab_map), "coverage": coverage, "candidates": {}, "source": source,
+            "distinct_labels": int(labels.unique().numel()), "num_labels": len(labels)}  # fmt: skip
+
+
 def plot(history: list[dict], evaluation: dict, path: Path, kind: str) -> None:
     """Training loss and acceptance per draft position (training windows and held out)."""
     import matplotlib
@@ -209,20 +256,35 @@ def train_head(
     rng.shuffle(order)
     n_held = max(1, int(len(order) * recipe.held_out))
     held_out, train_set = features.subset(order[:n_held]), features.subset(order[n_held:])
-    vocab_map, vocab_report = choose_vocabulary(
-        train_set.answer_labels(), view.vocab_size, recipe.vocab_sizes, recipe.coverage
-    )
+    if recipe.init_from:  # the warm start's draft vocabulary
+        from specdec.heads.format import read_config
+
+        vocab_size = read_config(recipe.init_from).draft_vocab_size
+    else:
+        vocab_map, vocab_report = choose_vocabulary(
+            train_set.answer_labels(), view.vocab_size, recipe.vocab_sizes, recipe.coverage
+        )
+        vocab_size = len(vocab_map)
+    config = HeadConfig.for_target(
+        recipe.kind, view, target_fingerprint(view), capture, vocab_size, recipe.medusa_heads,
+        recipe.block_size if recipe.kind == "parallel" else 0,
+    )  # fmt: skip
+    torch.manual_seed(recipe.seed)
+    head = make_head(config)
+    if recipe.init_from:
+        copied = warm_start(head, recipe.init_from, view)
+        vocab_map = head.vocab_map.clone()
+        vocab_report = vocabulary_report(
+            vocab_map, train_set.answer_labels(), view.vocab_size,
+            f"the vocabulary of {recipe.init_from}",
+        )  # fmt: skip
+        _say(f"starting from {recipe.init_from} ({copied} tensors)")
+    else:
+        head.vocab_map.copy_(vocab_map)
+        init_from_target(head, view)
     vocab_report["draft_cost"] = vocab_report["size"] / view.vocab_size
     held_labels = held_out.answer_labels()
     vocab_report["held_out_coverage"] = float(torch.isin(held_labels, vocab_map).float().mean())
-
-    config = HeadConfig.for_target(
-        recipe.kind, view, target_fingerprint(view), capture, len(vocab_map), recipe.medusa_heads
-    )
-    torch.manual_seed(recipe.seed)
-    head = make_head(config)
-    head.vocab_map.copy_(vocab_map)
-    init_from_target(head, view)
     head.bind(view.embed.float())
     _say(
         f"training the {recipe.kind} head: {len(train_set)} conversations "

@@ -20,6 +20,14 @@ loop with EAGLE-3's training-time test, and held-out acceptance per position.
   ``s``'s loss is weighted ``0.8 ** s``.
 * **Medusa** (:func:`medusa_loss`): head ``k`` at row ``j`` learns the label of row
   ``j + k + 1`` (Medusa, Cai et al. 2024, Sec. 2.2), weights ``0.8 ** k``.
+* **Parallel** (:func:`parallel_loss`): row ``j`` reads ``(f_j, t_{j+1})`` and learns
+  the label of row ``j + 1`` as in EAGLE; for every anchor ``a``, mask row ``i`` (``i = 1
+  .. block_size - 1``) reads ``(f_a, mask_i)`` at position ``a + i``, sees the target rows
+  ``<= a`` and the anchor's mask rows ``<= i``, and learns the label of row ``a + 1 + i``
+  -- what drafting after context ``a`` computes in one forward. Every anchor of every
+  conversation trains in one pass (PARD's parallel-draft training, An et al. 2025,
+  arXiv:2504.18583, Sec. 3.2, without its token dropping); position ``i``'s weight is
+  ``0.8 ** i``.
 * **Acceptance per position** (:func:`evaluate`): on held-out conversations, the rate at
   which draft position ``s`` equals the target's greedy token given that positions
   ``< s`` did -- what a greedy chain's verification accepts -- and the implied mean
@@ -39,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec.heads.modules import EagleHead, MedusaHead
+from specdec.heads.modules import EagleHead, MedusaHead, ParallelHead
 
 #: Loss weight decay per training-time-test step (EAGLE-3) or Medusa head.
 STEP_DECAY = 0.8
@@ -329,6 +337,83 @@ def medusa_loss(head: MedusaHead, batch: Batch, steps: int | None = None):
     return total, stats
 
 
+def parallel_mask(n: int, block: int) -> torch.Tensor:
+    """``[block * n, block * n]`` bool attention of :func:`parallel_forward`: rows
+    ``0 .. n-1`` are the target rows (causal); rows ``i * n + a`` are mask row ``i`` of
+    anchor ``a`` (sees target rows ``<= a`` and the anchor's mask rows ``1 .. i``).
+
+    Example:
+        >>> parallel_mask(2, 2).int().tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    """
+    j = torch.arange(n)[:, None]
+    i = torch.arange(n)[None, :]
+    causal, same = i <= j, i == j
+    rows = [torch.cat([causal] + [torch.zeros_like(same)] * (block - 1), dim=1)]
+    for offset in range(1, block):
+        parts = [causal] + [same if u <= offset else torch.zeros_like(same)
+                            for u in range(1, block)]  # fmt: skip
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def parallel_forward(head: ParallelHead, batch: Batch) -> list[torch.Tensor]:
+    """Per draft position ``s`` (``0 .. block_size - 1``), ``[B, T - 1, V']`` logits of
+    drafting after each anchor ``a`` (row ``a`` reads token ``a + 1``; position ``s``
+    predicts the label of row ``a + 1 + s``), all in one forward (see the module
+    docstring)."""
+    tokens, n = batch.tokens, batch.tokens.shape[1] - 1
+    block = head.config.block_size
+    features = head.fuse(batch.captured[:, :n].to(head.lm_head.weight.dtype))
+    ids = [tokens[:, 1:]] + [torch.full_like(tokens[:, 1:], -i) for i in range(1, block)]
+    positions = torch.cat([torch.arange(n) + i for i in range(block)])
+    h, _, _ = head.step(
+        features.repeat(1, block, 1), torch.cat(ids, dim=1), positions, None, None,
+        parallel_mask(n, block),
+    )  # fmt: skip
+    return list(head.logits(h).split(n, dim=1))
+
+
+def parallel_loss(head: ParallelHead, batch: Batch, steps: int | None = None):
+    """Weighted cross-entropy of every draft position of every anchor; the statistics of
+    :func:`eagle_loss` (position ``s`` counted where positions ``< s`` of the same anchor
+    were right)."""
+    n = batch.tokens.shape[1] - 1
+    total = 0.0
+    stats = []
+    chain_ok = None
+    for s, logits in enumerate(parallel_forward(head, batch)):
+        shift = s + 1
+        if shift > n:
+            break
+        lg = logits[:, : n + 1 - shift]
+        targets = batch.targets[:, shift:]
+        labels = batch.labels[:, shift:]
+        valid = batch.valid[:, shift:]
+        loss = F.cross_entropy(lg.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if torch.isfinite(loss):
+            total = total + (STEP_DECAY**s) * loss
+        with torch.no_grad():
+            hit = (head.vocab_map[lg.argmax(-1)] == labels) & valid
+            ok = valid if chain_ok is None else valid & chain_ok[:, : n + 1 - shift]
+            stats.append({
+                "loss": float(loss) if torch.isfinite(loss) else float("nan"),
+                "correct": int((hit & ok).sum()),
+                "counted": int(ok.sum()),
+            })  # fmt: skip
+            chain_ok = hit & ok
+    return total, stats
+
+
+def loss_function(head) -> tuple[Callable, int]:
+    """``(loss function, draft positions it reports)`` of a head."""
+    if isinstance(head, ParallelHead):
+        return parallel_loss, head.config.block_size
+    if isinstance(head, EagleHead):
+        return eagle_loss, 0
+    return medusa_loss, head.config.medusa_heads
+
+
 def acceptance_length(rates: Sequence[float]) -> float:
     """Mean accepted tokens per verification of a greedy chain as long as ``rates``
     (conditional acceptance per position), the bonus token included.
@@ -356,7 +441,7 @@ def evaluate(head, features: Features, index: torch.Tensor, steps: int, batch_si
     correct = [0] * steps
     counted = [0] * steps
     losses = []
-    loss_fn = eagle_loss if isinstance(head, EagleHead) else medusa_loss
+    loss_fn, _ = loss_function(head)
     order = sorted(range(len(features)), key=lambda i: len(features.token_ids[i]))
     for start in range(0, len(order), batch_size):
         batch = make_batch(features, order[start : start + batch_size], index)
@@ -383,7 +468,7 @@ class TrainConfig:
         batch_tokens: most tokens per step (conversations padded to the longest).
         lr: peak AdamW learning rate; ``warmup`` linear steps, then cosine decay to 10%.
         weight_decay: AdamW's.
-        ttt_steps: EAGLE's training-time-test depth (Medusa: ignored).
+        ttt_steps: EAGLE's training-time-test depth (Medusa, parallel: ignored).
         max_minutes: stop early after this much training time (0: no limit).
         checkpoint_every: steps between checkpoints.
         seed: shuffling and initialization seed.
@@ -457,8 +542,8 @@ def train(
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
         gen.set_state(saved["generator"])
-    loss_fn = eagle_loss if isinstance(head, EagleHead) else medusa_loss
-    steps_per_pos = config.ttt_steps if isinstance(head, EagleHead) else head.config.medusa_heads
+    loss_fn, steps_per_pos = loss_function(head)
+    steps_per_pos = steps_per_pos or config.ttt_steps
 
     def lr_at(step: int, elapsed: float = 0.0) -> float:
         """Linear warm-up, then cosine decay to 10% over the run: the run's end is
