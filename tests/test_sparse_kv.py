@@ -139,16 +139,21 @@ def test_sampled_drafts_carry_their_distributions(native32):
         assert row[token] > 0 and int((row > 0).sum()) <= 5
 
 
-def test_no_draft_below_min_context(native32):
-    """Below min_context: no draft, chains and trees alike, and output unchanged."""
+def test_no_draft_below_min_context(native32, caplog):
+    """Below min_context: no draft, chains and trees alike, and output unchanged; a
+    warning says why, once per drafter."""
     plain = LLM(native32, speculative=SpeculativeConfig(method="none"))
     for tree in (None, "dynamic:top_k=2,depth=3,budget=6"):
         config = SpeculativeConfig(
             method="sparse-kv:min_context=200", num_speculative_tokens=4, tree=tree
         )
-        out = LLM(native32, speculative=config).generate(PROMPTS[0], GREEDY)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="specdec.drafters.sparse_kv"):
+            out = LLM(native32, speculative=config).generate(PROMPTS[0], GREEDY)
         assert out.token_ids == plain.generate(PROMPTS[0], GREEDY).token_ids
         assert out.metrics.num_draft_tokens == 0
+        told = [r for r in caplog.records if "min_context=200" in r.getMessage()]
+        assert len(told) == 1
     # at min_context 20 the drafts start once the sequence is 20 tokens long
     config = SpeculativeConfig(method="sparse-kv:min_context=20,recent=4", num_speculative_tokens=4)
     out = LLM(native32, speculative=config).generate(PROMPTS[0], GREEDY)

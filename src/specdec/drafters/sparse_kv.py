@@ -33,6 +33,7 @@ carry their distributions for rejection sampling.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,6 +43,8 @@ from specdec.drafters.base import DraftProposal
 from specdec.drafters.layer_skip import LayerSkipDrafter, LayerSkipSequence
 from specdec.drafters.options import LayerSkipOptions, SparseKVOptions
 from specdec.trees.builders import Expansion
+
+logger = logging.getLogger(__name__)
 
 
 class SparseKVDrafter(LayerSkipDrafter):
@@ -79,6 +82,23 @@ class SparseKVDrafter(LayerSkipDrafter):
         self.search = None  # a fixed set (empty: every layer); nothing is searched
         self.observes = False
         self.kv_window = (options.sinks, options.recent)
+        self._told_short = False
+
+    def below_min_context(self, length: int) -> bool:
+        """Whether a sequence of ``length`` tokens is too short to draft; says so once per
+        drafter (a warning naming ``min_context``), so a user who sees no speculation on a
+        short prompt knows why."""
+        limit = self.sparse_options.min_context
+        if length >= limit:
+            return False
+        if not self._told_short:
+            self._told_short = True
+            logger.warning(
+                "sparse-kv drafts nothing while a sequence is shorter than min_context=%d "
+                "tokens (this one has %d): plain steps until then; set sparse-kv:min_context="
+                "N to draft earlier", limit, length,
+            )  # fmt: skip
+        return True
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> SparseKVSequence:
         """A sequence's state; it drafts once the engine attaches its cache."""
@@ -98,14 +118,14 @@ class SparseKVSequence(LayerSkipSequence):
     ) -> DraftProposal:
         """As :meth:`LayerSkipSequence.propose` over the KV window; no draft while the
         sequence is shorter than ``min_context``."""
-        if len(token_ids) < self.drafter.sparse_options.min_context:
+        if self.drafter.below_min_context(len(token_ids)):
             return DraftProposal([])
         return super().propose(token_ids, num_tokens, generator, stop_drafting=stop_drafting)
 
     def tree_session(self, token_ids: Sequence[int], params: SamplingParams):
         """A tree session over the KV window; below ``min_context`` one that offers no
         candidates (the step verifies the root alone)."""
-        if len(token_ids) < self.drafter.sparse_options.min_context:
+        if self.drafter.below_min_context(len(token_ids)):
             self._used = None
             return _EmptyTreeSession()
         return super().tree_session(token_ids, params)
