@@ -163,8 +163,11 @@ def test_bad_configurations_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="SPECDEC_VLLM_DRAFTER.*not set"):
         integ.SpecdecProposer(vllm_config())
     monkeypatch.setenv(integ.DRAFTER_ENV, "nope")
-    with pytest.raises(ValueError, match="unknown drafter 'nope'"):
+    with pytest.raises(ValueError, match="unknown drafter 'nope'") as info:
         integ.SpecdecProposer(vllm_config())
+    usable = str(info.value).split("inside vLLM: ")[1].split(", ")
+    assert "suffix" in usable and "ngram" in usable
+    assert not {"eagle", "draft-model", "layer-skip", "none"} & set(usable)
     monkeypatch.setenv(integ.DRAFTER_ENV, "suffix:depth=3")
     with pytest.raises(ValueError, match="no option 'depth'"):
         integ.SpecdecProposer(vllm_config())

@@ -289,6 +289,16 @@ class SpecdecProposer:
             for field, option in _VLLM_SUFFIX_FIELDS.items():
                 if getattr(spec_config, field, None) is not None:
                     values.setdefault(option, getattr(spec_config, field))
+        if name not in registry.drafter_names():
+            names = registry.drafter_names()
+            entries = [registry.drafter_entry(n) for n in names]
+            usable = [
+                n for n, e in zip(names, entries, strict=True)
+                if n != "none" and n not in _NEEDS and not e.needs_draft_model
+            ]  # fmt: skip
+            raise ValueError(
+                f"unknown drafter {name!r}; drafters that run inside vLLM: {', '.join(usable)}"
+            )
         options = registry.make_options(name, values)
         check_history_drafter(name)
         if name == "retrieval" and not options.datastore:
