@@ -150,6 +150,8 @@ def test_drafter_draft_model_same_dir(capsys, model_dir):
     assert record["identical"] is True
     assert record["token_ids"] == reference["token_ids"]
     assert record["baseline"]["token_ids"] == record["token_ids"]
+    assert record["draft_model"] == record["model"] and record["model"]  # names what ran
+    assert reference["draft_model"] is None
     m = record["metrics"]
     # The draft is the target itself: every greedy draft token is accepted.
     assert m["num_draft_tokens"] > 0

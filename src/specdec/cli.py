@@ -232,7 +232,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     llm = llm_from_args(args, speculative)
     _warm_up(llm, speculative, params)
     meta = {  # what every --json record carries, an interrupted one too
+        "model": llm.target.name,
         "drafter": speculative.method,
+        "draft_model": llm.loaded_draft.name if llm.loaded_draft is not None else None,
         "tree": str(speculative.tree) if speculative.tree else None,
         "backend": llm.target.backend,
         "dtype": str(llm.target.dtype).replace("torch.", ""),

@@ -304,6 +304,12 @@ class LLM:
         )
         return entry.factory(context, config.options)
 
+    @property
+    def loaded_draft(self) -> Backend | None:
+        """The draft model loaded for ``draft-model`` drafting (``None`` until a drafter
+        needed one)."""
+        return self._draft
+
     def _load_draft(self, config: SpeculativeConfig) -> Backend:
         source = config.draft_model or self._draft_source
         if source is None:
