@@ -158,10 +158,10 @@ train-heads: train-setup
 # data (run train-heads first: it builds out/heads/work).
 train-parallel: train-setup
 	$(VENV)/bin/specdec train-head --kind parallel --out out/heads/parallel --work out/heads/work \
-		--init-from src/specdec/heads/data/smollm2-135m-instruct-eagle --max-minutes 20
+		--init-from src/specdec/heads/data/smollm2-135m-instruct-eagle --max-minutes 25
 
 # Parallel drafting vs EAGLE vs suffix vs plain decoding on Spec-Bench (benchmarks/parallel_cpu).
-PARALLEL_METHODS := parallel:k=4 eagle:k=4 suffix:k=24
+PARALLEL_METHODS := parallel:k=4 parallel@dynamic:top_k=4,depth=4,budget=12 eagle:k=4 suffix:k=24
 bench-parallel: $(STAMP)
 	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category $(HEADS_LIMIT) \
 		--max-new-tokens 96 --threads 2 $(addprefix --method ,$(PARALLEL_METHODS)) \

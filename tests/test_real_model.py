@@ -150,7 +150,8 @@ def test_bfloat16_batch_equals_plain_decoding_of_each_prompt():
 def test_shipped_heads_are_lossless_and_accepted(dtype):
     """The heads shipped for the embedded model load with no options on both dtypes (the
     fingerprint ignores the dtype), keep greedy output exactly (native exact mode), in
-    chains and EAGLE-2 trees, and their drafts are accepted."""
+    chains and trees (EAGLE-2's; the parallel head's one-forward tree), and their drafts
+    are accepted."""
     llm = LLM(backend="native", dtype=dtype, speculative=SpeculativeConfig(method="none"))
     prompt = "Write a short story about a cat who learns to play the piano."
     params = SamplingParams(max_new_tokens=40)
@@ -159,6 +160,8 @@ def test_shipped_heads_are_lossless_and_accepted(dtype):
         SpeculativeConfig(method="eagle", num_speculative_tokens=4),
         SpeculativeConfig(method="eagle", tree="dynamic:top_k=3,depth=4,budget=8"),
         SpeculativeConfig(method="medusa", num_speculative_tokens=3),
+        SpeculativeConfig(method="parallel", num_speculative_tokens=4),
+        SpeculativeConfig(method="parallel", tree="dynamic:top_k=3,depth=4,budget=8"),
     ):
         out = llm.generate(prompt, params, speculative=spec)
         assert out.token_ids == plain, spec.method
