@@ -4,10 +4,14 @@ back to the target's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from specdec.drafters.base import DrafterBase
+from specdec.config import SamplingParams
+from specdec.drafters.base import DrafterBase, DraftProposal
 from specdec.heads.modules import spread_logits
+from specdec.sampling import logits_to_probs, sample
 
 
 class HeadDrafterBase(DrafterBase):
@@ -38,3 +42,53 @@ class HeadDrafterBase(DrafterBase):
         """``[N, V']`` draft-vocabulary logits -> ``[N, V]`` float32 target-vocabulary
         logits, ``-inf`` outside the draft vocabulary (:func:`spread_logits`)."""
         return spread_logits(draft_logits, self.vocab_map, self.vocab_size)
+
+
+def chain_from_positions(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    threshold: float,
+    stop_drafting: Callable[[int, float], bool] | None = None,
+    *,
+    vocab_map: torch.Tensor | None = None,
+    full_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> DraftProposal:
+    """A chain from per-position logits that do not depend on the earlier drafts
+    (Medusa's heads, a parallel head's block): position ``i``'s token is its argmax
+    (greedy) or a draw from ``logits_to_probs`` of its logits (sampled).
+
+    Args:
+        logits: ``[k, V']`` float32 logits of draft positions ``0 .. k - 1``.
+        params: the request's sampling parameters.
+        generator: the draws' generator.
+        threshold: drafting stops before the first position whose top probability is
+            below it.
+        stop_drafting: the controller's ``(position, top probability) -> stop``.
+        vocab_map: ``[V']`` target ids of the columns of ``logits`` (``None``: the
+            columns are the target's vocabulary).
+        full_logits: spreads ``[k, V']`` logits over the target vocabulary (needed with
+            ``vocab_map`` when sampling).
+
+    Returns:
+        the chain; ``draft_probs`` ``[k', V]`` float32 when sampling, else ``None``;
+        ``confidence``: each kept position's top probability.
+    """
+    if params.greedy:
+        probs, dists = torch.softmax(logits, -1), None
+    else:
+        spread = logits if full_logits is None else full_logits(logits)
+        probs = dists = logits_to_probs(spread, params)
+    tokens, rows, confidence = [], [], []
+    for i in range(logits.shape[0]):
+        top = float(probs[i].max())
+        if top < threshold or (stop_drafting is not None and stop_drafting(i, top)):
+            break
+        if dists is None:
+            best = int(torch.argmax(logits[i]))
+            tokens.append(best if vocab_map is None else int(vocab_map[best]))
+        else:
+            tokens.append(int(sample(dists[i : i + 1], generator)))
+            rows.append(dists[i])
+        confidence.append(top)
+    return DraftProposal(tokens, torch.stack(rows) if rows else None, confidence)

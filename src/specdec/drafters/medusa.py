@@ -25,8 +25,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import DrafterBase, DraftProposal, VerificationFeedback
 from specdec.drafters.draft_model import expansions_from_logits
-from specdec.drafters.head import HeadDrafterBase
-from specdec.sampling import logits_to_probs, sample
+from specdec.drafters.head import HeadDrafterBase, chain_from_positions
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
 
@@ -100,23 +99,9 @@ class MedusaSequence(DrafterBase):
         if num_tokens <= 0 or self._state is None:  # a one-token prompt: a plain step
             return DraftProposal([])
         logits = self.head_logits()[:num_tokens]
-        threshold = self.drafter.options.confidence
-        if self.params.greedy:
-            probs, dists = torch.softmax(logits, -1), None
-        else:
-            probs = dists = logits_to_probs(logits, self.params)
-        tokens, rows, confidence = [], [], []
-        for i in range(num_tokens):
-            top = float(probs[i].max())
-            if top < threshold or (stop_drafting is not None and stop_drafting(i, top)):
-                break
-            if dists is None:
-                tokens.append(int(torch.argmax(logits[i])))
-            else:
-                tokens.append(int(sample(dists[i : i + 1], generator)))
-                rows.append(dists[i])
-            confidence.append(top)
-        return DraftProposal(tokens, torch.stack(rows) if rows else None, confidence)
+        return chain_from_positions(
+            logits, self.params, generator, self.drafter.options.confidence, stop_drafting
+        )
 
     def tree_session(self, token_ids: Sequence[int], params: SamplingParams) -> MedusaTreeSession:
         self.params = params

@@ -37,8 +37,8 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.eagle import EagleDrafter, EagleSequence
+from specdec.drafters.head import chain_from_positions
 from specdec.drafters.medusa import MedusaTreeSession
-from specdec.sampling import logits_to_probs, sample
 
 
 class ParallelDrafter(EagleDrafter):
@@ -126,23 +126,10 @@ class ParallelSequence(EagleSequence):
         if num_tokens <= 0 or not self.ready(token_ids):
             return DraftProposal([])
         logits = self.block_logits(token_ids, num_tokens).float()
-        threshold = self.drafter.options.confidence
-        if self.params.greedy:
-            probs, dists = torch.softmax(logits, -1), None
-        else:
-            probs = dists = logits_to_probs(self.drafter.full_logits(logits), self.params)
-        tokens, rows, confidence = [], [], []
-        for i in range(num_tokens):
-            top = float(probs[i].max())
-            if top < threshold or (stop_drafting is not None and stop_drafting(i, top)):
-                break
-            if dists is None:
-                tokens.append(int(self.drafter.vocab_map[int(torch.argmax(logits[i]))]))
-            else:
-                tokens.append(int(sample(dists[i : i + 1], generator)))
-                rows.append(dists[i])
-            confidence.append(top)
-        return DraftProposal(tokens, torch.stack(rows) if rows else None, confidence)
+        return chain_from_positions(
+            logits, self.params, generator, self.drafter.options.confidence, stop_drafting,
+            vocab_map=self.drafter.vocab_map, full_logits=self.drafter.full_logits,
+        )  # fmt: skip
 
     def tree_session(self, token_ids: Sequence[int], params: SamplingParams) -> MedusaTreeSession:
         """Medusa's tree over the block's positions (one head forward)."""
