@@ -34,6 +34,7 @@ from specdec.training.train import (
     TrainConfig,
     choose_vocabulary,
     extract_features,
+    release_freed_memory,
     train,
 )
 
@@ -250,6 +251,7 @@ def train_head(
     t1 = time.perf_counter()
     features = build_features(target, examples, capture, work)
     timings["features_s"] = time.perf_counter() - t1
+    release_freed_memory()
 
     rng = random.Random(recipe.seed)
     order = list(range(len(features)))

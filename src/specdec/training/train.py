@@ -450,6 +450,8 @@ def evaluate(head, features: Features, index: torch.Tensor, steps: int, batch_si
         for s, st in enumerate(stats[:steps]):
             correct[s] += st["correct"]
             counted[s] += st["counted"]
+        del loss, batch
+        release_freed_memory()
     head.train()
     rates = [c / n if n else 0.0 for c, n in zip(correct, counted, strict=False)]
     return {
@@ -510,6 +512,32 @@ def batches_by_length(
             out.append(batch)
     order = torch.randperm(len(out), generator=generator).tolist()
     return [out[i] for i in order]
+
+
+def release_freed_memory() -> None:
+    """Give the C allocator's free pages back to the system (glibc ``malloc_trim``; a
+    no-op elsewhere).
+
+    Training allocates tensors of a new shape at every step (conversations padded to
+    the batch's longest); glibc keeps the freed blocks in its heaps, fragmented, and the
+    process grew from 3.6 to 9.5 GiB over 716 steps of the EAGLE head's training on this
+    project's CPU. Trimming after each step keeps it near its working set (measured: 40
+    steps grew 2.2 GiB untrimmed, 0.9 GiB trimmed, at the same speed).
+    """
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
 
 
 def train(
@@ -576,8 +604,10 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        state["step"] += 1
         value = float(loss.detach())
+        del loss, batch
+        release_freed_memory()
+        state["step"] += 1
         window.append((value, stats))
         if progress is not None:
             progress(1, value)
