@@ -110,6 +110,40 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(dtype, d):
     assert torch.equal(tree, alone)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_sharing_key_reads_get_the_bits_they_get_alone(dtype, d):
+    """Rows of one sequence share their key and value reads (groups of up to 16 rows, key
+    blocks of 64): 37 rows of one sequence -- chain rows crossing key-block boundaries,
+    tree rows gathering slots, a row of another sequence in the middle -- each get the
+    bits they get alone."""
+    caches = _caches(dtype, d, [400, 300], seed=4)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(38, H, d, generator=gen).to(dtype)
+    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    seq, n, off, slots, used = [], [], [], [], 0
+    for i in range(38):
+        if i == 20:  # another sequence between two runs of the first
+            seq.append(1), n.append(77), off.append(-1)
+        elif i % 3 == 2:  # a tree row: the prefix, then scattered slots
+            picks = _tree_slots(120 + i, [300 + i, 310 + i, 399 - i])
+            seq.append(0), n.append(picks.numel()), off.append(used)
+            slots.append(picks)
+            used += picks.numel()
+        else:
+            seq.append(0), n.append(60 + 7 * i), off.append(-1)
+    out = torch.empty(38, H * d, dtype=dtype)
+    kernels.ragged_attention(q, caches, 1, t(seq), t(n), t(off), torch.cat(slots), 0.1, out)
+    for i in range(38):
+        alone = torch.empty(1, H * d, dtype=dtype)
+        sl = torch.cat(slots)[off[i] : off[i] + n[i]] if off[i] >= 0 else torch.empty(0).long()
+        kernels.ragged_attention(
+            q[i : i + 1], caches[seq[i] : seq[i] + 1], 1, t([0]), t([n[i]]),
+            t([0 if off[i] >= 0 else -1]), sl, 0.1, alone,
+        )  # fmt: skip
+        assert torch.equal(out[i], alone[0]), i
+
+
 def test_rows_outside_the_kernel_are_left_alone():
     caches = _caches(torch.float32, 8, [64])
     q = torch.randn(3, H, 8)

@@ -13,6 +13,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -22,63 +23,180 @@ using namespace specdec;
 #if defined(__AVX512F__)
 constexpr int kMaxVec = 8;  // head_dim 64 or 128
 constexpr int kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kKeyBlock = 64;  // keys read once per block for every row of a group
+constexpr int64_t kMaxRows = 16;  // rows of one sequence sharing their key reads
 
-// One (row, KV head) task with AVX-512: the same arithmetic for every call.
+// One row of a group: its queries, visible keys and where its scores and sums go.
+template <typename scalar_t>
+struct GroupRow {
+  const scalar_t* q;  // [R, D]
+  const int64_t* sl;  // visible slots (nullptr: slots 0 .. n-1)
+  int64_t n;
+  float* scores;  // [R, n]
+  float* acc;  // [R, D]
+};
+
+// The sums of the 16 lanes of each of a[0..15], as lane t of the result: the same
+// additions in the same tree as _mm512_reduce_add_ps (lanes l + l+8, then + l+4, + l+2,
+// + l+1; IEEE addition is commutative), for 16 keys at once: about 3 shuffles and adds per
+// key instead of 8.
+inline __m512 reduce16(const __m512* a) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int m = 0; m < 8; ++m)
+    s1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int m = 0; m < 4; ++m)
+    s2[m] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * m], s1[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(s1[2 * m], s1[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int m = 0; m < 2; ++m)
+    s3[m] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * m], s2[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s2[2 * m], s2[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4k + s holds key 4s + k
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// Keys or values jb .. je-1 of a row as float32 rows of D: the cache itself for float32
+// slots in order, else converted (once per block for the slots every row of the group
+// shares; per row for a token tree's own slots).
+template <typename scalar_t, int64_t D>
+struct BlockReader {
+  const scalar_t* base;
+  float* shared;  // [kKeyBlock, D]
+  float* own;  // [kKeyBlock, D]
+  int64_t shared_from = 0, shared_to = 0;  // converted slots of `shared`
+
+  void start(int64_t jb) { shared_from = shared_to = jb; }
+
+  static void convert(const scalar_t* src, float* dst) {
+    for (int c = 0; c < D / kLanes; ++c) _mm512_storeu_ps(dst + c * kLanes, load16(src + c * kLanes));
+  }
+
+  // Pointer to row j - jb of the block (D floats per row).
+  const float* rows(const int64_t* sl, int64_t jb, int64_t je) {
+    bool in_order = true;
+    if (sl)
+      for (int64_t j = jb; j < je && in_order; ++j) in_order = sl[j] == j;
+    if (in_order) {
+      if constexpr (std::is_same_v<scalar_t, float>) return base + jb * D;
+      for (; shared_to < je; ++shared_to) convert(base + shared_to * D, shared + (shared_to - jb) * D);
+      return shared;
+    }
+    for (int64_t j = jb; j < je; ++j) convert(base + sl[j] * D, own + (j - jb) * D);
+    return own;
+  }
+};
+
+// One (group of rows of one sequence, KV head) task with AVX-512. Keys and values are
+// read in blocks of kKeyBlock positions, converted to float32 once for every row of the
+// group that sees them in order (a chain or tree verification reads the KV cache about
+// once instead of once per row). Each row's arithmetic is the same whatever its group:
+//   s_j = scale * <q, k_j>: 16 lane products over d (mul, then fma in order of d), summed
+//         in _mm512_reduce_add_ps's tree (reduce16, 16 keys at a time);
+//   softmax over its keys in position order (max, exp16, 16-lane partial sums);
+//   o = sum_j p_j v_j by fma in position order, then times 1 / sum_j p_j.
 template <typename scalar_t, int nv>
-void task_avx512(const scalar_t* qrow, const scalar_t* K, const scalar_t* V, const int64_t* sl,
-                 int64_t n, int64_t R, float scale, std::vector<float>& scores, float* acc_out) {
+void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, const scalar_t* V,
+                  int64_t R, float scale) {
   constexpr int64_t D = nv * kLanes;
-  __m512 qv[kMaxGroup][kMaxVec];
-  for (int64_t r = 0; r < R; ++r)
-    for (int c = 0; c < nv; ++c) qv[r][c] = load16(qrow + r * D + c * kLanes);
-  scores.resize(R * n);
-  __m512 kv[kMaxVec];
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t* k = K + (sl ? sl[j] : j) * D;
-    for (int c = 0; c < nv; ++c) kv[c] = load16(k + c * kLanes);
-    for (int64_t r = 0; r < R; ++r) {
-      __m512 a = _mm512_mul_ps(qv[r][0], kv[0]);
-      for (int c = 1; c < nv; ++c) a = _mm512_fmadd_ps(qv[r][c], kv[c], a);
-      scores[r * n + j] = _mm512_reduce_add_ps(a) * scale;
+  int64_t longest = 0;
+  for (int64_t i = 0; i < nrows; ++i) longest = rows[i].n > longest ? rows[i].n : longest;
+  static thread_local std::vector<float> buffers(2 * kKeyBlock * kMaxVec * kLanes);
+  BlockReader<scalar_t, D> reader;
+  reader.shared = buffers.data();
+  reader.own = buffers.data() + kKeyBlock * D;
+  __m512 qv[kMaxVec];
+  __m512 part[kLanes];
+  reader.base = K;
+  for (int64_t jb = 0; jb < longest; jb += kKeyBlock) {
+    reader.start(jb);
+    for (int64_t i = 0; i < nrows; ++i) {
+      const GroupRow<scalar_t>& row = rows[i];
+      const int64_t je = row.n < jb + kKeyBlock ? row.n : jb + kKeyBlock;
+      if (jb >= je) continue;
+      const float* kb = reader.rows(row.sl, jb, je);
+      for (int64_t r = 0; r < R; ++r) {
+        for (int c = 0; c < nv; ++c) qv[c] = load16(row.q + r * D + c * kLanes);
+        float* out = row.scores + r * row.n;
+        for (int64_t j0 = jb; j0 < je; j0 += kLanes) {
+          const int64_t cnt = je - j0 < kLanes ? je - j0 : kLanes;
+          for (int64_t u = 0; u < kLanes; ++u) {
+            if (u >= cnt) {
+              part[u] = _mm512_setzero_ps();
+              continue;
+            }
+            const float* k = kb + (j0 + u - jb) * D;
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+            for (int c = 1; c < nv; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * kLanes), a);
+            part[u] = a;
+          }
+          const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
+          _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << cnt) - 1u), sc);
+        }
+      }
     }
   }
-  float denom[kMaxGroup];
-  for (int64_t r = 0; r < R; ++r) {
-    float* sr = scores.data() + r * n;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) m = sr[j] > m ? sr[j] : m;
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + kLanes <= n; j += kLanes) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv));
-      _mm512_storeu_ps(sr + j, e);
-      sum = _mm512_add_ps(sum, e);
+  float denom[kMaxRows][kMaxGroup];
+  for (int64_t i = 0; i < nrows; ++i) {
+    const int64_t n = rows[i].n;
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = rows[i].scores + r * n;
+      // the maximum is exact in any order (and +0 / -0 give exp(s - m) the same bits)
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      int64_t jm = 0;
+      for (; jm + kLanes <= n; jm += kLanes) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + jm));
+      float m = _mm512_reduce_max_ps(mx);
+      for (; jm < n; ++jm) m = sr[jm] > m ? sr[jm] : m;
+      const __m512 mv = _mm512_set1_ps(m);
+      __m512 sum = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + kLanes <= n; j += kLanes) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv));
+        _mm512_storeu_ps(sr + j, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      if (j < n) {
+        const __mmask16 mask = static_cast<__mmask16>((1u << (n - j)) - 1u);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sr + j), mv));
+        _mm512_mask_storeu_ps(sr + j, mask, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+      }
+      denom[i][r] = _mm512_reduce_add_ps(sum);
     }
-    if (j < n) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (n - j)) - 1u);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sr + j), mv));
-      _mm512_mask_storeu_ps(sr + j, mask, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
-    }
-    denom[r] = _mm512_reduce_add_ps(sum);
+    std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
   }
   __m512 acc[kMaxGroup][kMaxVec];
-  for (int64_t r = 0; r < R; ++r)
-    for (int c = 0; c < nv; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const scalar_t* v = V + (sl ? sl[j] : j) * D;
-    for (int c = 0; c < nv; ++c) kv[c] = load16(v + c * kLanes);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 p = _mm512_set1_ps(scores[r * n + j]);
-      for (int c = 0; c < nv; ++c) acc[r][c] = _mm512_fmadd_ps(p, kv[c], acc[r][c]);
+  reader.base = V;
+  for (int64_t jb = 0; jb < longest; jb += kKeyBlock) {
+    reader.start(jb);
+    for (int64_t i = 0; i < nrows; ++i) {
+      const GroupRow<scalar_t>& row = rows[i];
+      const int64_t je = row.n < jb + kKeyBlock ? row.n : jb + kKeyBlock;
+      if (jb >= je) continue;
+      const float* vb = reader.rows(row.sl, jb, je);
+      for (int64_t r = 0; r < R; ++r)
+        for (int c = 0; c < nv; ++c) acc[r][c] = _mm512_loadu_ps(row.acc + r * D + c * kLanes);
+      for (int64_t j = jb; j < je; ++j) {
+        const float* v = vb + (j - jb) * D;
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512 p = _mm512_set1_ps(row.scores[r * row.n + j]);
+          for (int c = 0; c < nv; ++c)
+            acc[r][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * kLanes), acc[r][c]);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int c = 0; c < nv; ++c) _mm512_storeu_ps(row.acc + r * D + c * kLanes, acc[r][c]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
-    for (int c = 0; c < nv; ++c)
-      _mm512_storeu_ps(acc_out + r * D + c * kLanes, _mm512_mul_ps(acc[r][c], inv));
-  }
+  for (int64_t i = 0; i < nrows; ++i)
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.f / denom[i][r]);
+      float* a = rows[i].acc + r * D;
+      for (int c = 0; c < nv; ++c)
+        _mm512_storeu_ps(a + c * kLanes, _mm512_mul_ps(_mm512_loadu_ps(a + c * kLanes), inv));
+    }
 }
 #endif
 
@@ -98,6 +216,60 @@ void run(const torch::Tensor& q, const std::vector<torch::Tensor>& kv, int64_t l
   }
   const scalar_t* qp = q.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
+#if defined(__AVX512F__)
+  if ((D == 64 || D == 128) && R <= kMaxGroup) {
+    // Groups: runs of consecutive rows of one sequence, at most kMaxRows each, split
+    // evenly; a group's tasks (one per KV head) read its keys once per block.
+    std::vector<int64_t> first;  // group g holds rows first[g] .. first[g + 1] - 1
+    for (int64_t t = 0; t < T;) {
+      int64_t e = t + 1;
+      while (e < T && row_seq[e] == row_seq[t]) ++e;
+      const int64_t run = e - t, parts = (run + kMaxRows - 1) / kMaxRows;
+      for (int64_t k = 0; k < parts; ++k) first.push_back(t + run * k / parts);
+      t = e;
+    }
+    first.push_back(T);
+    const int64_t groups = static_cast<int64_t>(first.size()) - 1;
+    at::parallel_for(0, groups * G, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc;
+      GroupRow<scalar_t> rows[kMaxRows];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t grp = task / G, g = task % G;
+        const int64_t t0 = first[grp], t1 = first[grp + 1];
+        const int64_t s = row_seq[t0];
+        if (s < 0) continue;
+        int64_t total = 0;
+        for (int64_t t = t0; t < t1; ++t) total += row_n[t];
+        scores.resize(R * total);
+        acc.resize(R * D * (t1 - t0));
+        int64_t used = 0;
+        for (int64_t t = t0; t < t1; ++t) {
+          GroupRow<scalar_t>& row = rows[t - t0];
+          row.q = qp + (t * H + g * R) * D;
+          row.sl = row_off[t] < 0 ? nullptr : slots + row_off[t];
+          row.n = row_n[t];
+          row.scores = scores.data() + R * used;
+          row.acc = acc.data() + R * D * (t - t0);
+          used += row.n;
+        }
+        const int64_t cap = capacity[s];
+        const scalar_t* K = base[s] + g * cap * D;
+        const scalar_t* V = base[s] + (G + g) * cap * D;
+        if (D == 64)
+          group_avx512<scalar_t, 4>(rows, t1 - t0, K, V, R, scale);
+        else
+          group_avx512<scalar_t, 8>(rows, t1 - t0, K, V, R, scale);
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t r = 0; r < R; ++r) {
+            scalar_t* o = op + (t * H + g * R + r) * D;
+            const float* a = acc.data() + R * D * (t - t0) + r * D;
+            for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(a[i]);
+          }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, T * G, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(R * D), kf(D), acc(R * D), scores;
     float lane[kLanes];
@@ -108,21 +280,6 @@ void run(const torch::Tensor& q, const std::vector<torch::Tensor>& kv, int64_t l
       const int64_t n = row_n[t], off = row_off[t], cap = capacity[s];
       const scalar_t* K = base[s] + g * cap * D;
       const scalar_t* V = base[s] + (G + g) * cap * D;
-#if defined(__AVX512F__)
-      if ((D == 64 || D == 128) && R <= kMaxGroup) {
-        const scalar_t* qrow = qp + (t * H + g * R) * D;
-        const int64_t* sl = off < 0 ? nullptr : slots + off;
-        if (D == 64)
-          task_avx512<scalar_t, 4>(qrow, K, V, sl, n, R, scale, scores, acc.data());
-        else
-          task_avx512<scalar_t, 8>(qrow, K, V, sl, n, R, scale, scores, acc.data());
-        for (int64_t r = 0; r < R; ++r) {
-          scalar_t* o = op + (t * H + g * R + r) * D;
-          for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(acc[r * D + i]);
-        }
-        continue;
-      }
-#endif
       for (int64_t r = 0; r < R; ++r)
         for (int64_t i = 0; i < D; ++i) qf[r * D + i] = to_float(qp[(t * H + g * R + r) * D + i]);
       scores.resize(R * n);
