@@ -79,9 +79,16 @@ def main() -> None:
     ap.add_argument("--documents", nargs="+", default=list(DOCUMENTS))
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--quantization", default="auto",
+        help="the target's weights: auto (the GGUF's own blocks, as the CLI), none, q8_0, q4_1",
+    )  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    target = load("smollm2-135m-instruct", dtype=args.dtype, backend="native")
+    target = load(
+        "smollm2-135m-instruct", dtype=args.dtype, backend="native",
+        quantization=args.quantization,
+    )  # fmt: skip
     prompts = build_prompts(target.tokenizer, args.lengths, args.documents)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     methods = ["ar", *args.methods]
@@ -175,6 +182,7 @@ def main() -> None:
             "machine": platform.processor() or platform.machine(),
             "cpus": torch.get_num_threads(),
             "dtype": args.dtype,
+            "quantization": target.quantization,
             "max_new_tokens": args.max_new_tokens,
             "methods": methods,
             "lengths": args.lengths,
