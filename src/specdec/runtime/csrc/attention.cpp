@@ -89,6 +89,23 @@ struct BlockReader {
   }
 };
 
+// Calls visit(row, jb, je, block) for every row of a group and every block of kKeyBlock
+// positions the row sees, block after block, so that a block read from `base` serves every
+// row of the group before the next one is read (`block`: rows jb .. je-1 as float32).
+template <typename scalar_t, int64_t D, typename Visit>
+void each_block(GroupRow<scalar_t>* rows, int64_t nrows, int64_t longest,
+                BlockReader<scalar_t, D>& reader, const scalar_t* base, Visit&& visit) {
+  reader.base = base;
+  for (int64_t jb = 0; jb < longest; jb += kKeyBlock) {
+    reader.start(jb);
+    for (int64_t i = 0; i < nrows; ++i) {
+      const GroupRow<scalar_t>& row = rows[i];
+      const int64_t je = row.n < jb + kKeyBlock ? row.n : jb + kKeyBlock;
+      if (jb < je) visit(row, jb, je, reader.rows(row.sl, jb, je));
+    }
+  }
+}
+
 // One (group of rows of one sequence, KV head) task with AVX-512. Keys and values are
 // read in blocks of kKeyBlock positions, converted to float32 once for every row of the
 // group that sees them in order (a chain or tree verification reads the KV cache about
@@ -109,35 +126,28 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
   reader.own = buffers.data() + kKeyBlock * D;
   __m512 qv[kMaxVec];
   __m512 part[kLanes];
-  reader.base = K;
-  for (int64_t jb = 0; jb < longest; jb += kKeyBlock) {
-    reader.start(jb);
-    for (int64_t i = 0; i < nrows; ++i) {
-      const GroupRow<scalar_t>& row = rows[i];
-      const int64_t je = row.n < jb + kKeyBlock ? row.n : jb + kKeyBlock;
-      if (jb >= je) continue;
-      const float* kb = reader.rows(row.sl, jb, je);
-      for (int64_t r = 0; r < R; ++r) {
-        for (int c = 0; c < nv; ++c) qv[c] = load16(row.q + r * D + c * kLanes);
-        float* out = row.scores + r * row.n;
-        for (int64_t j0 = jb; j0 < je; j0 += kLanes) {
-          const int64_t cnt = je - j0 < kLanes ? je - j0 : kLanes;
-          for (int64_t u = 0; u < kLanes; ++u) {
-            if (u >= cnt) {
-              part[u] = _mm512_setzero_ps();
-              continue;
-            }
-            const float* k = kb + (j0 + u - jb) * D;
-            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-            for (int c = 1; c < nv; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * kLanes), a);
-            part[u] = a;
+  each_block(rows, nrows, longest, reader, K, [&](const GroupRow<scalar_t>& row, int64_t jb,
+                                                  int64_t je, const float* kb) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int c = 0; c < nv; ++c) qv[c] = load16(row.q + r * D + c * kLanes);
+      float* out = row.scores + r * row.n;
+      for (int64_t j0 = jb; j0 < je; j0 += kLanes) {
+        const int64_t cnt = je - j0 < kLanes ? je - j0 : kLanes;
+        for (int64_t u = 0; u < kLanes; ++u) {
+          if (u >= cnt) {
+            part[u] = _mm512_setzero_ps();
+            continue;
           }
-          const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
-          _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << cnt) - 1u), sc);
+          const float* k = kb + (j0 + u - jb) * D;
+          __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+          for (int c = 1; c < nv; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * kLanes), a);
+          part[u] = a;
         }
+        const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << cnt) - 1u), sc);
       }
     }
-  }
+  });
   float denom[kMaxRows][kMaxGroup];
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t n = rows[i].n;
@@ -168,28 +178,21 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
     std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
   }
   __m512 acc[kMaxGroup][kMaxVec];
-  reader.base = V;
-  for (int64_t jb = 0; jb < longest; jb += kKeyBlock) {
-    reader.start(jb);
-    for (int64_t i = 0; i < nrows; ++i) {
-      const GroupRow<scalar_t>& row = rows[i];
-      const int64_t je = row.n < jb + kKeyBlock ? row.n : jb + kKeyBlock;
-      if (jb >= je) continue;
-      const float* vb = reader.rows(row.sl, jb, je);
-      for (int64_t r = 0; r < R; ++r)
-        for (int c = 0; c < nv; ++c) acc[r][c] = _mm512_loadu_ps(row.acc + r * D + c * kLanes);
-      for (int64_t j = jb; j < je; ++j) {
-        const float* v = vb + (j - jb) * D;
-        for (int64_t r = 0; r < R; ++r) {
-          const __m512 p = _mm512_set1_ps(row.scores[r * row.n + j]);
-          for (int c = 0; c < nv; ++c)
-            acc[r][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * kLanes), acc[r][c]);
-        }
+  each_block(rows, nrows, longest, reader, V, [&](const GroupRow<scalar_t>& row, int64_t jb,
+                                                  int64_t je, const float* vb) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int c = 0; c < nv; ++c) acc[r][c] = _mm512_loadu_ps(row.acc + r * D + c * kLanes);
+    for (int64_t j = jb; j < je; ++j) {
+      const float* v = vb + (j - jb) * D;
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 p = _mm512_set1_ps(row.scores[r * row.n + j]);
+        for (int c = 0; c < nv; ++c)
+          acc[r][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * kLanes), acc[r][c]);
       }
-      for (int64_t r = 0; r < R; ++r)
-        for (int c = 0; c < nv; ++c) _mm512_storeu_ps(row.acc + r * D + c * kLanes, acc[r][c]);
     }
-  }
+    for (int64_t r = 0; r < R; ++r)
+      for (int c = 0; c < nv; ++c) _mm512_storeu_ps(row.acc + r * D + c * kLanes, acc[r][c]);
+  });
   for (int64_t i = 0; i < nrows; ++i)
     for (int64_t r = 0; r < R; ++r) {
       const __m512 inv = _mm512_set1_ps(1.f / denom[i][r]);
