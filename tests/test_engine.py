@@ -163,6 +163,36 @@ def test_scripted_partial_acceptance(target, errors, expected_accepted):
     assert emitted == [a + 1 for a in expected_accepted]
 
 
+def test_a_drafter_that_drafts_at_most_m_tokens_caps_k(target):
+    """``max_draft_tokens`` (Medusa's heads, a parallel head's block): the engine asks for
+    at most that many tokens and counts the choices it really made."""
+    prompt = PROMPTS[0]
+    truth = hf_greedy(target, prompt, 24)
+    drafter = ScriptedDrafter(truth, len(prompt), {}, target.vocab_size)
+    asked = []
+    propose = drafter.propose
+
+    def spy(token_ids, num_tokens, generator):
+        asked.append(num_tokens)
+        return propose(token_ids, num_tokens, generator)
+
+    drafter.propose = spy
+    drafter.max_draft_tokens = 2
+    config = SpeculativeConfig(method="custom", num_speculative_tokens=5)
+    out = LLM(target, drafter=drafter, speculative=config).generate(prompt, _greedy(24))
+    assert out.token_ids == truth
+    assert asked and max(asked) == 2
+    assert len(out.metrics.chosen_k_counts) == 3  # choices 0, 1, 2 only
+
+
+@pytest.mark.parametrize("most", [0, -1, 2.0, True, "3"])
+def test_a_bad_max_draft_tokens_is_refused(target, most):
+    drafter = ScriptedDrafter([], 0, {}, target.vocab_size)
+    drafter.max_draft_tokens = most
+    with pytest.raises(ValueError, match="max_draft_tokens must be None or an integer >= 1"):
+        LLM(target, drafter=drafter)
+
+
 def _scripted_llm(target, truth, prompt, k):
     drafter = ScriptedDrafter(truth, len(prompt), {}, target.vocab_size)
     llm = LLM(target, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=k))

@@ -146,6 +146,9 @@ class Drafter(Protocol):
       for the tokens ``start .. start + T`` of the sequence; every token but the pending
       one is prefilled, again after a readmission), and every verification's rows reach
       ``observe(feedback)`` in :attr:`VerificationFeedback.hidden`.
+    * ``max_draft_tokens`` (int or ``None``, default ``None``): the most tokens one chain
+      proposal can hold (Medusa: its heads; a parallel head: its block). The engine caps
+      the chain length the controller chooses from (and its ``chosen k`` counts) at it.
     * ``confidence_stop``: its sequences' ``propose`` also takes ``stop_drafting=fn``
       and calls ``fn(position, confidence)`` with the top probability of the draft
       distribution before keeping each token, stopping when it returns True (so a
@@ -174,6 +177,8 @@ class DrafterBase:
     #: hidden-state indices of the target its sequences read (``observe_prefill`` and
     #: :attr:`VerificationFeedback.hidden`)
     captures: tuple[int, ...] = ()
+    #: the most tokens one chain proposal can hold (``None``: no limit of its own)
+    max_draft_tokens: int | None = None
 
     def observe(self, feedback: VerificationFeedback) -> None:
         """Learn from a verification (default: nothing)."""
@@ -200,8 +205,9 @@ def check_drafter(drafter: object) -> None:
 
     Raises:
         ValueError: no callable ``start``, or a declared capability (``supports_trees``,
-            ``observes``, ``uses_target_cache``) that is not a bool, or ``max_aux_rows``
-            that is not an integer >= 0.
+            ``observes``, ``uses_target_cache``) that is not a bool, ``max_aux_rows``
+            that is not an integer >= 0, or ``max_draft_tokens`` neither ``None`` nor an
+            integer >= 1.
     """
     if not callable(getattr(drafter, "start", None)):
         raise ValueError(
@@ -214,6 +220,11 @@ def check_drafter(drafter: object) -> None:
     aux = getattr(drafter, "max_aux_rows", 0)
     if isinstance(aux, bool) or not isinstance(aux, int) or aux < 0:
         raise ValueError(f"{type(drafter).__name__}.max_aux_rows must be an integer >= 0")
+    most = getattr(drafter, "max_draft_tokens", None)
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 1):
+        raise ValueError(
+            f"{type(drafter).__name__}.max_draft_tokens must be None or an integer >= 1"
+        )
     captures = getattr(drafter, "captures", ())
     if not isinstance(captures, tuple) or not all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in captures

@@ -45,7 +45,7 @@ class MedusaDrafter(HeadDrafterBase):
 
     def __init__(self, target, head, options) -> None:
         super().__init__(target, head, options)
-        self.num_heads = head.config.medusa_heads
+        self.num_heads = self.max_draft_tokens = head.config.medusa_heads
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> MedusaSequence:
         return MedusaSequence(self, params)

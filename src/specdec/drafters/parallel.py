@@ -57,7 +57,7 @@ class ParallelDrafter(EagleDrafter):
 
     def __init__(self, target, head, options) -> None:
         super().__init__(target, head, options)
-        self.block_size = head.config.block_size
+        self.block_size = self.max_draft_tokens = head.config.block_size
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> ParallelSequence:
         return ParallelSequence(self, params)

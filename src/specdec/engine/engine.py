@@ -275,6 +275,9 @@ class Engine:
         if captures:
             check_capture(captures, getattr(target, "num_layers", max(captures)))
         max_k = tree_builder.max_depth if tree_builder is not None else num_speculative_tokens
+        most = getattr(drafter, "max_draft_tokens", None)
+        if tree_builder is None and most is not None:
+            max_k = min(max_k, most)  # Medusa's heads, a parallel head's block
         info = SequenceInfo(
             request_id=request_id,
             max_k=max_k,
