@@ -433,7 +433,7 @@ def _bench_argv(tmp_path, *extra):
         (["--repeat", "0"], "--repeat must be >= 1"),
         (["--method", "suffix:max_depth=1"], "max_depth must be an integer >= 2"),
         (["--temperature", "-1"], "temperature"),
-        (["--top-p", "0"], "top_p"),
+        (["--top-p", "0"], "--top-p"),
         (["--method", "ngram:k=0"], "num_speculative_tokens must be an integer >= 1"),
         (["--method", "ngram:min_n=5,max_n=2"], "min_n <= max_n"),
         (["--method", "hf-prompt-lookup:k=0"], "k=0 must be >= 1"),

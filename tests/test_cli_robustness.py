@@ -312,6 +312,20 @@ def test_threads_below_one_are_refused(capsys, tiny_model_dir, no_loading):
     assert_one_line_error(code, err, "--threads must be >= 1")
 
 
+@pytest.mark.parametrize(
+    "flag, value, said",
+    [
+        ("--num-speculative-tokens", "0", "--num-speculative-tokens must be an integer >= 1"),
+        ("--max-new-tokens", "0", "--max-new-tokens must be an integer >= 1"),
+        ("--temperature", "-1", "--temperature must be a finite number >= 0"),
+        ("--top-p", "2", "--top-p must be in (0, 1]"),
+    ],
+)
+def test_errors_name_the_flag_not_the_field(capsys, tiny_model_dir, no_loading, flag, value, said):
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, flag, value)
+    assert_one_line_error(code, err, said)
+
+
 def test_starved_run_is_flagged(monkeypatch, capsys):
     clock = {"wall": 0.0, "cpu": 0.0}
     monkeypatch.setattr(cli_common.time, "perf_counter", lambda: clock["wall"])

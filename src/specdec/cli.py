@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 refused, 130 interrupted)."""
     _printable_output()
     _plugin_warnings_as_lines()
+    parser = _build_parser()
+    args = None
     try:
-        args = _build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
         logging.basicConfig(level=logging.WARNING, format="specdec: %(message)s")
         _quiet_transformers()
         if getattr(args, "replicas", 1) > 1:  # specdec serve --replicas N
@@ -63,8 +65,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (ValueError, OSError) as error:
         message = printable(" ".join(str(error).split()))  # always one line
+        if isinstance(error, ValueError) and args is not None:
+            message = _as_flags(message, parser, args.command)
         print(f"specdec: error: {message}", file=sys.stderr)
         return 2
+
+
+def _as_flags(message: str, parser: argparse.ArgumentParser, command: str) -> str:
+    """``message`` with the library's field names that are also flags of ``command``
+    written as those flags (``num_speculative_tokens must be ...`` -> ``--num-speculative-
+    tokens must be ...``): a field name with an underscore anywhere, a one-word name only
+    at the start of the message."""
+    import re
+
+    flags = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            for option in action.choices[command]._actions:
+                for text in option.option_strings:
+                    if text == "--" + option.dest.replace("_", "-"):
+                        flags[option.dest] = text
+    for dest, flag in flags.items():
+        if "_" in dest:
+            message = re.sub(rf"(?<![\w\-.=]){dest}(?![\w\-=(])", flag, message)
+        elif message.startswith(dest + " "):
+            message = flag + message[len(dest) :]
+    return message
 
 
 def _serve_replicated(args: argparse.Namespace) -> int:
