@@ -66,9 +66,9 @@ struct BlockReader {
   const scalar_t* base;
   float* shared;  // [kKeyBlock, D]
   float* own;  // [kKeyBlock, D]
-  int64_t shared_from = 0, shared_to = 0;  // converted slots of `shared`
+  int64_t shared_to = 0;  // slots jb .. shared_to - 1 are converted in `shared`
 
-  void start(int64_t jb) { shared_from = shared_to = jb; }
+  void start(int64_t jb) { shared_to = jb; }
 
   static void convert(const scalar_t* src, float* dst) {
     for (int c = 0; c < D / kLanes; ++c) _mm512_storeu_ps(dst + c * kLanes, load16(src + c * kLanes));
