@@ -39,6 +39,7 @@ checkpoints that resume where they stopped.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -524,20 +525,21 @@ def release_freed_memory() -> None:
     project's CPU. Trimming after each step keeps it near its working set (measured: 40
     steps grew 2.2 GiB untrimmed, 0.9 GiB trimmed, at the same speed).
     """
-    global _TRIM
-    if _TRIM is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _TRIM = False
-    if _TRIM:
-        _TRIM(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
-_TRIM = None
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or ``None`` where the C library has none."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def train(
