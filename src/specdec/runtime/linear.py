@@ -169,6 +169,7 @@ class Linear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice):
+        self.weight = weight
         self.bias = bias
         self.choice = choice
         names = {*choice.fast, choice.exact}
@@ -184,10 +185,14 @@ class Linear:
         y = self._exact(x) if exact else self._fast(x)
         return y if self.bias is None else y + self.bias
 
-    def prefill(self, x: torch.Tensor) -> torch.Tensor:
-        """A prompt chunk's product: the fast formulation for its row count (exact mode
-        computes a chunk's rows only as that chunk, see
-        :func:`specdec.runtime.model._product`)."""
+    def prefill(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+        """A prompt chunk's product: the fast formulation for its row count, or with
+        ``upcast`` one float32 product (the weight converted per call, the result rounded
+        once to ``x``'s dtype; see :mod:`specdec.runtime.prefill`). Exact mode computes a
+        chunk's rows only as that chunk (see :func:`specdec.runtime.model._product`)."""
+        if upcast:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         y = self._fast(x)
         return y if self.bias is None else y + self.bias
 

@@ -34,6 +34,7 @@ from specdec.runtime.kernels import (
     silu_mul,
 )
 from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
+from specdec.runtime.prefill import PrefillPlan, prefill_plan
 from specdec.runtime.quant import QuantLinear, quant_kernel_choices
 from specdec.runtime.weights import ModelWeights
 
@@ -50,6 +51,9 @@ class NativeDecoder:
         exact: default mode of :meth:`forward` (batch-invariant products and attention).
         choices: a :class:`KernelChoice` per product name (``qkv``, ``o``, ``gate_up``,
             ``down``, ``lm_head``); measured (or read from the on-disk table) when ``None``.
+        prefill: when prompt chunks of a 16-bit model compute in float32
+            (:mod:`specdec.runtime.prefill`); measured (or read from the on-disk table)
+            when ``None``.
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class NativeDecoder:
         weights: ModelWeights,
         exact: bool = True,
         choices: dict[str, KernelChoice] | None = None,
+        prefill: PrefillPlan | None = None,
     ) -> None:
         self.weights = weights
         self.config = cfg = weights.config
@@ -93,8 +98,24 @@ class NativeDecoder:
         self.lm_head = linear("lm_head", 0, weights.lm_head, None)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.device = weights.embed.device
+        self.prefill_plan = prefill or self._measure_prefill(quantized)
         self._cos = self._sin = torch.empty(0)
         self.use_kernel = kernel_available(self.device)
+
+    def _measure_prefill(self, quantized: dict) -> PrefillPlan:
+        """:func:`~specdec.runtime.prefill.prefill_plan` timed on the first layer's products."""
+        cfg = self.config
+        width = {"qkv": cfg.hidden_size, "o": cfg.num_heads * cfg.head_dim,
+                 "gate_up": cfg.hidden_size, "down": cfg.intermediate_size}  # fmt: skip
+        first = self.layers[0] if self.layers else {}
+        products = [(first[name].prefill, k) for name, k in width.items() if name in first]
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        kinds = {name: m[0].kind for name, m in quantized.items()}
+        model_key = ";".join(
+            [f"{name}={k}:{kinds.get(name, 'dense')}" for name, k in width.items()]
+            + [f"heads={'x'.join(map(str, heads))}"]
+        )
+        return prefill_plan(products, heads, self.dtype, self.device, model_key)
 
     def new_cache(self, capacity: int) -> NativeKVCache:
         """An empty cache for one sequence (``capacity`` slots; grows if needed)."""
@@ -244,7 +265,8 @@ class NativeDecoder:
         cfg = self.config
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = self.weights.layers[index]
-        qkv = _product(layer["qkv"], _rms_norm(x, w.attn_norm, cfg.rms_eps), plans, exact)
+        upcast = self.prefill_plan
+        qkv = _product(layer["qkv"], _rms_norm(x, w.attn_norm, cfg.rms_eps), plans, exact, upcast)
         qk, v = qkv.split([(h + g) * d, g * d], dim=-1)
         qk = _head_norms(qk.reshape(-1, h + g, d), w, h, cfg.rms_eps)
         qk = _rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1))  # queries and keys in one go
@@ -261,10 +283,10 @@ class NativeDecoder:
             outputs.append(self._sequence_attention(index, q[row : row + p.length], p, exact))
             row += p.length
         attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        x = x + _product(layer["o"], attn, plans, exact)
+        x = x + _product(layer["o"], attn, plans, exact, upcast)
         normed = _rms_norm(x, w.mlp_norm, cfg.rms_eps)
-        gate, up = _product(layer["gate_up"], normed, plans, exact).chunk(2, dim=-1)
-        return x + _product(layer["down"], F.silu(gate) * up, plans, exact)
+        gate, up = _product(layer["gate_up"], normed, plans, exact, upcast).chunk(2, dim=-1)
+        return x + _product(layer["down"], F.silu(gate) * up, plans, exact, upcast)
 
     def _fused_layer(self, index, x, normed, cos, sin, plans, exact, kernel):
         """One decoder layer with the compiled kernels (:mod:`specdec.runtime.kernels`):
@@ -274,7 +296,7 @@ class NativeDecoder:
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = self.weights.layers[index]
         layer = self.layers[index]
-        qkv = _rows(_product(layer["qkv"], normed, plans, exact))
+        qkv = _rows(_product(layer["qkv"], normed, plans, exact, self.prefill_plan))
         if w.q_norm is not None:
             qk, v = qkv.split([(h + g) * d, g * d], dim=-1)
             qk = _head_norms(qk.reshape(-1, h + g, d), w, h, cfg.rms_eps)
@@ -293,21 +315,26 @@ class NativeDecoder:
                     index, q[row : row + p.length], p, exact
                 )
             row += p.length
-        o = _rows(_product(layer["o"], attn, plans, exact))
+        o = _rows(_product(layer["o"], attn, plans, exact, self.prefill_plan))
         x, normed = add_rms_norm(x, o, w.mlp_norm, cfg.rms_eps)
-        gate_up = _rows(_product(layer["gate_up"], normed, plans, exact))
-        return x, _rows(_product(layer["down"], silu_mul(gate_up), plans, exact))
+        gate_up = _rows(_product(layer["gate_up"], normed, plans, exact, self.prefill_plan))
+        return x, _rows(_product(layer["down"], silu_mul(gate_up), plans, exact, self.prefill_plan))
 
     def _sequence_attention(self, index: int, q: torch.Tensor, p: _Plan, exact: bool):
         """One sequence's attention in PyTorch (its new keys already in its cache):
-        exact after its prefill, else one ``scaled_dot_product_attention``."""
+        exact after its prefill, else one ``scaled_dot_product_attention`` (in float32 for
+        a prompt chunk where the prefill plan says so)."""
         kv = p.item.cache.kv[index]
         if exact and not p.prefill:
             return attention_exact(q, kv[0], kv[1], p.attention(exact), self.scale)
         filled = p.start + p.length
-        return attention_fast(
-            q, kv[0, :, :filled], kv[1, :, :filled], p.attention(exact), self.scale
-        )
+        keys, values = kv[0, :, :filled], kv[1, :, :filled]
+        if p.prefill and self.prefill_plan.attention(p.length):  # see runtime.prefill
+            out = attention_fast(
+                q.float(), keys.float(), values.float(), p.attention(exact), self.scale
+            )
+            return out.to(q.dtype)
+        return attention_fast(q, keys, values, p.attention(exact), self.scale)
 
     def _kernel_rows(self, plans, exact: bool) -> _KernelRows | None:
         """What the kernels need about this forward's rows (built once per forward, for
@@ -476,23 +503,31 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def _product(linear, x: torch.Tensor, plans: list[_Plan], exact: bool) -> torch.Tensor:
-    """``linear`` over the forward's rows. Fast mode: one product for all rows. Exact
+def _product(
+    linear, x: torch.Tensor, plans: list[_Plan], exact: bool, upcast: PrefillPlan
+) -> torch.Tensor:
+    """``linear`` over the forward's rows. Fast mode: one product for all rows (in float32
+    when they include a prompt chunk and ``upcast`` says so for that many rows). Exact
     mode: each prefill chunk's rows as one product of their own (:meth:`Linear.prefill`:
-    the fastest formulation for that many rows; the same call for the same chunk, so the
-    same bits alone or in any batch), and every other row (decoding, verification) through
-    the batch-invariant product. A prompt chunk's rows are only ever computed as that
-    chunk, so they need no invariance across row counts, and a long prompt runs at the
-    speed of one large product instead of the exact mode's tiles."""
-    if not exact or not any(p.prefill for p in plans):
+    the fastest formulation for that many rows, in float32 where ``upcast`` says so; the
+    same call for the same chunk, so the same bits alone or in any batch), and every other
+    row (decoding, verification) through the batch-invariant product. A prompt chunk's
+    rows are only ever computed as that chunk, so they need no invariance across row
+    counts, and a long prompt runs at the speed of one large product instead of the exact
+    mode's tiles."""
+    if not any(p.prefill for p in plans):
         return linear(x, exact)
+    if not exact:
+        if upcast.products(x.shape[0]):
+            return linear.prefill(x, True)
+        return linear(x, False)
     outputs, row, run = [], 0, 0  # run: rows of other sequences not yet computed
     for p in plans:
         if p.prefill:
             if run:
                 outputs.append(linear(x[row - run : row], True))
                 run = 0
-            outputs.append(linear.prefill(x[row : row + p.length]))
+            outputs.append(linear.prefill(x[row : row + p.length], upcast.products(p.length)))
         else:
             run += p.length
         row += p.length

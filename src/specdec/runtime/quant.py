@@ -451,10 +451,17 @@ class QuantLinear:
             y = self._apply(x, self.layout)
         return y if self.bias is None else y + self.bias
 
-    def prefill(self, x: torch.Tensor) -> torch.Tensor:
-        """A prompt chunk's product (the same call for the same chunk, so the same bits)."""
+    def prefill(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+        """A prompt chunk's product (the same call for the same chunk, so the same bits):
+        below :data:`PREFILL_DENSE_ROWS` rows the quantized kernel, else one dense product
+        on the dequantized matrix, in ``x``'s dtype or, with ``upcast``, in float32 (the
+        dequantized values unrounded, the result rounded once to ``x``'s dtype; see
+        :mod:`specdec.runtime.prefill`)."""
         if x.shape[0] < PREFILL_DENSE_ROWS:
             return self(x)
+        if upcast:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.dense(torch.float32), bias).to(x.dtype)
         return F.linear(x, self.dense(x.dtype), self.bias)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:

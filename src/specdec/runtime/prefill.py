@@ -1,0 +1,217 @@
+"""Prompt chunks of a 16-bit model computed in float32 where that is faster here.
+
+A prompt chunk's products and attention are compute-bound, and which arithmetic is
+fastest depends on the CPU: with AMX, PyTorch's bfloat16 products run about four times
+faster than its float32 ones; without it (AVX512-BF16 only), the float32 products and
+``scaled_dot_product_attention`` are the faster ones (measured on a 2-core Xeon without
+AMX: a 1024 x 576 x 1536 product at 237 GFLOP/s in float32 against 144 in bfloat16, causal
+attention over 1024 tokens 1.5x faster in float32). So the choice is measured once per
+machine, dtype and model (:func:`prefill_plan`), like the products' kernels
+(:mod:`specdec.runtime.linear`), and kept in the same on-disk table.
+
+What an upcast chunk computes: its inputs converted to float32 (exactly), the weights in
+float32 (a 16-bit weight exactly; a GGUF weight dequantized without the rounding to 16
+bits, the values the decoding kernels use), float32 accumulation, and one rounding of the
+outputs to the model's dtype. That is at least as accurate as the 16-bit product, and it
+is the same call for the same chunk, so exact mode's promise holds: a prompt chunk's rows
+are only ever computed as that chunk (see :func:`specdec.runtime.model._product`), so a
+sequence gets the same bits alone or in any batch, and greedy speculative decoding still
+equals plain decoding token for token (both prefill the same way).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+#: Chunk sizes (rows) the two arithmetics are timed at.
+PREFILL_ROWS = (64, 256, 1024)
+#: float32 must save at least this fraction of the time to be chosen.
+UPCAST_GAIN = 0.05
+#: The environment variable that forces the choice (``on`` / ``off``; unset or ``auto``:
+#: measured).
+ENV = "SPECDEC_PREFILL_FLOAT32"
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """When a prompt chunk of a 16-bit model runs in float32.
+
+    Attributes:
+        products_from: chunks of at least this many rows compute their matrix products
+            in float32 (``None``: never).
+        attention_from: the same for the chunk's attention.
+        times_ms: what was measured, ``{"products" | "attention": {"native" | "float32":
+            [ms per PREFILL_ROWS entry]}}`` (for reports; empty when forced).
+    """
+
+    products_from: int | None = None
+    attention_from: int | None = None
+    times_ms: dict = field(default_factory=dict)
+
+    def products(self, rows: int) -> bool:
+        """Whether a chunk of ``rows`` rows computes its products in float32."""
+        return self.products_from is not None and rows >= self.products_from
+
+    def attention(self, rows: int) -> bool:
+        """Whether a chunk of ``rows`` rows computes its attention in float32."""
+        return self.attention_from is not None and rows >= self.attention_from
+
+
+#: Never upcast (float32 models, GPUs, ``SPECDEC_PREFILL_FLOAT32=off``).
+NEVER = PrefillPlan()
+#: Always upcast (``SPECDEC_PREFILL_FLOAT32=on``; tests).
+ALWAYS = PrefillPlan(1, 1)
+
+
+def threshold(native: list[float], upcast: list[float], rows=PREFILL_ROWS) -> int | None:
+    """The smallest measured row count from which float32 wins by at least
+    :data:`UPCAST_GAIN` at it and at every larger measured count (``None``: it does not
+    win at the largest).
+
+    Args:
+        native: milliseconds in the model's dtype, one per ``rows`` entry.
+        upcast: milliseconds in float32, one per ``rows`` entry.
+    """
+    start = None
+    for r, a, b in reversed(list(zip(rows, native, upcast, strict=True))):
+        if b < (1.0 - UPCAST_GAIN) * a:
+            start = r
+        else:
+            break
+    return start
+
+
+def forced_plan() -> PrefillPlan | None:
+    """:data:`ALWAYS` / :data:`NEVER` when ``SPECDEC_PREFILL_FLOAT32`` is ``on`` / ``off``;
+    ``None`` when unset, empty or ``auto``.
+
+    Raises:
+        ValueError: another value.
+    """
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("on", "1", "true"):
+        return ALWAYS
+    if value in ("off", "0", "false"):
+        return NEVER
+    raise ValueError(f"{ENV}={value!r}: expected on, off or auto (or unset, to measure)")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal ``scaled_dot_product_attention`` of ``q`` ``[1, H, T, d]`` over ``k``, ``v``
+    ``[1, G, T, d]`` (the timed operation; grouped heads as the runtime calls it)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def _fastest(run: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for i in range(repeats + 1):  # the first call warms up
+        start = time.perf_counter()
+        run()
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _run_products(products, inputs, upcast: bool) -> None:
+    for (prefill, _), x in zip(products, inputs, strict=True):
+        prefill(x, upcast)
+
+
+def _run_attention(q: torch.Tensor, kv: torch.Tensor, upcast: bool) -> None:
+    scale = q.shape[-1] ** -0.5
+    if upcast:
+        attention(q.float(), kv[0].float(), kv[1].float(), scale).to(q.dtype)
+    else:
+        attention(q, kv[0], kv[1], scale)
+
+
+def measure(
+    products: list[tuple[Callable[[torch.Tensor, bool], torch.Tensor], int]],
+    heads: tuple[int, int, int],
+    dtype: torch.dtype,
+    repeats: int = 2,
+) -> PrefillPlan:
+    """Time one layer's products and a causal attention at :data:`PREFILL_ROWS` rows, in
+    ``dtype`` and in float32, and choose the thresholds (:func:`threshold`).
+
+    Args:
+        products: ``(prefill, in_features)`` per product of one layer; ``prefill(x,
+            upcast)`` computes the chunk's product (upcast: in float32).
+        heads: ``(query heads, key-value heads, head dim)``.
+        dtype: the model's (16-bit) dtype.
+    """
+    gen = torch.Generator().manual_seed(0)
+    h, g, d = heads
+    times: dict[str, dict[str, list[float]]] = {
+        "products": {"native": [], "float32": []},
+        "attention": {"native": [], "float32": []},
+    }
+    for rows in PREFILL_ROWS:
+        inputs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in products]
+        q = torch.randn(1, h, rows, d, generator=gen).to(dtype)
+        kv = torch.randn(2, 1, g, rows, d, generator=gen).to(dtype)
+        for name, upcast in (("native", False), ("float32", True)):
+            times["products"][name].append(
+                _fastest(lambda u=upcast, i=inputs: _run_products(products, i, u), repeats)
+            )
+            times["attention"][name].append(
+                _fastest(lambda u=upcast, q=q, kv=kv: _run_attention(q, kv, u), repeats)
+            )
+    return PrefillPlan(
+        threshold(times["products"]["native"], times["products"]["float32"]),
+        threshold(times["attention"]["native"], times["attention"]["float32"]),
+        times,
+    )
+
+
+def prefill_plan(
+    products: list[tuple[Callable[[torch.Tensor, bool], torch.Tensor], int]],
+    heads: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    model_key: str,
+) -> PrefillPlan:
+    """The :class:`PrefillPlan` for a model: forced by ``SPECDEC_PREFILL_FLOAT32``,
+    :data:`NEVER` for float32 models and off CPU, else read from the kernel table
+    (:func:`specdec.runtime.linear.kernel_table_path`) or measured now (:func:`measure`,
+    under a second for SmolLM2-135M) and kept there.
+
+    Args:
+        products: as for :func:`measure` (one layer's).
+        heads: ``(query heads, key-value heads, head dim)``.
+        dtype: the model's dtype.
+        device: where it runs.
+        model_key: names the model's shapes in the table.
+
+    Raises:
+        ValueError: a bad ``SPECDEC_PREFILL_FLOAT32``.
+    """
+    from specdec.runtime import linear
+
+    forced = forced_plan()
+    if forced is not None:
+        return forced
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return NEVER
+    key = f"prefill|{linear.machine_key(dtype, device)}"
+    path = linear.kernel_table_path()
+    table = linear._read_table(path)
+    entries = table.setdefault(key, {})
+    if model_key not in entries:
+        logger.info("timing prompt chunks in %s and float32 (%s)", dtype, model_key)
+        entries[model_key] = vars(measure(products, heads, dtype))
+        linear._write_table(path, table)
+    return PrefillPlan(**entries[model_key])

@@ -1,0 +1,159 @@
+"""Prompt chunks in float32 where that is faster (``specdec.runtime.prefill``): the choice
+(measured once, kept, forced by the environment), what an upcast chunk computes, and that
+exact mode's promises hold with it (chunks alone or in a batch, greedy speculation equal
+to plain decoding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_model, make_tokenizer
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.models.base import BatchItem
+from specdec.models.hf import HFModel
+from specdec.models.native import NativeModel
+from specdec.runtime import prefill
+from specdec.runtime.prefill import ALWAYS, ENV, NEVER, PrefillPlan, forced_plan, threshold
+from specdec.runtime.quant import PREFILL_DENSE_ROWS
+
+ROWS = (64, 256, 1024)
+
+
+def test_threshold_is_where_float32_wins_from_there_on():
+    assert threshold([10, 40, 160], [5, 20, 80], ROWS) == 64
+    assert threshold([10, 40, 160], [12, 30, 100], ROWS) == 256
+    assert threshold([10, 40, 160], [5, 50, 100], ROWS) == 1024  # must win at every larger
+    assert threshold([10, 40, 160], [12, 50, 170], ROWS) is None
+    assert threshold([10, 40, 160], [9.8, 39, 156], ROWS) is None  # within the 5% margin
+    plan = PrefillPlan(256, None)
+    assert not plan.products(255) and plan.products(256) and not plan.attention(4096)
+    assert ALWAYS.products(1) and ALWAYS.attention(1) and not NEVER.products(1 << 20)
+
+
+def test_the_environment_forces_the_plan(monkeypatch):
+    for value, plan in (("on", ALWAYS), ("OFF", NEVER), ("auto", None), ("", None)):
+        monkeypatch.setenv(ENV, value)
+        assert forced_plan() == plan
+    monkeypatch.setenv(ENV, "sometimes")
+    with pytest.raises(ValueError, match="SPECDEC_PREFILL_FLOAT32='sometimes': expected on"):
+        forced_plan()
+    with pytest.raises(ValueError, match="SPECDEC_PREFILL_FLOAT32"):
+        _bf16_model()
+
+
+def _bf16_model(**kw) -> NativeModel:
+    hf = make_model(make_tokenizer(), seed=0)
+    return NativeModel(HFModel(hf.model.to(torch.bfloat16), hf.tokenizer), exact=True, **kw)
+
+
+def test_the_plan_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(ENV, raising=False)
+    calls = []
+
+    def fake_measure(products, heads, dtype, repeats=2):
+        calls.append((len(products), heads, dtype))
+        assert [k for _, k in products] == [32, 32, 32, 64]  # qkv, o, gate_up, down inputs
+        return PrefillPlan(256, 1024, {"products": {}})
+
+    monkeypatch.setattr(prefill, "measure", fake_measure)
+    first = _bf16_model().decoder.prefill_plan
+    assert (first.products_from, first.attention_from) == (256, 1024)
+    assert _bf16_model().decoder.prefill_plan == first  # read back from the table
+    assert calls == [(4, (4, 2, 8), torch.bfloat16)]
+    fp32 = NativeModel(make_model(make_tokenizer(), seed=0), exact=True)
+    assert fp32.decoder.prefill_plan == NEVER and len(calls) == 1  # float32: nothing to gain
+
+
+def test_measure_times_both_arithmetics_at_each_size():
+    model = _bf16_model(quantization="none")
+    layer = model.decoder.layers[0]
+    products = [(layer[n].prefill, k) for n, k in (("qkv", 32), ("down", 64))]
+    plan = prefill.measure(products, (4, 2, 8), torch.bfloat16, repeats=1)
+    for part in ("products", "attention"):
+        for arithmetic in ("native", "float32"):
+            times = plan.times_ms[part][arithmetic]
+            assert len(times) == len(prefill.PREFILL_ROWS) and all(t > 0 for t in times)
+    assert plan.products_from in (None, *prefill.PREFILL_ROWS)
+
+
+@pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_1"])
+def test_an_upcast_chunk_is_one_float32_product_rounded_once(quantization, monkeypatch):
+    monkeypatch.setenv(ENV, "off")
+    model = _bf16_model(quantization=quantization)
+    torch.manual_seed(0)
+    for name, k in (("qkv", 32), ("down", 64)):
+        linear = model.decoder.layers[0][name]
+        x = torch.randn(PREFILL_DENSE_ROWS + 3, k).bfloat16()
+        if quantization == "none":
+            weight = linear.weight.float()
+        else:
+            weight = linear.dense(torch.float32)
+            # the float32 weights are the quantized ones, unrounded: their bfloat16
+            # rounding is the dense matrix the 16-bit prefill multiplies
+            assert torch.equal(weight.bfloat16(), linear.dense(torch.bfloat16))
+        want = F.linear(x.float(), weight).bfloat16()
+        assert torch.equal(linear.prefill(x, upcast=True), want)
+        native = linear.prefill(x)
+        assert native.dtype == torch.bfloat16
+        torch.testing.assert_close(native.float(), want.float(), atol=0.1, rtol=0.02)
+
+
+def _forward_prompt(model: NativeModel, plan: PrefillPlan, prompt) -> torch.Tensor:
+    model.decoder.prefill_plan = plan
+    cache = model.new_cache(128)
+    return model.forward(prompt, cache)
+
+
+PROMPT = [1, *[(5 * i) % 23 + 3 for i in range(60)]]
+
+
+def test_upcast_prompt_logits_are_close_to_the_16_bit_ones():
+    model = _bf16_model()
+    native = _forward_prompt(model, NEVER, PROMPT)
+    upcast = _forward_prompt(model, ALWAYS, PROMPT)
+    assert upcast.dtype == native.dtype == torch.float32
+    assert not torch.equal(native, upcast)  # the arithmetic did change
+    torch.testing.assert_close(upcast, native, atol=0.15, rtol=0.05)
+    model.decoder.exact = False  # fast mode: one product for the rows
+    fast = _forward_prompt(model, ALWAYS, PROMPT)
+    torch.testing.assert_close(fast, upcast, atol=0.15, rtol=0.05)
+
+
+@pytest.mark.parametrize("plan", [NEVER, ALWAYS, PrefillPlan(32, 40)], ids=str)
+def test_upcast_chunks_in_a_batch_equal_alone(plan):
+    """The bits of a prompt chunk (and of the rows after it) do not depend on what else is
+    in the batch, with every chunk upcast, none, or some (by size)."""
+    model = _bf16_model()
+    model.decoder.prefill_plan = plan
+
+    def items():
+        caches = [model.new_cache(128) for _ in range(3)]
+        model.decoder.forward([BatchItem(PROMPT[:40], caches[1], prefill=True)])
+        model.decoder.forward([BatchItem(PROMPT[:8], caches[2])])
+        return [
+            BatchItem(PROMPT[:50], caches[0], num_logits=1),
+            BatchItem(PROMPT[40:60], caches[1], prefill=True),
+            BatchItem([3, 4, 5], caches[2]),
+        ]
+
+    batch, alone = items(), items()
+    together = model.decoder.forward_full(batch)
+    for item, mixed, single in zip(batch, together, alone, strict=True):
+        (own,) = model.decoder.forward_full([single])
+        assert torch.equal(mixed.logits, own.logits)
+        n = item.cache.num_tokens
+        assert torch.equal(item.cache.kv[:, :, :, :n], single.cache.kv[:, :, :, :n])
+
+
+@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+def test_greedy_speculation_equals_plain_decoding_with_upcast_prompts(quantization):
+    model = _bf16_model(quantization=quantization)
+    model.decoder.prefill_plan = ALWAYS
+    llm = LLM(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for prompt in ([1, *[(3 * i) % 11 + 3 for i in range(40)]], "w5 w6 w7 w5 w6 w7 w5 w6"):
+        plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
+        assert llm.generate(prompt, params).token_ids == plain.token_ids
