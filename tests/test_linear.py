@@ -144,3 +144,16 @@ def test_the_amx_formulation_runs_any_row_count_as_one_exact_product():
         one = linear.exact_product(many[i : i + 1], prepared, name, tile, 1)
         assert torch.equal(one, y[i : i + 1])
     torch.testing.assert_close(y.float(), many.float() @ weight.float().t(), atol=0.05, rtol=0.02)
+
+
+def test_measurements_are_kept_per_cpu_model_and_features():
+    """Two VMs may report the same CPU model with other instruction sets (AMX or not): the
+    flags digest tells them apart, whatever the flags' order."""
+    amx = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n"
+    same = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: amx_tile fpu amx_bf16 avx512f\n"
+    no_amx = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx512f avx512_bf16\n"
+    assert linear.flags_digest(amx) == linear.flags_digest(same) != ""
+    assert linear.flags_digest(amx) != linear.flags_digest(no_amx)
+    assert linear.flags_digest("processor : 0\n") == ""
+    assert linear.cpu_identity().startswith(linear.cpu_name())
+    assert linear.cpu_identity() in linear.machine_key(torch.float32, torch.device("cpu"))

@@ -88,8 +88,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
       AVX512-BF16 on x86, BF16 on Arm) *and* a probe shaped like speculative decoding's
       products (one row and 16 rows over 64 MiB of float32 weights, see
       ``_decoding_probe_ms``) scores at least :data:`BF16_GAIN` lower in bfloat16; else
-      ``float32``. The verdict is kept per machine (CPU model, torch version, threads) in
-      ``$SPECDEC_CACHE/dtype_auto.json`` (delete it to measure again), unless other
+      ``float32``. The verdict is kept per machine (CPU model and features, torch
+      version, threads) in ``$SPECDEC_CACHE/dtype_auto.json`` (delete it to measure
+      again), unless other
       processes kept the cores busy during the probe (its threads ran less than
       :data:`MIN_PROBE_SHARE` of the time): then it holds for this process only.
     * other devices: ``float32``.
@@ -104,9 +105,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     if device.type != "cpu" or not cpu_has_bf16_matmul():
         return "float32"
-    from specdec.runtime.linear import cpu_name
+    from specdec.runtime.linear import cpu_identity
 
-    key = f"{cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    key = f"{cpu_identity()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
     path = cache_root() / "dtype_auto.json"
     try:
         table = json.loads(path.read_text())

@@ -394,12 +394,37 @@ def kernel_table_path() -> Path:
 
 
 def machine_key(dtype: torch.dtype, device: torch.device) -> str:
-    """Identifies what a measurement depends on: CPU/GPU model, torch, threads, dtype."""
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    """Identifies what a measurement depends on: CPU model and features (or GPU model),
+    torch, threads, dtype."""
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_identity()
     threads = torch.get_num_threads()
     return (
         f"v{_VERSION}|{hardware}|torch {torch.__version__}|{threads} threads|{dtype}|{device.type}"
     )
+
+
+def cpu_identity() -> str:
+    """:func:`cpu_name` plus a digest of the CPU's feature flags (``/proc/cpuinfo``): two
+    virtual machines can report the same model name with different instruction sets (with
+    and without AMX, measured on this project's VMs), and every measurement kept on disk
+    depends on them."""
+    try:
+        digest = flags_digest(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        digest = ""
+    return f"{cpu_name()} [{digest}]" if digest else cpu_name()
+
+
+def flags_digest(cpuinfo: str) -> str:
+    """12 hex digits identifying the first ``flags`` (x86) or ``Features`` (Arm) line of a
+    ``/proc/cpuinfo`` text, whatever the flags' order; ``""`` without one."""
+    import hashlib
+
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")) and ":" in line:
+            flags = " ".join(sorted(line.split(":", 1)[1].split()))
+            return hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return ""
 
 
 def cpu_name() -> str:
