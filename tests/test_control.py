@@ -185,6 +185,25 @@ def test_forward_time_fits_a_line_between_and_beyond_measured_counts():
     assert cost.forward_time(200) == pytest.approx(101.0)
 
 
+def test_estimates_beyond_the_table_do_not_rebuild_it():
+    """A batch of many sequences asks for forwards of hundreds of rows, hundreds of times a
+    step: those are extrapolated from the table, which is rebuilt only after an
+    observation (it was rebuilt to n + 1 entries at every call above 64 rows)."""
+    cost = CostModel()
+    for n in (2, 6):
+        for _ in range(3):
+            cost.observe_forward(n, 1.0 + 0.5 * n)
+    cost.forward_time(1)
+    table = cost._table
+    for n in (65, 300, 900, 12):
+        assert cost.forward_time(n) == pytest.approx(1.0 + 0.5 * n)
+    assert cost._table is table and len(table) == 65
+    cost.observe_forward(300, 151.0)
+    assert cost.forward_time(300) == pytest.approx(151.0)
+    assert len(cost._table) == 301
+    assert cost.forward_time(1000) == pytest.approx(501.0)
+
+
 def test_row_counts_with_fewer_than_three_samples_use_the_line():
     cost = CostModel()
     for n in (1, 9):

@@ -48,6 +48,44 @@ def test_suffix_tree_contents_after_a_given_text():
     assert [node[0] for node in tree.suffix_nodes("s")] == [1, 1, 1]
 
 
+def test_inserting_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    """A long prompt creates hundreds of thousands of nodes; the cyclic collector would
+    walk the growing tree every 700 of them. It is paused during an insert and left as it
+    was found."""
+    import gc
+
+    from specdec.drafters import suffix
+
+    calls = []
+    real = suffix.gc
+
+    class Recorder:
+        def isenabled(self):
+            return real.isenabled()
+
+        def disable(self):
+            calls.append("disable")
+            real.disable()
+
+        def enable(self):
+            calls.append("enable")
+            real.enable()
+
+    monkeypatch.setattr(suffix, "gc", Recorder())
+    tree = SuffixTree(max_depth=4)
+    tokens = list(range(50))
+    tree.extend("a", tokens)
+    assert calls == ["disable", "enable"] and gc.isenabled()
+    calls.clear()
+    gc.disable()
+    try:
+        tree.extend("b", tokens)
+        assert calls == [] and not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()
+    assert tree.count([3, 4]) == 2 and tree.num_nodes == 1 + 50 + 49 + 48 + 47
+
+
 def test_extending_token_by_token_equals_one_insert():
     one, many = SuffixTree(4), SuffixTree(4)
     text = [5, 6, 5, 6, 5, 7, 5, 6]

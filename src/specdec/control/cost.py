@@ -71,6 +71,7 @@ class CostModel:
         self._forward: dict[int, deque[float]] = {}
         self._draft: dict[str, deque[tuple[int, float]]] = {}
         self._table: list[float] | None = None
+        self._table_slope = 0.0
         self._draft_fit: dict[str, tuple[float, float]] = {}
 
     # ------------------------------------------------------------------ observations
@@ -101,10 +102,10 @@ class CostModel:
         """Estimated seconds of a forward over ``num_tokens`` >= 1 rows (units of one plain
         step for a frozen or empty model)."""
         n = max(1, int(num_tokens))
-        table = self._forward_table(n)
+        table = self._forward_table()
         if n < len(table):
             return table[n]
-        return table[-1] + (n - len(table) + 1) * self._slope()
+        return table[-1] + (n - len(table) + 1) * self._table_slope
 
     def draft_time(self, drafter: str, num_tokens: int) -> float:
         """Estimated seconds for ``drafter`` to propose ``num_tokens`` tokens (0 for 0)."""
@@ -150,15 +151,14 @@ class CostModel:
         slope = max(slope, 0.0)
         return mt - slope * mn, slope
 
-    def _slope(self) -> float:
-        line = self._line()
-        return line[1] if line is not None else self._base() * self.prior.token_cost
-
-    def _forward_table(self, n: int) -> list[float]:
-        if self._table is not None and len(self._table) > n:
+    def _forward_table(self) -> list[float]:
+        """Estimates for 0 .. max(64, the most rows measured), rebuilt after an observation
+        (beyond it, :meth:`forward_time` extends the last entry by the fitted slope)."""
+        if self._table is not None:
             return self._table
-        size = max(n + 1, 65, max(self._forward, default=0) + 1)
+        size = max(65, max(self._forward, default=0) + 1)
         line, base = self._line(), self._base()
+        self._table_slope = line[1] if line is not None else base * self.prior.token_cost
         table = [0.0] * size
         for m in range(1, size):
             if m in self._forward and len(self._forward[m]) >= 3:
