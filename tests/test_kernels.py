@@ -144,6 +144,41 @@ def test_rows_sharing_key_reads_get_the_bits_they_get_alone(dtype, d):
         assert torch.equal(out[i], alone[0]), i
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_rows_split_into_chunks_equal_the_reference_and_get_their_bits_alone(dtype, d):
+    """A row that sees 2,048 keys or more runs as several tasks (chunks of 1,024
+    positions, the last one to the row's end, merged in order): it equals the reference to
+    rounding, and gets the same bits alone as in a chain crossing a chunk boundary (1 to 4
+    chunks), in a tree, and beside a short sequence."""
+    caches = _caches(dtype, d, [4200, 300], seed=6)
+    gen = torch.Generator().manual_seed(7)
+    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    lengths = [1000, 1024, 1025, 1030, 2047, 2048, 2049, 3071, 4100]
+    seq, n, off, slots = [0] * len(lengths), list(lengths), [-1] * len(lengths), []
+    tree = _tree_slots(1500, [2400, 2550, 1600])  # a tree row: long prefix, far slots
+    seq.append(0), n.append(tree.numel()), off.append(0)
+    slots.append(tree)
+    seq.append(1), n.append(200), off.append(-1)  # a short sequence beside them
+    rows = len(seq)
+    q = torch.randn(rows, H, d, generator=gen).to(dtype)
+    out = torch.empty(rows, H * d, dtype=dtype)
+    kernels.ragged_attention(q, caches, 1, t(seq), t(n), t(off), torch.cat(slots), 0.1, out)
+    for i in range(rows):
+        sl = torch.cat(slots)[off[i] : off[i] + n[i]] if off[i] >= 0 else torch.empty(0).long()
+        alone = torch.empty(1, H * d, dtype=dtype)
+        kernels.ragged_attention(
+            q[i : i + 1], caches[seq[i] : seq[i] + 1], 1, t([0]), t([n[i]]),
+            t([0 if off[i] >= 0 else -1]), sl, 0.1, alone,
+        )  # fmt: skip
+        assert torch.equal(out[i], alone[0]), i
+        kv = caches[seq[i]][1]
+        vis = [sl] if off[i] >= 0 else [n[i]]
+        ref = attention_exact(q[i : i + 1], kv[0], kv[1], key_groups(vis, "cpu"), 0.1)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+        torch.testing.assert_close(alone, ref, **tol)
+
+
 def test_rows_outside_the_kernel_are_left_alone():
     caches = _caches(torch.float32, 8, [64])
     q = torch.randn(3, H, 8)

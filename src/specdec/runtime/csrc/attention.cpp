@@ -9,11 +9,26 @@
 // so a row gets the same bits decoded alone, verified in a chain or a token tree, or
 // next to any other sequences (batch invariance by construction: no blocking depends on
 // the batch). Keys and values are read in their storage dtype, converted per element.
+//
+// A row that sees at least 2 kChunk keys (AVX-512 path) is computed in chunks of kChunk
+// positions (the last one running to the row's end: kChunk to 2 kChunk - 1 keys), each its
+// own task (flash-decoding's split of the keys, Dao et al. 2023), and the chunks are
+// merged in position order:
+//   m = max_c m_c,  o = (sum_c e^{m_c - m} a_c) / (sum_c e^{m_c - m} l_c)
+// with m_c, l_c, a_c the chunk's maximum, sum of p_j and sum of p_j v_j as above. The
+// chunk boundaries depend only on the row's number of keys, so this too gives a row the
+// same bits in any batch; it lets a long context's few tasks (one per KV head when one
+// row decodes) spread over every thread; tasks are handed out largest first. A row with
+// fewer than 2 kChunk keys is one chunk, computed exactly as before.
 #include "common.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -25,15 +40,26 @@ constexpr int kMaxVec = 8;  // head_dim 64 or 128
 constexpr int kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kKeyBlock = 64;  // keys read once per block for every row of a group
 constexpr int64_t kMaxRows = 16;  // rows of one sequence sharing their key reads
+constexpr int64_t kChunk = 1024;  // keys per task (a multiple of kKeyBlock)
 
-// One row of a group: its queries, visible keys and where its scores and sums go.
+// The chunks of a row that sees n keys, and how many keys its chunk c holds (0 past them).
+inline int64_t row_chunks(int64_t n) { return n / kChunk > 1 ? n / kChunk : 1; }
+inline int64_t chunk_len(int64_t n, int64_t c) {
+  const int64_t k = row_chunks(n);
+  return c >= k ? 0 : c == k - 1 ? n - c * kChunk : kChunk;
+}
+
+// One row of a group: its queries, visible keys and where its scores and sums go, for
+// the task's chunk: positions kb .. kb + len - 1 (chunk_len).
 template <typename scalar_t>
 struct GroupRow {
   const scalar_t* q;  // [R, D]
   const int64_t* sl;  // visible slots (nullptr: slots 0 .. n-1)
   int64_t n;
-  float* scores;  // [R, n]
+  int64_t len;  // positions of the task's chunk the row sees (chunk_len; 0: none)
+  float* scores;  // [R, len]
   float* acc;  // [R, D]
+  float* stats;  // [R, 2]: the chunk's maximum and sum of p_j (for the merge)
 };
 
 // The sums of the 16 lanes of each of a[0..15], as lane t of the result: the same
@@ -93,14 +119,15 @@ struct BlockReader {
 // positions the row sees, block after block, so that a block read from `base` serves every
 // row of the group before the next one is read (`block`: rows jb .. je-1 as float32).
 template <typename scalar_t, int64_t D, typename Visit>
-void each_block(GroupRow<scalar_t>* rows, int64_t nrows, int64_t longest,
+void each_block(GroupRow<scalar_t>* rows, int64_t nrows, int64_t kb, int64_t longest,
                 BlockReader<scalar_t, D>& reader, const scalar_t* base, Visit&& visit) {
   reader.base = base;
-  for (int64_t jb = 0; jb < longest; jb += kKeyBlock) {
+  for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
     reader.start(jb);
     for (int64_t i = 0; i < nrows; ++i) {
       const GroupRow<scalar_t>& row = rows[i];
-      const int64_t je = row.n < jb + kKeyBlock ? row.n : jb + kKeyBlock;
+      const int64_t end = kb + row.len;
+      const int64_t je = end < jb + kKeyBlock ? end : jb + kKeyBlock;
       if (jb < je) visit(row, jb, je, reader.rows(row.sl, jb, je));
     }
   }
@@ -114,23 +141,27 @@ void each_block(GroupRow<scalar_t>* rows, int64_t nrows, int64_t longest,
 //         in _mm512_reduce_add_ps's tree (reduce16, 16 keys at a time);
 //   softmax over its keys in position order (max, exp16, 16-lane partial sums);
 //   o = sum_j p_j v_j by fma in position order, then times 1 / sum_j p_j.
+// Positions kb .. kb + len - 1 of each row only (the task's chunk): each row's acc holds
+// sum_j p_j v_j, normalized by 1 / sum_j p_j when `normalize` (the row's only chunk), else
+// left for the merge with the chunk's maximum and sum in stats.
 template <typename scalar_t, int nv>
 void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, const scalar_t* V,
-                  int64_t R, float scale) {
+                  int64_t R, float scale, int64_t kb, bool normalize) {
   constexpr int64_t D = nv * kLanes;
-  int64_t longest = 0;
-  for (int64_t i = 0; i < nrows; ++i) longest = rows[i].n > longest ? rows[i].n : longest;
+  int64_t longest = kb;
+  for (int64_t i = 0; i < nrows; ++i)
+    longest = kb + rows[i].len > longest ? kb + rows[i].len : longest;
   static thread_local std::vector<float> buffers(2 * kKeyBlock * kMaxVec * kLanes);
   BlockReader<scalar_t, D> reader;
   reader.shared = buffers.data();
   reader.own = buffers.data() + kKeyBlock * D;
   __m512 qv[kMaxVec];
   __m512 part[kLanes];
-  each_block(rows, nrows, longest, reader, K, [&](const GroupRow<scalar_t>& row, int64_t jb,
-                                                  int64_t je, const float* kb) {
+  each_block(rows, nrows, kb, longest, reader, K, [&](const GroupRow<scalar_t>& row, int64_t jb,
+                                                      int64_t je, const float* block) {
     for (int64_t r = 0; r < R; ++r) {
       for (int c = 0; c < nv; ++c) qv[c] = load16(row.q + r * D + c * kLanes);
-      float* out = row.scores + r * row.n;
+      float* out = row.scores + r * row.len - kb;  // indexed by position
       for (int64_t j0 = jb; j0 < je; j0 += kLanes) {
         const int64_t cnt = je - j0 < kLanes ? je - j0 : kLanes;
         for (int64_t u = 0; u < kLanes; ++u) {
@@ -138,7 +169,7 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
             part[u] = _mm512_setzero_ps();
             continue;
           }
-          const float* k = kb + (j0 + u - jb) * D;
+          const float* k = block + (j0 + u - jb) * D;
           __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
           for (int c = 1; c < nv; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * kLanes), a);
           part[u] = a;
@@ -150,7 +181,7 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
   });
   float denom[kMaxRows][kMaxGroup];
   for (int64_t i = 0; i < nrows; ++i) {
-    const int64_t n = rows[i].n;
+    const int64_t n = rows[i].len;
     for (int64_t r = 0; r < R; ++r) {
       float* sr = rows[i].scores + r * n;
       // the maximum is exact in any order (and +0 / -0 give exp(s - m) the same bits)
@@ -174,18 +205,20 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
       }
       denom[i][r] = _mm512_reduce_add_ps(sum);
+      rows[i].stats[2 * r] = m;
+      rows[i].stats[2 * r + 1] = denom[i][r];
     }
     std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
   }
   __m512 acc[kMaxGroup][kMaxVec];
-  each_block(rows, nrows, longest, reader, V, [&](const GroupRow<scalar_t>& row, int64_t jb,
-                                                  int64_t je, const float* vb) {
+  each_block(rows, nrows, kb, longest, reader, V, [&](const GroupRow<scalar_t>& row, int64_t jb,
+                                                      int64_t je, const float* vb) {
     for (int64_t r = 0; r < R; ++r)
       for (int c = 0; c < nv; ++c) acc[r][c] = _mm512_loadu_ps(row.acc + r * D + c * kLanes);
     for (int64_t j = jb; j < je; ++j) {
       const float* v = vb + (j - jb) * D;
       for (int64_t r = 0; r < R; ++r) {
-        const __m512 p = _mm512_set1_ps(row.scores[r * row.n + j]);
+        const __m512 p = _mm512_set1_ps(row.scores[r * row.len + j - kb]);
         for (int c = 0; c < nv; ++c)
           acc[r][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * kLanes), acc[r][c]);
       }
@@ -193,6 +226,7 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
     for (int64_t r = 0; r < R; ++r)
       for (int c = 0; c < nv; ++c) _mm512_storeu_ps(row.acc + r * D + c * kLanes, acc[r][c]);
   });
+  if (!normalize) return;
   for (int64_t i = 0; i < nrows; ++i)
     for (int64_t r = 0; r < R; ++r) {
       const __m512 inv = _mm512_set1_ps(1.f / denom[i][r]);
@@ -233,41 +267,126 @@ void run(const torch::Tensor& q, const std::vector<torch::Tensor>& kv, int64_t l
     }
     first.push_back(T);
     const int64_t groups = static_cast<int64_t>(first.size()) - 1;
-    at::parallel_for(0, groups * G, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
+    // Tasks: (group, chunk, KV head); a group has as many chunks as its row with the
+    // most. A group with several keeps every chunk's partial sums for the merge below.
+    // Tasks go to the threads largest first, each thread taking the next one when done
+    // (a task's result does not depend on which thread runs it).
+    std::vector<int64_t> chunks(groups), partial_at(groups, -1);
+    std::vector<std::pair<int64_t, int64_t>> order;  // (-keys, task), task = (grp, c, g)
+    std::vector<std::array<int64_t, 3>> tasks;
+    int64_t partial_floats = 0;
+    for (int64_t grp = 0; grp < groups; ++grp) {
+      if (row_seq[first[grp]] < 0) continue;
+      int64_t most = 1;
+      for (int64_t t = first[grp]; t < first[grp + 1]; ++t)
+        most = row_chunks(row_n[t]) > most ? row_chunks(row_n[t]) : most;
+      chunks[grp] = most;
+      if (most > 1) {
+        partial_at[grp] = partial_floats;
+        partial_floats += most * G * (first[grp + 1] - first[grp]) * R * (D + 2);
+      }
+      for (int64_t c = 0; c < most; ++c) {
+        int64_t keys = 0;
+        for (int64_t t = first[grp]; t < first[grp + 1]; ++t) keys += chunk_len(row_n[t], c);
+        for (int64_t g = 0; g < G; ++g) {
+          order.emplace_back(-keys, static_cast<int64_t>(tasks.size()));
+          tasks.push_back({grp, c, g});
+        }
+      }
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<float> partial(partial_floats);
+    std::atomic<int64_t> next{0};
+    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      std::vector<float> scores, acc, stats;
       GroupRow<scalar_t> rows[kMaxRows];
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t grp = task / G, g = task % G;
-        const int64_t t0 = first[grp], t1 = first[grp + 1];
+      for (int64_t k = next++; k < num_tasks; k = next++) {
+        const auto& task = tasks[order[k].second];
+        const int64_t grp = task[0], c = task[1], g = task[2];
+        const int64_t t0 = first[grp], t1 = first[grp + 1], nr = t1 - t0;
         const int64_t s = row_seq[t0];
-        if (s < 0) continue;
+        const int64_t kb = c * kChunk;
+        const bool split = chunks[grp] > 1;
         int64_t total = 0;
-        for (int64_t t = t0; t < t1; ++t) total += row_n[t];
+        for (int64_t t = t0; t < t1; ++t) total += chunk_len(row_n[t], c);
         scores.resize(R * total);
-        acc.resize(R * D * (t1 - t0));
+        float* chunk_out = split ? partial.data() + partial_at[grp] + (c * G + g) * nr * R * (D + 2)
+                                 : nullptr;
+        if (!split) {
+          acc.resize(R * D * nr);
+          stats.resize(2 * R * nr);
+        }
         int64_t used = 0;
         for (int64_t t = t0; t < t1; ++t) {
           GroupRow<scalar_t>& row = rows[t - t0];
           row.q = qp + (t * H + g * R) * D;
           row.sl = row_off[t] < 0 ? nullptr : slots + row_off[t];
           row.n = row_n[t];
+          row.len = chunk_len(row.n, c);
           row.scores = scores.data() + R * used;
-          row.acc = acc.data() + R * D * (t - t0);
-          used += row.n;
+          if (split) {
+            row.acc = chunk_out + (t - t0) * R * (D + 2);
+            row.stats = row.acc + R * D;
+          } else {
+            row.acc = acc.data() + R * D * (t - t0);
+            row.stats = stats.data() + 2 * R * (t - t0);
+          }
+          used += row.len;
         }
         const int64_t cap = capacity[s];
         const scalar_t* K = base[s] + g * cap * D;
         const scalar_t* V = base[s] + (G + g) * cap * D;
         if (D == 64)
-          group_avx512<scalar_t, 4>(rows, t1 - t0, K, V, R, scale);
+          group_avx512<scalar_t, 4>(rows, nr, K, V, R, scale, kb, !split);
         else
-          group_avx512<scalar_t, 8>(rows, t1 - t0, K, V, R, scale);
+          group_avx512<scalar_t, 8>(rows, nr, K, V, R, scale, kb, !split);
+        if (split) continue;
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t r = 0; r < R; ++r) {
             scalar_t* o = op + (t * H + g * R + r) * D;
             const float* a = acc.data() + R * D * (t - t0) + r * D;
             for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(a[i]);
           }
+      }
+    });
+    // The merge of split rows, per (row, KV head), chunks in position order.
+    std::vector<int64_t> merges;  // (group, KV head) pairs with several chunks
+    for (int64_t grp = 0; grp < groups; ++grp)
+      if (chunks[grp] > 1 && row_seq[first[grp]] >= 0)
+        for (int64_t g = 0; g < G; ++g) merges.push_back(grp * G + g);
+    at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> num(D);
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t grp = merges[k] / G, g = merges[k] % G;
+        const int64_t t0 = first[grp], nr = first[grp + 1] - t0;
+        const float* part = partial.data() + partial_at[grp];
+        for (int64_t t = t0; t < t0 + nr; ++t) {
+          const int64_t used = row_chunks(row_n[t]);
+          for (int64_t r = 0; r < R; ++r) {
+            auto at = [&](int64_t c) {
+              return part + ((c * G + g) * nr + (t - t0)) * R * (D + 2);
+            };
+            float m = -INFINITY;
+            for (int64_t c = 0; c < used; ++c) {
+              const float mc = at(c)[R * D + 2 * r];
+              m = mc > m ? mc : m;
+            }
+            float den = 0.f;
+            std::fill(num.begin(), num.end(), 0.f);
+            for (int64_t c = 0; c < used; ++c) {
+              const float* a = at(c) + r * D;
+              const float w = std::exp(at(c)[R * D + 2 * r] - m);
+              den += w * at(c)[R * D + 2 * r + 1];
+              for (int64_t i = 0; i < D; ++i) num[i] += w * a[i];
+            }
+            const float inv = 1.f / den;
+            scalar_t* o = op + (t * H + g * R + r) * D;
+            for (int64_t i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(num[i] * inv);
+          }
+        }
       }
     });
     return;
