@@ -148,10 +148,10 @@ def _keep_torch_threads(monkeypatch):
     """The CLI sets PyTorch's thread count for its process (``--threads``, or fewer on a
     busy machine); tests that run it in-process must not change it for the tests after,
     nor depend on the machine's load (the test process itself keeps a core busy), so the
-    load average reads idle unless a test says otherwise."""
-    import os
+    machine reads idle unless a test says otherwise."""
+    from specdec import cli_common
 
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0), raising=False)
+    monkeypatch.setattr(cli_common, "machine_load", lambda: 0.0)
     threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:

@@ -291,7 +291,7 @@ def test_thread_choice(monkeypatch, capsys, load, env, flag, threads, reason):
     import torch
 
     monkeypatch.setattr(cli_common, "_cores", lambda: 2)
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(cli_common, "machine_load", lambda: load)
     if env is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
@@ -405,12 +405,31 @@ def test_retrieval_datastore_that_is_a_folder(tmp_path):
         SpeculativeConfig(method=f"retrieval:datastore={tmp_path}")
 
 
+def test_the_load_is_what_other_processes_do_now_not_a_minute_ago(monkeypatch):
+    """Busy cores from two ``/proc/stat`` samples while this process sleeps: a run that
+    just ended (high 1-minute load average) no longer costs the next one its threads."""
+    samples = iter([(1000, 4000), (1150, 4400)])  # 150 of 400 jiffies busy: 37.5%
+    monkeypatch.setattr(cli_common, "_cpu_ticks", lambda: next(samples))
+    monkeypatch.setattr(cli_common, "LOAD_SAMPLE_S", 0.0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0), raising=False)
+    assert cli_common.busy_cores() == pytest.approx(1.5)
+    monkeypatch.setattr(cli_common, "_cpu_ticks", lambda: None)  # no /proc/stat
+    assert cli_common.busy_cores() == 9.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="no /proc/stat here")
+def test_cpu_ticks_read_the_machine():
+    busy, total = cli_common._cpu_ticks()
+    assert 0 <= busy <= total and total > 0
+
+
 def test_serve_keeps_every_core_whatever_the_load(monkeypatch, capsys):
     import argparse
 
     import torch
 
-    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    monkeypatch.setattr(cli_common, "machine_load", lambda: 5.0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     usual = torch.get_num_threads()
     choice = cli_common.choose_threads(argparse.Namespace(threads=None), adapt=False)

@@ -36,9 +36,13 @@ def test_the_environment_forces_the_plan(monkeypatch):
     for value, plan in (("on", ALWAYS), ("OFF", NEVER), ("auto", None), ("", None)):
         monkeypatch.setenv(ENV, value)
         assert forced_plan() == plan
-    monkeypatch.setenv(ENV, "sometimes")
-    with pytest.raises(ValueError, match="SPECDEC_PREFILL_FLOAT32='sometimes': expected on"):
+    monkeypatch.setenv(ENV, "Sometimes")
+    with pytest.raises(ValueError, match="SPECDEC_PREFILL_FLOAT32='Sometimes': expected on"):
         forced_plan()
+    from specdec.models.loading import check_quantization
+
+    with pytest.raises(ValueError, match="SPECDEC_PREFILL_FLOAT32"):  # before any load
+        check_quantization("none", "hf")
     with pytest.raises(ValueError, match="SPECDEC_PREFILL_FLOAT32"):
         _bf16_model()
 

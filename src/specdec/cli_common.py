@@ -412,7 +412,8 @@ class ThreadChoice:
     Attributes:
         num_threads: threads set (``torch.get_num_threads()`` after the choice).
         cores: cores this process may run on.
-        load: the 1-minute load average when the choice was made (other processes).
+        load: cores other processes kept busy when the choice was made
+            (:func:`machine_load`).
         reason: ``"--threads"``, ``"OMP_NUM_THREADS"``, ``"idle"`` or ``"busy"``.
     """
 
@@ -434,9 +435,50 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+#: How long :func:`machine_load` watches the CPUs, in seconds.
+LOAD_SAMPLE_S = 0.2
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from ``/proc/stat``; ``None`` where it is absent."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def machine_load() -> float:
+    """:func:`busy_cores` (the seam tests replace to read an idle or a busy machine)."""
+    return busy_cores()
+
+
+def busy_cores() -> float:
+    """How many cores other processes keep busy now: the busy share of every CPU over
+    :data:`LOAD_SAMPLE_S` seconds (``/proc/stat``) times their number, while this process
+    sleeps; where ``/proc/stat`` is absent, the 1-minute load average.
+
+    Not the load average where it can be helped: it decays over a minute, so a specdec run
+    just finished (or this process's own imports) read as another process keeping the
+    machine busy, and the next run dropped to fewer threads for nothing (a new user's
+    back-to-back runs on 2 cores)."""
+    first = _cpu_ticks()
+    if first is not None:
+        time.sleep(LOAD_SAMPLE_S)
+        second = _cpu_ticks()
+        if second is not None and second[1] > first[1]:
+            share = (second[0] - first[0]) / (second[1] - first[1])
+            return share * (os.cpu_count() or 1)
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
 def threads_for(usual: int, cores: int, load: float) -> int:
     """PyTorch's usual thread count, lowered to the cores that other processes leave free:
-    ``cores`` minus the load average (rounded), at least 1.
+    ``cores`` minus the busy ones (:func:`machine_load`, rounded), at least 1.
 
     PyTorch's OpenMP threads wait for each other at the end of every operation; when one
     of them shares its core with another busy process, each small decoding step waits for
@@ -446,7 +488,7 @@ def threads_for(usual: int, cores: int, load: float) -> int:
     Args:
         usual: PyTorch's own choice (one thread per physical core).
         cores: cores this process may run on (logical).
-        load: the 1-minute load average.
+        load: cores other processes keep busy (:func:`machine_load`).
 
     Example:
         >>> threads_for(2, 2, 0.1), threads_for(2, 2, 1.2), threads_for(2, 2, 3.0)
@@ -459,7 +501,7 @@ def threads_for(usual: int, cores: int, load: float) -> int:
 
 def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice:
     """Set PyTorch's thread count: ``--threads``, else ``OMP_NUM_THREADS`` (PyTorch read it
-    already), else (with ``adapt``) :func:`threads_for` the cores and the load average, with
+    already), else (with ``adapt``) :func:`threads_for` the cores and the busy ones, with
     a line on standard error when the machine is busy. ``adapt=False`` (a long-running
     server, which a passing load at its start should not pin to fewer threads) keeps every
     core.
@@ -470,8 +512,8 @@ def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice
     import torch
 
     cores = _cores()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     requested = getattr(args, "threads", None)
+    load = 0.0 if requested is not None or os.environ.get("OMP_NUM_THREADS") else machine_load()
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--threads must be >= 1, got {requested}")
@@ -487,15 +529,15 @@ def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice
         torch.set_num_threads(threads)
         if fewer < usual and not adapt:
             print(
-                f"specdec: warning: other processes keep this machine busy (load average "
-                f"{load:.1f} on {cores} cores) and {usual} threads wait for each other there; "
+                f"specdec: warning: other processes keep this machine busy ({load:.1f} of "
+                f"{cores} cores busy) and {usual} threads wait for each other there; "
                 f"if it is slow, restart with --threads {fewer}",
                 file=sys.stderr,
             )
         if reason == "busy":
             print(
-                f"specdec: other processes keep this machine busy (load average {load:.1f} on "
-                f"{cores} cores): running on {threads} thread(s) so timings stay meaningful "
+                f"specdec: other processes keep this machine busy ({load:.1f} of {cores} cores "
+                f"busy): running on {threads} thread(s) so timings stay meaningful "
                 "(--threads N to choose)",
                 file=sys.stderr,
             )

@@ -376,9 +376,11 @@ def check_quantization(quantization: str, backend: str) -> None:
             f"quantization {quantization!r} runs on the native backend (backend 'native' or "
             "'auto'), not on transformers ('hf')"
         )
+    from specdec.runtime.prefill import forced_plan
     from specdec.runtime.quant import forced_quant_kernel
 
     forced_quant_kernel()  # a bad SPECDEC_QUANT_KERNEL is refused before loading, too
+    forced_plan()  # and a bad SPECDEC_PREFILL_FLOAT32, whatever the backend and dtype
 
 
 def resolve_quantization(quantization: str, model: HFModel) -> str:

@@ -91,20 +91,25 @@ def threshold(native: list[float], upcast: list[float], rows=PREFILL_ROWS) -> in
 
 
 def forced_plan() -> PrefillPlan | None:
-    """:data:`ALWAYS` / :data:`NEVER` when ``SPECDEC_PREFILL_FLOAT32`` is ``on`` / ``off``;
-    ``None`` when unset, empty or ``auto``.
+    """:data:`ALWAYS` / :data:`NEVER` when ``SPECDEC_PREFILL_FLOAT32`` is ``on`` / ``off``
+    (or ``1`` / ``0``, ``true`` / ``false``; any case); ``None`` when unset, empty or
+    ``auto``.
 
     Raises:
         ValueError: another value.
     """
-    value = os.environ.get(ENV, "").strip().lower()
+    raw = os.environ.get(ENV, "")
+    value = raw.strip().lower()
     if value in ("", "auto"):
         return None
     if value in ("on", "1", "true"):
         return ALWAYS
     if value in ("off", "0", "false"):
         return NEVER
-    raise ValueError(f"{ENV}={value!r}: expected on, off or auto (or unset, to measure)")
+    raise ValueError(
+        f"{ENV}={raw!r}: expected on, off or auto (or unset: measured; 1/0 and true/false "
+        "also work)"
+    )
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
