@@ -84,6 +84,7 @@ def test_json_compare_ngram(capsys, model_dir):
     assert 1 <= len(ids) <= 20
     assert all(isinstance(t, int) for t in ids)
     assert record["finish_reason"] in ("stop", "length")
+    assert record["prompt_tokens"] >= 1  # how long the prompt was, chat template included
     assert record["text"]  # this prompt produces real words
     assert record["identical"] is True
     assert record["baseline"]["token_ids"] == ids

@@ -79,13 +79,15 @@ class GenerationOutput:
     rejected_prediction_tokens: int | None = None
 
     def to_dict(self) -> dict:
-        """JSON-ready dict: ``text``, ``token_ids``, ``finish_reason``, ``metrics``, and
-        ``logprobs`` (``[{"token_id", "logprob", "top": [[id, logprob], ...]}]``) when
+        """JSON-ready dict: ``text``, ``token_ids``, ``finish_reason``, ``prompt_tokens``
+        (the prompt's length as the target saw it, chat template included), ``metrics``,
+        and ``logprobs`` (``[{"token_id", "logprob", "top": [[id, logprob], ...]}]``) when
         asked for."""
         out = {
             "text": self.text,
             "token_ids": list(self.token_ids),
             "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_token_ids),
             "metrics": self.metrics.to_dict(),
         }
         if self.logprobs is not None:
