@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +111,6 @@ def forced_plan() -> PrefillPlan | None:
     )
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal ``scaled_dot_product_attention`` of ``q`` ``[1, H, T, d]`` over ``k``, ``v``
-    ``[1, G, T, d]`` (the timed operation; grouped heads as the runtime calls it)."""
-    return F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
-    )
-
-
 def _fastest(run: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     for i in range(repeats + 1):  # the first call warms up
@@ -136,11 +127,14 @@ def _run_products(products, inputs, upcast: bool) -> None:
 
 
 def _run_attention(q: torch.Tensor, kv: torch.Tensor, upcast: bool) -> None:
+    """The runtime's own prompt attention (causal, grouped heads) in either arithmetic."""
+    from specdec.runtime.attention import CAUSAL, attention_fast
+
     scale = q.shape[-1] ** -0.5
     if upcast:
-        attention(q.float(), kv[0].float(), kv[1].float(), scale).to(q.dtype)
+        attention_fast(q.float(), kv[0].float(), kv[1].float(), CAUSAL, scale).to(q.dtype)
     else:
-        attention(q, kv[0], kv[1], scale)
+        attention_fast(q, kv[0], kv[1], CAUSAL, scale)
 
 
 def measure(
@@ -166,8 +160,8 @@ def measure(
     }
     for rows in PREFILL_ROWS:
         inputs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in products]
-        q = torch.randn(1, h, rows, d, generator=gen).to(dtype)
-        kv = torch.randn(2, 1, g, rows, d, generator=gen).to(dtype)
+        q = torch.randn(rows, h, d, generator=gen).to(dtype)
+        kv = torch.randn(2, g, rows, d, generator=gen).to(dtype)
         for name, upcast in (("native", False), ("float32", True)):
             times["products"][name].append(
                 _fastest(lambda u=upcast, i=inputs: _run_products(products, i, u), repeats)
