@@ -50,12 +50,19 @@ def test_old_table_entries_without_padding_still_load():
     torch.testing.assert_close(lin(torch.ones(3, 4)), torch.ones(3, 4))
 
 
-def test_exact_choice_prefers_padding_when_it_is_faster():
+def test_exact_choice_prefers_padding_when_it_is_faster(monkeypatch):
     weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     x = torch.randn(80, 32, generator=torch.Generator().manual_seed(2))
     slow_one_row = {"x_wt": [1.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]}
-    name, tile, min_rows = _exact_choice(weight, x, slow_one_row)
+    with monkeypatch.context() as m:  # both candidates exact: the faster (padded) one wins
+        m.setattr(linear, "is_row_invariant", lambda *args: True)
+        name, tile, min_rows = _exact_choice(weight, x, slow_one_row)
     assert (name, min_rows) == ("x_wt", 2) and tile >= 16
+    # on this machine: padded whenever the BLAS product is exact padded (MKL on an
+    # AVX2-only AMD EPYC gives other bits from 2 to 16 rows even padded: tile 1)
+    name, tile, min_rows = _exact_choice(weight, x, slow_one_row)
+    if linear.is_row_invariant(x, weight.t().contiguous(), "x_wt", 16, 2):
+        assert (name, min_rows) == ("x_wt", 2) and tile >= 16
     fast_one_row = {"x_wt": [0.2, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]}
     name, tile, min_rows = _exact_choice(weight, x, fast_one_row)
     # one row unpadded only if the one-row kernel is bit-compatible with the others
@@ -119,6 +126,30 @@ def test_the_stream_formulation_is_row_invariant_by_construction(dtype):
         atol=0.05 if dtype == torch.bfloat16 else 1e-4,
         rtol=0.02 if dtype == torch.bfloat16 else 1e-5,
     )
+
+
+def test_onednn_is_left_out_where_its_packed_product_raises(monkeypatch):
+    """oneDNN's packed bfloat16 product raises on CPUs without AVX-512 (an AMD EPYC with
+    AVX2, say): calibration then measures the other formulations instead of failing, and
+    the dtypes where it runs keep it."""
+
+    def refuses(weight, *args):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw")
+        return real(weight, *args)
+
+    real = torch.ops.mkldnn._reorder_linear_weight
+    linear._onednn_runs.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuses)
+    try:
+        weight = torch.randn(72, 64)
+        assert "onednn" not in linear.available_formulations(weight.bfloat16())
+        if torch.backends.mkldnn.is_available():
+            assert "onednn" in linear.available_formulations(weight)
+        choices = linear.calibrate({"proj": [weight.bfloat16()]}, repeats=1)
+        assert "onednn" not in choices["proj"].times_ms
+    finally:
+        linear._onednn_runs.cache_clear()
 
 
 def test_the_amx_formulation_runs_any_row_count_as_one_exact_product():

@@ -141,7 +141,8 @@ def ragged_attention(
     ``0 .. n-1``, or ``slots[row_off[t] : row_off[t] + n]`` for a token tree row, in
     position order): ``softmax(scale * q_t K^T) V`` per head (grouped-query heads share
     their KV head), scores, softmax and the value sum in float32 in a fixed order (with
-    AVX-512: 16-lane partial sums; ``exp`` by a Cephes polynomial, about 1 ulp).
+    AVX-512, or AVX2 with the same bits: 16-lane partial sums; ``exp`` by a Cephes
+    polynomial, about 1 ulp).
 
     Args:
         q: ``[T, H, d]`` contiguous queries (rotary applied).

@@ -27,6 +27,7 @@ decoding is luck unless every row is computed the same way.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -69,7 +70,24 @@ def _onednn_available(weight: torch.Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _onednn_runs(weight.dtype)
     )
+
+
+@functools.cache
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed product runs for ``dtype`` on this CPU: its bfloat16 path
+    needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises on other CPUs (an AVX2-only
+    AMD EPYC, say), so it is tried once on a small matrix instead of assumed."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 32, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(
+            torch.ones(2, 32, dtype=dtype), packed, None, "none", [], ""
+        )
+    except RuntimeError as exc:
+        logger.info("oneDNN's packed product does not run for %s here: %s", dtype, exc)
+        return False
+    return True
 
 
 def _stream_available(weight: torch.Tensor) -> bool:

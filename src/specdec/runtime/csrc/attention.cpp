@@ -10,7 +10,10 @@
 // next to any other sequences (batch invariance by construction: no blocking depends on
 // the batch). Keys and values are read in their storage dtype, converted per element.
 //
-// A row that sees at least 2 kChunk keys (AVX-512 path) is computed in chunks of kChunk
+// With AVX2 and no AVX-512 the group kernel runs the same steps on V16 (common.h): the
+// same bits, one score's lane tree at a time instead of 16 keys at once.
+//
+// A row that sees at least 2 kChunk keys (AVX-512 or AVX2 path) is computed in chunks of kChunk
 // positions (the last one running to the row's end: kChunk to 2 kChunk - 1 keys), each its
 // own task (flash-decoding's split of the keys, Dao et al. 2023), and the chunks are
 // merged in position order:
@@ -35,7 +38,7 @@ namespace {
 
 using namespace specdec;
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(SPECDEC_AVX2)
 constexpr int kMaxVec = 8;  // head_dim 64 or 128
 constexpr int kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kKeyBlock = 64;  // keys read once per block for every row of a group
@@ -62,6 +65,7 @@ struct GroupRow {
   float* stats;  // [R, 2]: the chunk's maximum and sum of p_j (for the merge)
 };
 
+#if defined(__AVX512F__)
 // The sums of the 16 lanes of each of a[0..15], as lane t of the result: the same
 // additions in the same tree as _mm512_reduce_add_ps (lanes l + l+8, then + l+4, + l+2,
 // + l+1; IEEE addition is commutative), for 16 keys at once: about 3 shuffles and adds per
@@ -83,6 +87,7 @@ inline __m512 reduce16(const __m512* a) {
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   return _mm512_permutexvar_ps(order, r);
 }
+#endif
 
 // Keys or values jb .. je-1 of a row as float32 rows of D: the cache itself for float32
 // slots in order, else converted (once per block for the slots every row of the group
@@ -97,7 +102,11 @@ struct BlockReader {
   void start(int64_t jb) { shared_to = jb; }
 
   static void convert(const scalar_t* src, float* dst) {
+#if defined(__AVX512F__)
     for (int c = 0; c < D / kLanes; ++c) _mm512_storeu_ps(dst + c * kLanes, load16(src + c * kLanes));
+#else
+    for (int c = 0; c < D / kLanes; ++c) v16_store(dst + c * kLanes, v16_load(src + c * kLanes));
+#endif
   }
 
   // Pointer to row j - jb of the block (D floats per row).
@@ -144,6 +153,7 @@ void each_block(GroupRow<scalar_t>* rows, int64_t nrows, int64_t kb, int64_t lon
 // Positions kb .. kb + len - 1 of each row only (the task's chunk): each row's acc holds
 // sum_j p_j v_j, normalized by 1 / sum_j p_j when `normalize` (the row's only chunk), else
 // left for the merge with the chunk's maximum and sum in stats.
+#if defined(__AVX512F__)
 template <typename scalar_t, int nv>
 void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, const scalar_t* V,
                   int64_t R, float scale, int64_t kb, bool normalize) {
@@ -235,6 +245,116 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
         _mm512_storeu_ps(a + c * kLanes, _mm512_mul_ps(_mm512_loadu_ps(a + c * kLanes), inv));
     }
 }
+#endif  // __AVX512F__ (group_avx512)
+#endif  // __AVX512F__ || SPECDEC_AVX2
+
+#if defined(SPECDEC_AVX2)
+// group_avx512 on V16 (two AVX2 registers per 16 lanes), step for step: the same products,
+// the same reduction tree per score (v16_reduce_add, reduce16's tree one key at a time),
+// the same exp, sums and order, so the same bits.
+template <typename scalar_t, int nv>
+void group_v16(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, const scalar_t* V,
+               int64_t R, float scale, int64_t kb, bool normalize) {
+  constexpr int64_t D = nv * kLanes;
+  int64_t longest = kb;
+  for (int64_t i = 0; i < nrows; ++i)
+    longest = kb + rows[i].len > longest ? kb + rows[i].len : longest;
+  static thread_local std::vector<float> buffers(2 * kKeyBlock * kMaxVec * kLanes);
+  BlockReader<scalar_t, D> reader;
+  reader.shared = buffers.data();
+  reader.own = buffers.data() + kKeyBlock * D;
+  // registers as __m256 arrays (lanes 0-7, 8-15): an array of V16 went through the stack
+  __m256 ql[kMaxVec], qh[kMaxVec];
+  each_block(rows, nrows, kb, longest, reader, K, [&](const GroupRow<scalar_t>& row, int64_t jb,
+                                                      int64_t je, const float* block) {
+    for (int64_t r = 0; r < R; ++r) {
+      _Pragma("GCC unroll 8")
+      for (int c = 0; c < nv; ++c) {
+        const V16 v = v16_load(row.q + r * D + c * kLanes);
+        ql[c] = v.lo;
+        qh[c] = v.hi;
+      }
+      float* out = row.scores + r * row.len - kb;  // indexed by position
+      for (int64_t j = jb; j < je; ++j) {
+        const float* k = block + (j - jb) * D;
+        __m256 lo = _mm256_mul_ps(ql[0], _mm256_loadu_ps(k));
+        __m256 hi = _mm256_mul_ps(qh[0], _mm256_loadu_ps(k + 8));
+        _Pragma("GCC unroll 8")
+        for (int c = 1; c < nv; ++c) {
+          lo = _mm256_fmadd_ps(ql[c], _mm256_loadu_ps(k + c * kLanes), lo);
+          hi = _mm256_fmadd_ps(qh[c], _mm256_loadu_ps(k + c * kLanes + 8), hi);
+        }
+        out[j] = v16_reduce_add({lo, hi}) * scale;
+      }
+    }
+  });
+  float denom[kMaxRows][kMaxGroup];
+  for (int64_t i = 0; i < nrows; ++i) {
+    const int64_t n = rows[i].len;
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = rows[i].scores + r * n;
+      float m = -INFINITY;  // the maximum is exact in any order
+      for (int64_t j = 0; j < n; ++j) m = sr[j] > m ? sr[j] : m;
+      const V16 mv = v16_set1(m);
+      V16 sum = v16_zero();
+      int64_t j = 0;
+      for (; j + kLanes <= n; j += kLanes) {
+        const V16 e = v16_exp(v16_sub(v16_load(sr + j), mv));
+        v16_store(sr + j, e);
+        sum = v16_add(sum, e);
+      }
+      if (j < n) {  // the tail: lanes past n hold exact zeros in the sum
+        alignas(32) float tmp[kLanes] = {0.f};
+        std::copy(sr + j, sr + n, tmp);
+        v16_store(tmp, v16_exp(v16_sub(v16_load(tmp), mv)));
+        std::copy(tmp, tmp + (n - j), sr + j);
+        std::fill(tmp + (n - j), tmp + kLanes, 0.f);
+        sum = v16_add(sum, v16_load(tmp));
+      }
+      denom[i][r] = v16_reduce_add(sum);
+      rows[i].stats[2 * r] = m;
+      rows[i].stats[2 * r + 1] = denom[i][r];
+    }
+    std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
+  }
+  __m256 acc[2 * kMaxVec];  // 8 lanes each: acc[i] holds elements 8 i .. 8 i + 7
+  each_block(rows, nrows, kb, longest, reader, V, [&](const GroupRow<scalar_t>& row, int64_t jb,
+                                                      int64_t je, const float* vb) {
+    for (int64_t r = 0; r < R; ++r) {
+      float* a = row.acc + r * D;
+      _Pragma("GCC unroll 16")
+      for (int c = 0; c < 2 * nv; ++c) acc[c] = _mm256_loadu_ps(a + 8 * c);
+      for (int64_t j = jb; j < je; ++j) {
+        const float* v = vb + (j - jb) * D;
+        const __m256 p = _mm256_set1_ps(row.scores[r * row.len + j - kb]);
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < 2 * nv; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      }
+      _Pragma("GCC unroll 16")
+      for (int c = 0; c < 2 * nv; ++c) _mm256_storeu_ps(a + 8 * c, acc[c]);
+    }
+  });
+  if (!normalize) return;
+  for (int64_t i = 0; i < nrows; ++i)
+    for (int64_t r = 0; r < R; ++r) {
+      const V16 inv = v16_set1(1.f / denom[i][r]);
+      float* a = rows[i].acc + r * D;
+      for (int c = 0; c < nv; ++c) v16_store(a + c * kLanes, v16_mul(v16_load(a + c * kLanes), inv));
+    }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(SPECDEC_AVX2)
+// The group kernel this CPU runs.
+template <typename scalar_t, int nv>
+inline void group_kernel(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K,
+                         const scalar_t* V, int64_t R, float scale, int64_t kb, bool normalize) {
+#if defined(__AVX512F__)
+  group_avx512<scalar_t, nv>(rows, nrows, K, V, R, scale, kb, normalize);
+#else
+  group_v16<scalar_t, nv>(rows, nrows, K, V, R, scale, kb, normalize);
+#endif
+}
 #endif
 
 template <typename scalar_t>
@@ -253,7 +373,7 @@ void run(const torch::Tensor& q, const std::vector<torch::Tensor>& kv, int64_t l
   }
   const scalar_t* qp = q.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(SPECDEC_AVX2)
   if ((D == 64 || D == 128) && R <= kMaxGroup) {
     // Groups: runs of consecutive rows of one sequence, at most kMaxRows each, split
     // evenly; a group's tasks (one per KV head) read its keys once per block.
@@ -340,9 +460,9 @@ void run(const torch::Tensor& q, const std::vector<torch::Tensor>& kv, int64_t l
         const scalar_t* K = base[s] + g * cap * D;
         const scalar_t* V = base[s] + (G + g) * cap * D;
         if (D == 64)
-          group_avx512<scalar_t, 4>(rows, nr, K, V, R, scale, kb, !split);
+          group_kernel<scalar_t, 4>(rows, nr, K, V, R, scale, kb, !split);
         else
-          group_avx512<scalar_t, 8>(rows, nr, K, V, R, scale, kb, !split);
+          group_kernel<scalar_t, 8>(rows, nr, K, V, R, scale, kb, !split);
         if (split) continue;
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t r = 0; r < R; ++r) {

@@ -100,6 +100,16 @@ inline void rotate_head(const T* x, const T* cos, const T* sin, int64_t D, T* ou
     }
     return;
   }
+#elif defined(SPECDEC_AVX2)
+  if (half % kLanes == 0) {  // the AVX-512 path's arithmetic on V16
+    for (int64_t i = 0; i < D; i += kLanes) {
+      const int64_t j = i < half ? i + half : i - half;
+      const V16 a = v16_round<T>(v16_mul(v16_load(x + i), v16_load(cos + i)));
+      const V16 b = v16_round<T>(v16_mul(v16_load(x + j), v16_load(sin + i)));
+      v16_store(out + i, v16_add(a, b));
+    }
+    return;
+  }
 #endif
   for (int64_t i = 0; i < D; ++i) {
     const int64_t j = i < half ? i + half : i - half;
@@ -164,6 +174,14 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
         const __m512 silu = round16<T>(_mm512_div_ps(x, _mm512_add_ps(one, e)));
         store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
+      }
+#elif defined(SPECDEC_AVX2)
+      const V16 one = v16_set1(1.f);
+      for (; i + kLanes <= F; i += kLanes) {  // the AVX-512 path's arithmetic on V16
+        const V16 x = v16_load(g + i);
+        const V16 e = v16_exp(v16_sub(v16_zero(), x));
+        const V16 silu = v16_round<T>(v16_div(x, v16_add(one, e)));
+        v16_store(o + i, v16_mul(silu, v16_load(u + i)));
       }
 #endif
       for (; i < F; ++i) {
