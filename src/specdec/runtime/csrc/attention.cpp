@@ -142,6 +142,20 @@ void each_block(GroupRow<scalar_t>* rows, int64_t nrows, int64_t kb, int64_t lon
   }
 }
 
+// A group kernel's start: the end of its rows' longest chunk, and `reader` on this thread's
+// conversion buffers.
+template <typename scalar_t, int64_t D>
+inline int64_t group_start(const GroupRow<scalar_t>* rows, int64_t nrows, int64_t kb,
+                           BlockReader<scalar_t, D>& reader) {
+  int64_t longest = kb;
+  for (int64_t i = 0; i < nrows; ++i)
+    longest = kb + rows[i].len > longest ? kb + rows[i].len : longest;
+  static thread_local std::vector<float> buffers(2 * kKeyBlock * kMaxVec * kLanes);
+  reader.shared = buffers.data();
+  reader.own = buffers.data() + kKeyBlock * D;
+  return longest;
+}
+
 // One (group of rows of one sequence, KV head) task with AVX-512. Keys and values are
 // read in blocks of kKeyBlock positions, converted to float32 once for every row of the
 // group that sees them in order (a chain or tree verification reads the KV cache about
@@ -158,13 +172,8 @@ template <typename scalar_t, int nv>
 void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, const scalar_t* V,
                   int64_t R, float scale, int64_t kb, bool normalize) {
   constexpr int64_t D = nv * kLanes;
-  int64_t longest = kb;
-  for (int64_t i = 0; i < nrows; ++i)
-    longest = kb + rows[i].len > longest ? kb + rows[i].len : longest;
-  static thread_local std::vector<float> buffers(2 * kKeyBlock * kMaxVec * kLanes);
   BlockReader<scalar_t, D> reader;
-  reader.shared = buffers.data();
-  reader.own = buffers.data() + kKeyBlock * D;
+  const int64_t longest = group_start(rows, nrows, kb, reader);
   __m512 qv[kMaxVec];
   __m512 part[kLanes];
   each_block(rows, nrows, kb, longest, reader, K, [&](const GroupRow<scalar_t>& row, int64_t jb,
@@ -256,13 +265,8 @@ template <typename scalar_t, int nv>
 void group_v16(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, const scalar_t* V,
                int64_t R, float scale, int64_t kb, bool normalize) {
   constexpr int64_t D = nv * kLanes;
-  int64_t longest = kb;
-  for (int64_t i = 0; i < nrows; ++i)
-    longest = kb + rows[i].len > longest ? kb + rows[i].len : longest;
-  static thread_local std::vector<float> buffers(2 * kKeyBlock * kMaxVec * kLanes);
   BlockReader<scalar_t, D> reader;
-  reader.shared = buffers.data();
-  reader.own = buffers.data() + kKeyBlock * D;
+  const int64_t longest = group_start(rows, nrows, kb, reader);
   // registers as __m256 arrays (lanes 0-7, 8-15): an array of V16 went through the stack
   __m256 ql[kMaxVec], qh[kMaxVec];
   each_block(rows, nrows, kb, longest, reader, K, [&](const GroupRow<scalar_t>& row, int64_t jb,
