@@ -85,6 +85,9 @@ def test_json_compare_ngram(capsys, model_dir):
     assert all(isinstance(t, int) for t in ids)
     assert record["finish_reason"] in ("stop", "length")
     assert record["prompt_tokens"] >= 1  # how long the prompt was, chat template included
+    # the native kernels' instruction set (null on transformers)
+    native = ("avx512", "avx2", "portable")
+    assert record["simd"] in ((None,) if record["backend"] == "hf" else native)
     assert record["text"]  # this prompt produces real words
     assert record["identical"] is True
     assert record["baseline"]["token_ids"] == ids
@@ -116,6 +119,7 @@ def test_text_output_with_metrics(capsys, model_dir):
         "tokens / steps",
         "mean acceptance length",
         "acceptance rate",
+        "steps with a draft",
         "per-position acceptance",
         "time",
         "autoregressive baseline",

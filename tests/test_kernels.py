@@ -1,12 +1,13 @@
 """The native runtime's compiled kernels (``specdec.runtime.kernels``) against the PyTorch
 reference: ragged attention over several sequences' KV caches (prefix rows, token tree
-rows, both code paths: AVX-512 for head_dim 64/128, portable otherwise), the fused layer
+rows, both code paths: AVX-512 or AVX2 for head_dim 64/128, portable otherwise), the fused layer
 ops (RMSNorm with the residual sum, rotary with the KV store, SiLU x up; lane-sized and
 odd widths), the few-row matrix product, batch invariance bit for bit, and clear
 errors."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -25,6 +26,25 @@ L, G, H = 2, 2, 6  # layers, KV heads, query heads (3 per KV head)
 
 def test_the_kernels_build_on_this_machine():
     assert kernels.kernel_available(), "the C++ attention kernel did not build (see the log)"
+
+
+def test_the_kernels_say_which_instruction_set_they_run():
+    """AVX-512 or AVX2 + FMA where the CPU has them (the flags /proc/cpuinfo lists), the
+    portable loops only on a CPU with neither."""
+    flags = set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if not flags:
+        pytest.skip("no /proc/cpuinfo here")
+    expected = (
+        "avx512" if "avx512f" in flags
+        else "avx2" if {"avx2", "fma", "f16c"} <= flags
+        else "portable"
+    )  # fmt: skip
+    assert kernels.simd() == expected
 
 
 def _caches(dtype, d, capacities, seed=0):

@@ -267,6 +267,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "exact": bool(getattr(llm.target, "exact", False)),
         "quantization": getattr(llm.target, "quantization", "none"),
         "quant_kernel": _quant_kernel(llm.target),
+        "simd": _simd(llm.target),
         "threads": threads.num_threads,
     }
     run = _Run()
@@ -410,6 +411,24 @@ def _speedup(output: GenerationOutput, baseline: GenerationOutput) -> float:
     return output.metrics.tokens_per_s / base if base else 0.0
 
 
+#: How ``ran on`` names the native kernels' instruction set.
+_SIMD_NOTE = {
+    "avx512": " (AVX-512 kernels)",
+    "avx2": " (AVX2 kernels)",
+    "portable": " (portable kernels: no AVX2 here, slow)",
+}
+
+
+def _simd(target) -> str | None:
+    """The C++ kernels' instruction set on the native backend (``avx512``, ``avx2``,
+    ``portable``), ``None`` on transformers or without the kernels."""
+    if getattr(target, "decoder", None) is None:
+        return None
+    from specdec.runtime.kernels import simd
+
+    return simd()
+
+
 def _quant_kernel(target) -> str | None:
     """The quantized product kernel(s) a native target runs (``fma``, ``amx``, or both
     names for a mix), ``None`` on dense weights."""
@@ -430,7 +449,8 @@ def _print_metrics(
         if meta.get("quant_kernel"):
             weights += f" ({meta['quant_kernel']} kernel)"
         plural = "s" if meta["threads"] != 1 else ""
-        print(f"ran on                   {meta['backend']} backend, {meta['dtype']}{mode}"
+        simd = _SIMD_NOTE.get(meta.get("simd"), "")
+        print(f"ran on                   {meta['backend']} backend{simd}, {meta['dtype']}{mode}"
               f"{weights}, {meta['threads']} thread{plural}")  # fmt: skip
     print(f"finish reason            {output.finish_reason}")
     if m.lossy:
@@ -442,6 +462,7 @@ def _print_metrics(
     print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")
     rate = f"{m.acceptance_rate:.1%}" if m.num_draft_tokens else "n/a"
     print(f"acceptance rate          {rate} ({m.num_accepted_tokens}/{m.num_draft_tokens} drafted)")
+    print(f"steps with a draft       {m.num_drafts} of {m.num_steps}")
     label = "per-depth acceptance    " if tree else "per-position acceptance "
     print(f"{label} {per_position}")
     if tree:

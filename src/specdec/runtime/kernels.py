@@ -123,6 +123,14 @@ def kernel_available(device: torch.device | str = "cpu") -> bool:
     return torch.device(device).type == "cpu" and _load() is not None
 
 
+def simd() -> str | None:
+    """The instruction set the C++ kernels run on this machine: ``"avx512"``, ``"avx2"``
+    (AVX2 + FMA, the AVX-512 arithmetic on two 8-lane registers: the same bits) or
+    ``"portable"`` (plain C++ loops, several times slower); ``None`` without the kernels."""
+    module = _load()
+    return module.simd() if module is not None else None
+
+
 def ragged_attention(
     q: torch.Tensor,
     caches: list[torch.Tensor],

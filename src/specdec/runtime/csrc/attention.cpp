@@ -28,6 +28,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <string>
 #include <array>
 #include <atomic>
 #include <type_traits>
@@ -626,7 +627,19 @@ bool amx_available();
 void amx_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor y);
 void amx_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y);
 
+// The instruction set the kernels were built for on this machine (-march=native).
+std::string simd() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(SPECDEC_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("simd", &simd, "the instruction set of the kernels: avx512, avx2 or portable");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "residual sum, then RMSNorm of each row");
   m.def("rotary_kv", &rotary_kv, "rotary queries; rotary keys and values into the KV caches");
