@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests tests_vllm tests_docs tests_ray
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n auto --durations=25
 
 # The documentation site (docs/ + mkdocs.yml -> out/site/), built with --strict: a broken
 # link or a missing docstring reference fails. Then every shell command of the README and

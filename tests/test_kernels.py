@@ -396,3 +396,51 @@ def test_bad_inputs_are_clear_errors():
         kernels.ragged_attention(
             torch.zeros(H, 8), caches, 0, one, one + 1, one - 1, one[:0], 1.0, out
         )
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
+    """The kernels split their work into tasks over PyTorch's threads (output blocks,
+    chunks of long attention rows, rows of the fused ops); a result's bits never depend on
+    how many threads ran it. (The rest of the suite may run on one thread per test worker:
+    ``make test`` uses pytest-xdist, see ``conftest.pytest_configure``.)"""
+    from specdec.runtime.quant import kernel_layout, quantize
+
+    gen = torch.Generator().manual_seed(11)
+    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    caches = _caches(dtype, 64, [4200, 300], seed=12)
+    seq, n, off = [0, 0, 0, 1], [1, 2049, 4100, 300], [-1, -1, -1, -1]
+    q = torch.randn(len(seq), H, 64, generator=gen).to(dtype)
+    x = torch.randn(17, 1536, generator=gen).to(dtype)
+    w = torch.randn(576, 1536, generator=gen).to(dtype)
+    blocks, code = kernel_layout(quantize(torch.randn(576, 1536, generator=gen) * 0.05, "q4_1"))
+    norm_w = torch.randn(1536, generator=gen).to(dtype)
+    gate_up = torch.randn(17, 2 * 1536, generator=gen).to(dtype)
+
+    def run():
+        out = torch.empty(len(seq), H * 64, dtype=dtype)
+        kernels.ragged_attention(q, caches, 1, t(seq), t(n), t(off), t([]), 0.1, out)
+        return [
+            out, kernels.small_gemm(x, w), kernels.small_gemm(x[:1], w),
+            kernels.quant_gemm(x, blocks, code), kernels.quant_gemm(x[:1], blocks, code),
+            kernels.quant_gemm(x[:5], blocks, code),
+            kernels.rms_norm(x, norm_w, 1e-5), *kernels.add_rms_norm(x, x, norm_w, 1e-5),
+            kernels.silu_mul(gate_up),
+        ]  # fmt: skip
+
+    with _threads(1):
+        one = run()
+    for threads in (2, 3):
+        with _threads(threads):
+            for i, (a, b) in enumerate(zip(one, run(), strict=True)):
+                assert torch.equal(a, b), (threads, i)
