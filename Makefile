@@ -23,9 +23,11 @@ demo: $(STAMP)
 	$(VENV)/bin/specdec generate --compare --drafter ngram --num-speculative-tokens 20 \
 		--max-new-tokens 160 --demo-prompt
 
+# One pytest worker per core (pytest-xdist), at most 4 (each worker holds the embedded
+# model, ~2 GB); tests/conftest.py gives each worker its share of PyTorch's threads.
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests tests_vllm tests_docs tests_ray
-	$(PY) -m pytest -q -n auto --durations=25
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --durations=25
 
 # The documentation site (docs/ + mkdocs.yml -> out/site/), built with --strict: a broken
 # link or a missing docstring reference fails. Then every shell command of the README and
