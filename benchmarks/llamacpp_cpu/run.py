@@ -11,11 +11,13 @@ first token, specdec's with its prefill forwards), after one warm-up request per
 llama.cpp (``llama-cpp-python``) runs the GGUF file itself with ``n_threads`` = specdec's
 thread count; its prompt-lookup decoding (``LlamaPromptLookupDecoding``) is measured too.
 specdec runs the file's own Q4_1 / Q8_0 blocks (``quantization gguf``), native backend,
-exact mode, bfloat16 activations, plain and with its lossless drafters, with each of its
+exact mode, activations in the dtype ``auto`` picks (bfloat16 on CPUs with bfloat16
+matrix hardware where calibration finds it faster, else float32; the report says which),
+plain and with its lossless drafters, with each of its
 quantized kernels (``fma``: float32 FMAs, fastest for one row; ``amx``: integer weights on
 AMX tiles, about as fast from 4 rows and far cheaper for verification; see
 ``specdec.runtime.quant``; forced with ``SPECDEC_QUANT_KERNEL``, the ``amx`` rows only
-where the CPU has AMX-BF16); the dense bfloat16 copy is the reference line.
+where the CPU has AMX-BF16); the dense copy is the reference line.
 
 Methods are interleaved: every method decodes prompt 1, then every method prompt 2, and so
 on (llama.cpp in a worker process that keeps both of its configurations loaded), so a
@@ -52,10 +54,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 #: specdec configurations: (label, target, method, k, controller); target: "dense" (the
-#: dense bfloat16 copy) or the quantized kernel on the GGUF's blocks ("fma", "amx").
+#: dense copy in the activations' dtype) or the quantized kernel on the GGUF's blocks
+#: ("fma", "amx").
 SPECDEC_METHODS = (
-    ("specdec plain (dense bf16)", "dense", "none", 0, "fixed"),
+    ("specdec plain (dense)", "dense", "none", 0, "fixed"),
     ("specdec plain, fma kernel", "fma", "none", 0, "fixed"),
+    ("specdec prompt lookup k=10, fma kernel", "fma", "ngram", 10, "fixed"),
+    ("specdec prompt lookup, cost controller, fma kernel", "fma", "ngram", 10, "cost"),
     ("specdec suffix, cost controller, fma kernel", "fma", "suffix", 10, "cost"),
     ("specdec plain, amx kernel", "amx", "none", 0, "fixed"),
     ("specdec prompt lookup k=10, amx kernel", "amx", "ngram", 10, "fixed"),
@@ -156,15 +161,13 @@ class LlamaWorker:
 
 
 def specdec_models() -> dict:
-    """specdec's targets: the dense bfloat16 copy, and the GGUF file's own blocks with each
-    quantized kernel available here."""
-    import torch
-
+    """specdec's targets: the dense copy (dtype ``auto``), and the GGUF file's own blocks
+    with each quantized kernel available here for that dtype."""
     from specdec import LLM
     from specdec.runtime.quant import available_quant_kernels
 
     models = {"dense": LLM(backend="native", quantization="none")}
-    for kernel in available_quant_kernels(torch.bfloat16):
+    for kernel in available_quant_kernels(models["dense"].target.dtype):
         os.environ["SPECDEC_QUANT_KERNEL"] = kernel
         try:
             models[kernel] = LLM(backend="native", quantization="gguf")
