@@ -67,8 +67,11 @@ def test_empty_file_and_missing_file(tmp_path):
     (tmp_path / "e.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no prompts"):
         load_jsonl(tmp_path / "e.jsonl")
-    with pytest.raises(FileNotFoundError, match="Spec-Bench"):
+    with pytest.raises(FileNotFoundError, match="Spec-Bench") as missing:
         load_spec_bench(tmp_path / "missing.jsonl")
+    # where to get it, and the data set that needs no download
+    assert "https://raw.githubusercontent.com/hemingkx/Spec-Bench/" in str(missing.value)
+    assert "--dataset humaneval needs no download" in str(missing.value)
 
 
 def test_select_is_deterministic_round_robin():

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import time
 
 import httpx
@@ -329,6 +330,10 @@ def test_specdec_serve_exits_cleanly_on_sigterm(tmp_path):
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
         assert process.wait(timeout=60) == 0
+        # the start line says what serves: backend, kernels, dtype, mode, weights, threads
+        started = process.stdout.read().decode().splitlines()[0]
+        assert started.startswith(f"specdec: serving {tmp_path} (native backend"), started
+        assert re.search(r"(float32|bfloat16), exact, dense weights, \d+ threads?\) on", started)
     finally:
         if process.poll() is None:
             process.kill()

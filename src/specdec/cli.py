@@ -15,9 +15,11 @@ from specdec.cli_common import (
     add_sampling_args,
     check_model_args,
     choose_threads,
+    describe_target,
     llm_from_args,
     sampling_params,
     speculative_config,
+    target_meta,
     warn_if_busy,
 )
 from specdec.config import SamplingParams, SpeculativeConfig
@@ -262,13 +264,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "drafter": speculative.method,
         "draft_model": llm.loaded_draft.name if llm.loaded_draft is not None else None,
         "tree": str(speculative.tree) if speculative.tree else None,
-        "backend": llm.target.backend,
-        "dtype": str(llm.target.dtype).replace("torch.", ""),
-        "exact": bool(getattr(llm.target, "exact", False)),
-        "quantization": getattr(llm.target, "quantization", "none"),
-        "quant_kernel": _quant_kernel(llm.target),
-        "simd": _simd(llm.target),
-        "threads": threads.num_threads,
+        **target_meta(llm.target, threads.num_threads),
     }
     run = _Run()
     meter = CpuMeter(threads.num_threads)  # did other processes take our cores while timed?
@@ -411,31 +407,6 @@ def _speedup(output: GenerationOutput, baseline: GenerationOutput) -> float:
     return output.metrics.tokens_per_s / base if base else 0.0
 
 
-#: How ``ran on`` names the native kernels' instruction set.
-_SIMD_NOTE = {
-    "avx512": " (AVX-512 kernels)",
-    "avx2": " (AVX2 kernels)",
-    "portable": " (portable kernels: no AVX2 here, slow)",
-}
-
-
-def _simd(target) -> str | None:
-    """The C++ kernels' instruction set on the native backend (``avx512``, ``avx2``,
-    ``portable``), ``None`` on transformers or without the kernels."""
-    if getattr(target, "decoder", None) is None:
-        return None
-    from specdec.runtime.kernels import simd
-
-    return simd()
-
-
-def _quant_kernel(target) -> str | None:
-    """The quantized product kernel(s) a native target runs (``fma``, ``amx``, or both
-    names for a mix), ``None`` on dense weights."""
-    kernels = getattr(getattr(target, "decoder", None), "quant_kernels", None) or {}
-    return ",".join(sorted(set(kernels.values()))) or None
-
-
 def _print_metrics(
     output: GenerationOutput, baseline, params: SamplingParams, tree=None, meta=None
 ) -> None:
@@ -443,15 +414,7 @@ def _print_metrics(
     per_position = ", ".join(f"{r:.2f}" for r in m.per_position_acceptance_rate) or "-"
     print("-" * 60)
     if meta:  # what ran: the defaults (backend auto, dtype auto) resolve per machine
-        mode = ", exact" if meta["exact"] else ""
-        quant = meta.get("quantization", "none")
-        weights = f", {quant} weights" if quant != "none" else ", dense weights"
-        if meta.get("quant_kernel"):
-            weights += f" ({meta['quant_kernel']} kernel)"
-        plural = "s" if meta["threads"] != 1 else ""
-        simd = _SIMD_NOTE.get(meta.get("simd"), "")
-        print(f"ran on                   {meta['backend']} backend{simd}, {meta['dtype']}{mode}"
-              f"{weights}, {meta['threads']} thread{plural}")  # fmt: skip
+        print(f"ran on                   {describe_target(meta)}")
     print(f"finish reason            {output.finish_reason}")
     if m.lossy:
         print(f"verifier                 {m.verifier}: LOSSY, the output does not follow the "
@@ -473,8 +436,11 @@ def _print_metrics(
     if m.chosen_k_counts:
         chosen = " ".join(f"{k}:{n}" for k, n in enumerate(m.chosen_k_counts) if n)
         choices = sum(m.chosen_k_counts)  # the steps that could draft (not the last one)
-        print(f"speculation off          {m.num_steps_off} of {choices} steps that could draft")
-        print(f"chosen k histogram       {chosen} (k:steps)")
+        print(
+            f"speculation off          {m.num_steps_off} of {choices} steps "
+            "(the controller chose k = 0)"
+        )
+        print(f"chosen k histogram       {chosen} (k:steps; a drafter may propose fewer, or none)")
     print(f"time                     {m.elapsed_s:.2f} s ({m.tokens_per_s:.1f} tokens/s)")
     if baseline is None:
         return

@@ -588,3 +588,52 @@ def warn_if_busy(share: float, num_threads: int, what: str = "the speedup above"
         file=sys.stderr,
     )
     return True
+
+
+#: How :func:`describe_target` names the native kernels' instruction set.
+_SIMD_NOTE = {
+    "avx512": " (AVX-512 kernels)",
+    "avx2": " (AVX2 kernels)",
+    "portable": " (portable kernels: no AVX2 here, slow)",
+}
+
+
+def target_meta(target, threads: int) -> dict:
+    """What runs a target, as ``generate --json`` records it: ``backend``, ``dtype``,
+    ``exact``, ``quantization``, ``quant_kernel`` (the quantized product kernel(s) of a
+    native target: ``fma``, ``amx``, or both names for a mix; ``None`` on dense weights),
+    ``simd`` (the C++ kernels' instruction set on the native backend: ``avx512``, ``avx2``,
+    ``portable``; ``None`` on transformers or without the kernels) and ``threads``."""
+    decoder = getattr(target, "decoder", None)
+    simd = None
+    if decoder is not None:
+        from specdec.runtime.kernels import simd as kernels_simd
+
+        simd = kernels_simd()
+    kernels = getattr(decoder, "quant_kernels", None) or {}
+    return {
+        "backend": target.backend,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "exact": bool(getattr(target, "exact", False)),
+        "quantization": getattr(target, "quantization", "none"),
+        "quant_kernel": ",".join(sorted(set(kernels.values()))) or None,
+        "simd": simd,
+        "threads": threads,
+    }
+
+
+def describe_target(meta: dict) -> str:
+    """One line from :func:`target_meta`'s fields, e.g. ``native backend (AVX2 kernels),
+    float32, exact, gguf weights (fma kernel), 2 threads`` (``generate``'s ``ran on`` line,
+    ``serve``'s start line)."""
+    mode = ", exact" if meta["exact"] else ""
+    quant = meta.get("quantization", "none")
+    weights = f", {quant} weights" if quant != "none" else ", dense weights"
+    if meta.get("quant_kernel"):
+        weights += f" ({meta['quant_kernel']} kernel)"
+    plural = "s" if meta["threads"] != 1 else ""
+    simd = _SIMD_NOTE.get(meta.get("simd"), "")
+    return (
+        f"{meta['backend']} backend{simd}, {meta['dtype']}{mode}{weights}, "
+        f"{meta['threads']} thread{plural}"
+    )

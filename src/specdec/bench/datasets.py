@@ -150,14 +150,21 @@ def _parse_line(
     )
 
 
+#: Where Spec-Bench's question set can be downloaded (a user with network access).
+SPEC_BENCH_URL = (
+    "https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl"
+)
+
+
 def load_spec_bench(path: str | Path | None = None) -> list[BenchPrompt]:
     """The 480 Spec-Bench questions (default: :func:`default_spec_bench_path`)."""
     path = Path(path) if path else default_spec_bench_path()
     if not path.is_file():
         raise FileNotFoundError(
             f"Spec-Bench questions not found at {path}; get question.jsonl from the Spec-Bench "
-            "benchmark (data/spec_bench/question.jsonl, Apache-2.0) and pass --spec-bench PATH "
-            "or set SPECDEC_SPEC_BENCH"
+            "benchmark (data/spec_bench/question.jsonl, Apache-2.0: "
+            f"{SPEC_BENCH_URL}) and pass --spec-bench PATH or set SPECDEC_SPEC_BENCH; "
+            "--dataset humaneval needs no download"
         )
     return load_jsonl(path, source="spec_bench", groups=SPEC_BENCH_GROUPS)
 

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 
-from specdec.cli_common import choose_threads, llm_from_args
+from specdec.cli_common import choose_threads, describe_target, llm_from_args, target_meta
 from specdec.server.options import add_serve_arguments, check_serve_args
 
 logger = logging.getLogger(__name__)
@@ -34,14 +34,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     speculative, config = check_serve_args(args)
     listener = bind(args.host, args.port)  # before the model loads: a busy port fails now
-    choose_threads(args, adapt=False)  # --threads or OMP_NUM_THREADS; else every core
+    threads = choose_threads(args, adapt=False)  # --threads or OMP_NUM_THREADS; else all
     llm = llm_from_args(args, speculative, engine_config=config)
     app = create_app(
         llm, args.served_model_name or args.model, args.max_waiting, engine_thread=False
     )
+    ran_on = describe_target(target_meta(llm.target, threads.num_threads))
     print(
-        f"specdec: serving {args.model} ({llm.target.backend} backend) on "
-        f"http://{args.host}:{args.port}/v1",
+        f"specdec: serving {args.model} ({ran_on}) on http://{args.host}:{args.port}/v1",
         flush=True,
     )
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)
