@@ -24,7 +24,9 @@ def pytest_configure(config):
     thread-count invariance is tested explicitly (``test_kernels``)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
-        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every CPU
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+        threads = max(1, cores // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 
