@@ -423,7 +423,8 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
     q = torch.randn(len(seq), H, 64, generator=gen).to(dtype)
     x = torch.randn(17, 1536, generator=gen).to(dtype)
     w = torch.randn(576, 1536, generator=gen).to(dtype)
-    blocks, code = kernel_layout(quantize(torch.randn(576, 1536, generator=gen) * 0.05, "q4_1"))
+    matrix = quantize(torch.randn(576, 1536, generator=gen) * 0.05, "q4_1")
+    blocks, code = kernel_layout(matrix)
     norm_w = torch.randn(1536, generator=gen).to(dtype)
     gate_up = torch.randn(17, 2 * 1536, generator=gen).to(dtype)
 
@@ -434,6 +435,7 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
             out, kernels.small_gemm(x, w), kernels.small_gemm(x[:1], w),
             kernels.quant_gemm(x, blocks, code), kernels.quant_gemm(x[:1], blocks, code),
             kernels.quant_gemm(x[:5], blocks, code),
+            kernels.q8_gemm(x, matrix.blocks, 0), kernels.q8_gemm(x[:1], matrix.blocks, 0),
             kernels.rms_norm(x, norm_w, 1e-5), *kernels.add_rms_norm(x, x, norm_w, 1e-5),
             kernels.silu_mul(gate_up),
         ]  # fmt: skip

@@ -6,9 +6,10 @@ cast to the activations' dtype, bit for bit (float32, bfloat16, float16 activati
 row count); a row's bits do not depend on the rows
 beside it; the embedded GGUF's own blocks, read and un-permuted, dequantize to exactly the
 weights transformers loads from the same file; and a quantized native model keeps greedy
-speculative decoding identical to its plain decoding, with either quantized kernel
-(``fma``, ``amx``); the ``amx`` kernel is the float64 product within bfloat16 rounding and
-row-invariant for any row count.
+speculative decoding identical to its plain decoding, with each quantized kernel
+(``fma``, ``amx``, ``q8``); the ``amx`` kernel is the float64 product within bfloat16 rounding and
+row-invariant for any row count; the ``q8`` kernel is its specified arithmetic (8-bit
+activations, llama.cpp's) bit for bit, computed here in PyTorch, for any row count.
 """
 
 from __future__ import annotations
@@ -20,9 +21,15 @@ from specdec.runtime.kernels import kernel_available
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="needs specdec's C++ kernels")
 
-from specdec.runtime.kernels import dequantize_blocks, quant_gemm, small_gemm  # noqa: E402
+from specdec.runtime.kernels import (  # noqa: E402
+    dequantize_blocks,
+    q8_gemm,
+    quant_gemm,
+    small_gemm,
+)
 from specdec.runtime.quant import (  # noqa: E402
     KINDS,
+    MEASURED_QUANT_KERNELS,
     QUANT_ROWS,
     QuantizedMatrix,
     QuantLinear,
@@ -219,8 +226,10 @@ def test_quantized_model_equals_the_dense_model_on_the_same_kernel(embedded_fp32
 
 
 @pytest.mark.parametrize(
-    ("dtype", "kernel"), [("float32", "fma"), ("bfloat16", "fma"), ("bfloat16", "amx")]
-)
+    ("dtype", "kernel"),
+    [("float32", "fma"), ("bfloat16", "fma"), ("bfloat16", "amx"), ("float32", "q8"),
+     ("bfloat16", "q8")],
+)  # fmt: skip
 def test_quantized_greedy_speculation_equals_plain_decoding(dtype, kernel, monkeypatch):
     """Exact mode on the GGUF's own blocks, with each quantized kernel: a batch of prompts
     with speculation gives each prompt its plain one-at-a-time greedy output, token for
@@ -363,7 +372,8 @@ def test_quant_kernel_choices_measure_once_and_obey_the_override(tmp_path, monke
     assert quant_kernel_choices(products, torch.float32) == {"o": "fma"}  # amx: bf16 only
     first = quant_kernel_choices(products, torch.bfloat16)
     assert first["o"] in available_quant_kernels(torch.bfloat16)
-    if len(available_quant_kernels(torch.bfloat16)) == 2:  # measured, then read back
+    measured = [k for k in available_quant_kernels(torch.bfloat16) if k in MEASURED_QUANT_KERNELS]
+    if len(measured) == 2:  # measured, then read back
         assert (tmp_path / "kernels.json").exists()
         assert quant_kernel_choices(products, torch.bfloat16) == first
 
@@ -394,3 +404,121 @@ def test_a_bad_quant_kernel_is_refused_before_any_model_loads(monkeypatch):
             check_quantization(quantization, "native")
     monkeypatch.setenv("SPECDEC_QUANT_KERNEL", " AMX ")
     check_quantization("gguf", "native")  # case and spaces do not matter
+
+
+# ------------------------------------------------------------ the q8 kernel (llama.cpp's)
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 fused multiply-add, exactly: ``a * b`` is exact in float64 (24-bit
+    mantissas) and the sum rounds once to float64, then to float32. The two roundings
+    differ from one only where the float64 sum, inexact, lands on a float32 midpoint:
+    there the exact error of the float64 sum (Knuth's TwoSum) says which neighbour the
+    true value is nearer to."""
+    ab, cd = a.double() * b.double(), c.double()
+    r = ab + cd
+    back = r - ab
+    err = (ab - (r - back)) + (cd - back)  # r + err == ab + cd exactly
+    r32 = r.float()
+    lo = torch.where(r32.double() <= r, r32, torch.nextafter(r32, torch.tensor(float("-inf"))))
+    hi = torch.nextafter(lo, torch.tensor(float("inf")))
+    tie = (r - lo.double()) == (hi.double() - r)
+    fixed = torch.where(err > 0, hi, lo)
+    return torch.where(tie & (err != 0), fixed, r32)
+
+
+def _q8_reference(x: torch.Tensor, matrix: QuantizedMatrix) -> torch.Tensor:
+    """The q8 kernel's arithmetic (``csrc/q8.cpp``) in PyTorch, step by step: ``[M, N]``
+    float32."""
+    m_rows, k = x.shape
+    n, nb = matrix.shape[0], k // 32
+    xb = x.float().reshape(m_rows, nb, 32)
+    d = xb.abs().amax(-1) / 127  # float32 division, as the kernel
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    a = torch.round(xb * inv[..., None])  # nearest even, as the kernel's conversion
+    s = d * a.sum(-1)  # the integer sum is exact in float32 (|sum| <= 4064)
+    raw = matrix.blocks.reshape(n, nb, -1)
+    dw = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    if matrix.kind == "q4_1":
+        mw = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+        nib = raw[..., 4:20].long()
+        q = torch.cat([nib & 15, nib >> 4], dim=-1)  # q_i, then q_{i + 16}
+    else:
+        q = raw[..., 2:34].contiguous().view(torch.int8).long()
+    # p[m, n, b, l]: the exact integer sum over i = 4l .. 4l + 3
+    p = torch.einsum("mbi,nbi->mnbi", a.long(), q).reshape(m_rows, n, nb, 8, 4).sum(-1)
+    acc = torch.zeros(m_rows, n, 8)
+    accm = torch.zeros(m_rows, n)
+    for b in range(nb):
+        dd = (dw[None, :, b] * d[:, None, b])[..., None].expand(m_rows, n, 8)
+        acc = _fma32(p[:, :, b].float(), dd, acc)
+        if matrix.kind == "q4_1":
+            accm = _fma32(mw[None, :, b].expand(m_rows, n), s[:, None, b].expand(m_rows, n), accm)
+    u0 = (acc[..., 0] + acc[..., 4]) + (acc[..., 2] + acc[..., 6])
+    u1 = (acc[..., 1] + acc[..., 5]) + (acc[..., 3] + acc[..., 7])
+    return (u0 + u1) + accm
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(9, 64), (40, 576)])
+def test_q8_product_is_its_arithmetic_bit_for_bit_for_any_row_count(kind, dtype, n, k):
+    """The q8 kernel (8-bit activations, integer dot products: llama.cpp's arithmetic)
+    equals its specification computed in PyTorch, bit for bit, then rounded to the
+    activations' dtype; including a block of zero weights (d = 0), a block of zero
+    activations (d_x = 0), ties of the rounding to 8 bits and Q8_0's -128. Every row
+    gives the same bits alone and at every place of every row count up to 20 (the
+    kernel's one-row path, its chunks of 4 rows and their remainders)."""
+    matrix = _matrix(kind, n, k, seed=3)
+    if kind == "q8_0":  # a weight of -128 (|q| is read unsigned by the kernel)
+        matrix.blocks.view(n, k // 32, 34)[1, 0, 2] = 0x80
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(23, k, generator=gen)
+    x[2, :32] = 0.0  # d_x = 0
+    x[3, :32] = torch.arange(32) - 15.5  # d_x = 1 (max 127 below): x / d_x ties, to even
+    x[3, 0] = 127.0
+    x = x.to(dtype)
+    blocks, code = matrix.blocks, KINDS[matrix.kind][0]
+    y = q8_gemm(x, blocks, code)
+    assert y.dtype == dtype and y.shape == (23, n)
+    assert torch.equal(y, _q8_reference(x, matrix).to(dtype))
+    alone = torch.cat([q8_gemm(x[i : i + 1], blocks, code) for i in range(23)])
+    assert torch.equal(alone, y)
+    for m in range(2, 21):
+        for start in (0, 3):
+            assert torch.equal(q8_gemm(x[start : start + m], blocks, code), y[start : start + m])
+
+
+def test_q8_product_is_near_the_float_product_and_refuses_what_it_cannot_compute():
+    """Rounding the activations to 8 bits per block costs about 1% of an output's size
+    (relative to the float32 product on the same weights); and bad inputs are refused."""
+    matrix = _matrix("q4_1", 256, 576, seed=5)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(6))
+    y = q8_gemm(x, matrix.blocks, 0)
+    ref = x.double() @ reference_dequantize(matrix).double().t()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 0.02
+    with pytest.raises(RuntimeError, match="kind must be 0"):
+        q8_gemm(x, kernel_layout(matrix)[0], 2)  # the fma kernel's own layout is not read
+    with pytest.raises(RuntimeError, match="quantized rows hold"):
+        q8_gemm(x[:, :544], matrix.blocks, 0)
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        q8_gemm(x.double(), matrix.blocks, 0)
+
+
+def test_q8_runs_only_when_asked_for(tmp_path, monkeypatch):
+    """``q8`` changes the activations, so measurement never picks it: it runs when
+    ``SPECDEC_QUANT_KERNEL=q8`` asks, in any dtype, reading the file's own blocks."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECDEC_QUANT_KERNEL", raising=False)
+    products = {"o": [_matrix("q4_1", 32, 64, s) for s in range(2)]}
+    for dtype in DTYPES:
+        assert "q8" in available_quant_kernels(dtype)
+        assert quant_kernel_choices(products, dtype)["o"] != "q8"
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "q8")
+    assert quant_kernel_choices(products, torch.float32) == {"o": "q8"}
+    linear = QuantLinear(products["o"][0], None, torch.float32, kernel="q8")
+    assert linear.tile == 64  # row-invariant: exact mode runs any row count at once
+    assert linear.streamed_bytes == products["o"][0].blocks.numel()  # 20 bytes per 32
+    x = torch.randn(5, 64)
+    assert torch.equal(linear(x, exact=True), q8_gemm(x, products["o"][0].blocks, 0))
+    assert torch.equal(linear.dense(torch.float32), reference_dequantize(products["o"][0]))

@@ -35,6 +35,7 @@ _SOURCES = (
     _CSRC / "layer_ops.cpp",
     _CSRC / "gemm.cpp",
     _CSRC / "amx.cpp",
+    _CSRC / "q8.cpp",
 )
 #: Compiler flags (part of the build's name). No FMA contraction: the fused ops round like
 #: PyTorch's separate operations.
@@ -326,6 +327,37 @@ def quant_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor
         x = x.contiguous()
     out = torch.empty((x.shape[0], blocks.shape[0]), dtype=x.dtype, device=x.device)
     _module_or_raise().quant_gemm(x, blocks, kind, out)
+    return out
+
+
+def q8_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """``y ~ x W^T`` with ``x`` quantized to 8 bits per block of 32 activations and
+    integer dot products with GGUF's own Q4_1 / Q8_0 blocks: llama.cpp's arithmetic
+    (``ggml_vec_dot_q4_1_q8_1`` / ``ggml_vec_dot_q8_0_q8_0``), in one fixed order of
+    float operations (``csrc/q8.cpp``), so a row's bits do not depend on M, the threads
+    or the x86 CPU (AVX2 code on AVX-512 CPUs too).
+
+    Per row and block of 32: ``d = max|x| / 127``, ``a = round(x / d)`` (int8, nearest
+    even), ``s = d * sum(a)``; per output, 8 float32 lanes accumulate ``float(sum of 4
+    q a) * (d_w d)`` over the blocks (fused multiply-add), Q4_1 adds ``m_w s`` (``w = d_w
+    q + m_w``), then a fixed sum of the lanes. Not the float32 product: the activations
+    are rounded to 8 bits (relative error about 1e-2 per output).
+
+    Args:
+        x: ``[M, K]`` with contiguous rows (float32, bfloat16 or float16), K a multiple of 32.
+        blocks: ``[N, K / 32 * bytes per block]`` uint8, the file's blocks as they are.
+        kind: 0 = Q4_1 (20 bytes per block of 32 weights), 1 = Q8_0 (34 bytes).
+
+    Returns:
+        ``[M, N]`` contiguous, ``x``'s dtype (the float32 result rounded to it).
+
+    Raises:
+        RuntimeError: the extension is not available, or shapes, kinds or dtypes differ.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], blocks.shape[0]), dtype=x.dtype, device=x.device)
+    _module_or_raise().q8_gemm(x, blocks, kind, out)
     return out
 
 

@@ -244,11 +244,16 @@ def amx_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
 
 
 #: The quantized product kernels: ``fma`` (:func:`~specdec.runtime.kernels.quant_gemm`,
-#: float32 FMAs on the dequantized weights, any dtype) and ``amx`` (:func:`~specdec.
+#: float32 FMAs on the dequantized weights, any dtype), ``amx`` (:func:`~specdec.
 #: runtime.kernels.amx_quant_gemm`, integer weights on AMX tiles, bfloat16 on CPUs with
-#: AMX-BF16). Both are row-invariant for any M; they round differently, so one model runs
-#: one kernel per product.
-QUANT_KERNELS = ("fma", "amx")
+#: AMX-BF16) and ``q8`` (:func:`~specdec.runtime.kernels.q8_gemm`, activations rounded to
+#: 8 bits per block of 32 and integer dot products: llama.cpp's arithmetic, any dtype).
+#: All are row-invariant for any M; they round differently, so one model runs one kernel
+#: per product. ``q8`` changes the activations, so it runs only when asked for
+#: (``SPECDEC_QUANT_KERNEL=q8``), never by measurement (:data:`MEASURED_QUANT_KERNELS`).
+QUANT_KERNELS = ("fma", "amx", "q8")
+#: The kernels :func:`quant_kernel_choices` times and picks from (both keep the activations).
+MEASURED_QUANT_KERNELS = ("fma", "amx")
 
 _INVARIANT: dict[tuple[str, str, int, torch.dtype], bool] = {}
 
@@ -261,6 +266,9 @@ def _quant_runner(kernel: str, matrix: QuantizedMatrix):
     n = matrix.shape[0]
     if kernel == "amx":
         return amx_layout(matrix), lambda x, t: kernels.amx_quant_gemm(x, t[0], t[1], n)
+    if kernel == "q8":  # the file's blocks as they are
+        layout = (matrix.blocks, KINDS[matrix.kind][0])
+        return layout, lambda x, t: kernels.q8_gemm(x, t[0], t[1])
     return kernel_layout(matrix), lambda x, t: kernels.quant_gemm(x, t[0], t[1])
 
 
@@ -293,8 +301,8 @@ def check_row_invariance(
 
 
 def forced_quant_kernel() -> str | None:
-    """The kernel ``SPECDEC_QUANT_KERNEL`` forces (``fma`` or ``amx``), or ``None`` when it
-    is unset or empty.
+    """The kernel ``SPECDEC_QUANT_KERNEL`` forces (``fma``, ``amx`` or ``q8``), or ``None``
+    when it is unset or empty.
 
     Raises:
         ValueError: another value (checked before any model loads: see
@@ -306,18 +314,19 @@ def forced_quant_kernel() -> str | None:
     if forced and forced not in QUANT_KERNELS:
         raise ValueError(
             f"SPECDEC_QUANT_KERNEL={forced!r}: expected one of {', '.join(QUANT_KERNELS)} "
-            "(or unset, to measure both)"
+            "(or unset, to measure fma and amx)"
         )
     return forced or None
 
 
 def available_quant_kernels(dtype: torch.dtype) -> list[str]:
-    """The quantized product kernels usable for activations of ``dtype`` here."""
+    """The quantized product kernels usable for activations of ``dtype`` here (``q8``
+    included: see :data:`QUANT_KERNELS`)."""
     from specdec.runtime.kernels import amx_available, kernel_available
 
     if not kernel_available():
         return []
-    return ["fma", "amx"] if dtype == torch.bfloat16 and amx_available() else ["fma"]
+    return ["fma", "amx", "q8"] if dtype == torch.bfloat16 and amx_available() else ["fma", "q8"]
 
 
 #: Row counts a quantized kernel is timed at: a decoding step, a verification, a batch.
@@ -341,20 +350,21 @@ def quant_kernel_choices(
     """The kernel each quantized product runs: measured once per machine, dtype and model
     (all layers' matrices, one pass per kernel and row count, the fastest of ``repeats``
     passes kept) and cached in the kernel table beside the dense choices
-    (:func:`specdec.runtime.linear.kernel_table_path`); ``SPECDEC_QUANT_KERNEL=fma|amx``
-    forces one where it is available.
+    (:func:`specdec.runtime.linear.kernel_table_path`); ``SPECDEC_QUANT_KERNEL=fma|amx|q8``
+    forces one where it is available (``q8`` runs only so).
 
     Returns:
-        ``{product: "fma" | "amx"}``.
+        ``{product: "fma" | "amx" | "q8"}``.
     """
     import time
 
     from specdec.runtime import linear
 
-    usable = available_quant_kernels(dtype)
+    available = available_quant_kernels(dtype)
     forced = forced_quant_kernel()
-    if forced in usable:
+    if forced in available:
         return dict.fromkeys(quantized, forced)
+    usable = [k for k in available if k in MEASURED_QUANT_KERNELS]
     if forced:
         logger.warning(
             "SPECDEC_QUANT_KERNEL=%s is not available here (%s activations%s): the %s kernel "
@@ -412,7 +422,8 @@ class QuantLinear:
         matrix: the quantized ``[N, K]`` weight.
         bias: ``[N]`` or ``None``.
         dtype: the compute dtype (activations and outputs).
-        kernel: ``"fma"`` or ``"amx"`` (bfloat16 only; see :func:`quant_kernel_choices`).
+        kernel: ``"fma"``, ``"amx"`` (bfloat16 only) or ``"q8"`` (see
+            :func:`quant_kernel_choices`).
 
     Raises:
         ValueError: an unknown kernel, or ``amx`` for another dtype than bfloat16.
@@ -439,7 +450,8 @@ class QuantLinear:
     @property
     def streamed_bytes(self) -> int:
         """Bytes a product reads from memory: the blocks in the chosen kernel's layout
-        (Q4_1: 24 bytes per 32 weights for ``fma``, 6 bits per weight for ``amx``)."""
+        (Q4_1: 24 bytes per 32 weights for ``fma``, 6 bits per weight for ``amx``, the
+        file's 20 bytes per 32 for ``q8``)."""
         return self.layout[0].numel() * self.layout[0].element_size()
 
     def __call__(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
@@ -465,9 +477,9 @@ class QuantLinear:
         return F.linear(x, self.dense(x.dtype), self.bias)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized ``[N, K]`` matrix in ``dtype`` (expanded per call; from the
-        ``fma`` kernel's own layout where it has it, the fastest to expand)."""
-        if self.kernel == "fma":
+        """The dequantized ``[N, K]`` matrix in ``dtype`` (expanded per call by the
+        extension from the ``fma`` kernel's own layout or, for ``q8``, the file's blocks)."""
+        if self.kernel in ("fma", "q8"):
             from specdec.runtime.kernels import dequantize_blocks
 
             blocks, code = self.layout

@@ -626,6 +626,8 @@ void dequantize(torch::Tensor q, int64_t kind, torch::Tensor out);
 bool amx_available();
 void amx_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor y);
 void amx_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y);
+// q8.cpp
+void q8_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y);
 
 // The instruction set the kernels were built for on this machine (-march=native).
 std::string simd() {
@@ -650,5 +652,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether amx_gemm runs here (AMX-BF16 and the tile state)");
   m.def("amx_gemm", &amx_gemm, "bfloat16 x W^T on AMX tiles, W packed; row-invariant for any M");
   m.def("amx_quant_gemm", &amx_quant_gemm, "bfloat16 x W^T on AMX tiles, W in Q4_1 / Q8_0 tiles");
+  m.def("q8_gemm", &q8_gemm, "x W^T with x quantized to 8 bits per block of 32, W in Q4_1 / Q8_0");
   m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
 }
