@@ -195,6 +195,32 @@ def kernel_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     return packed, Q4_1_KERNEL_LAYOUT
 
 
+#: The q8 kernel's code for Q4_1 blocks in pairs (:func:`q8_layout`).
+Q4_1_PAIRS = 3
+
+
+def q8_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
+    """The blocks as the ``q8`` kernel (:func:`~specdec.runtime.kernels.q8_gemm`) reads
+    them fastest, and their kernel code.
+
+    Q4_1 with K a multiple of 64: blocks ``2g`` and ``2g + 1`` of each row as one 40-byte
+    record (float16 ``d_0, d_1, m_0, m_1``, then the two blocks' 16 nibble bytes), the
+    same 20 bytes per 32 weights as the file, so one load gives 64 weights (see
+    ``csrc/q8.cpp``). Other matrices: the file's blocks as they are.
+
+    Returns:
+        ``(blocks, code)``: ``[N, bytes per row]`` uint8 and the ``kind`` for ``q8_gemm``.
+    """
+    n, k = matrix.shape
+    if matrix.kind != "q4_1" or k % (2 * BLOCK):
+        return matrix.blocks, KINDS[matrix.kind][0]
+    raw = matrix.blocks.reshape(n, k // (2 * BLOCK), 2, 20)
+    scales = raw[..., :4].reshape(n, -1, 2, 2, 2).transpose(2, 3)  # [pair, d|m, block, 2 bytes]
+    nibbles = raw[..., 4:]  # [pair, block, 16]
+    record = torch.cat([scales.reshape(n, -1, 8), nibbles.reshape(n, -1, 32)], dim=-1)
+    return record.reshape(n, k // (2 * BLOCK) * 40).contiguous(), Q4_1_PAIRS
+
+
 #: Tile kinds of :func:`amx_layout` (``csrc/amx.cpp``) and bytes per tile of 16 x 32 weights.
 AMX_KINDS = {"q4_1": (0, 384), "q8_0": (1, 576)}
 
@@ -266,9 +292,8 @@ def _quant_runner(kernel: str, matrix: QuantizedMatrix):
     n = matrix.shape[0]
     if kernel == "amx":
         return amx_layout(matrix), lambda x, t: kernels.amx_quant_gemm(x, t[0], t[1], n)
-    if kernel == "q8":  # the file's blocks as they are
-        layout = (matrix.blocks, KINDS[matrix.kind][0])
-        return layout, lambda x, t: kernels.q8_gemm(x, t[0], t[1])
+    if kernel == "q8":
+        return q8_layout(matrix), lambda x, t: kernels.q8_gemm(x, t[0], t[1])
     return kernel_layout(matrix), lambda x, t: kernels.quant_gemm(x, t[0], t[1])
 
 
@@ -482,7 +507,10 @@ class QuantLinear:
         if self.kernel in ("fma", "q8"):
             from specdec.runtime.kernels import dequantize_blocks
 
-            blocks, code = self.layout
+            if self.kernel == "fma":
+                blocks, code = self.layout
+            else:
+                blocks, code = self.matrix.blocks, KINDS[self.matrix.kind][0]
             return dequantize_blocks(blocks, code, self.matrix.shape[1], dtype)
         return dequantize(self.matrix, dtype)
 
