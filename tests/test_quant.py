@@ -550,3 +550,63 @@ def test_q8_runs_only_when_asked_for(tmp_path, monkeypatch):
     x = torch.randn(5, 64)
     assert torch.equal(linear(x, exact=True), q8_gemm(x, *q8_layout(products["o"][0])))
     assert torch.equal(linear.dense(torch.float32), reference_dequantize(products["o"][0]))
+
+
+@pytest.mark.parametrize("kernel", ["fma", "q8"])
+def test_a_fused_decode_layer_gives_the_bits_of_the_layer_run_from_python(
+    kernel, embedded_fp32, monkeypatch
+):
+    """``decode_layer`` (one call per layer into the extension) against the same layer
+    run call by call from Python: identical logits and KV caches, in both modes, for a
+    ragged batch of a decoding row, a chain of 3 and a token tree of 7 rows; a prompt
+    chunk in the batch keeps the Python path."""
+    from specdec.models.base import BatchItem
+    from specdec.models.native import NativeModel
+    from specdec.runtime import model as runtime_model
+    from specdec.trees import ROOT, TokenTree
+
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", kernel)
+    model = NativeModel(embedded_fp32, quantization="gguf")
+    decoder = model.decoder
+    assert all(spec is not None for spec in decoder._decode_specs)
+    calls = []
+    fused = runtime_model.decode_layer
+    monkeypatch.setattr(runtime_model, "decode_layer", lambda *a: calls.append(1) or fused(*a))
+    tree = TokenTree.build([ROOT, ROOT, 0, 0, 1, 2], [311, 312, 313, 314, 315, 316])
+    prompts = [list(range(200, 212)), list(range(400, 409)), list(range(600, 620))]
+    caches = [model.new_cache(40) for _ in prompts]
+    for prompt, cache in zip(prompts, caches, strict=True):
+        decoder.forward([BatchItem(prompt, cache)])
+
+    def items():
+        return [
+            BatchItem([300], caches[0]),
+            BatchItem([301, 302, 303], caches[1]),
+            BatchItem([310, *tree.token_ids], caches[2],
+                      positions=caches[2].num_tokens + tree.position_offsets(),
+                      tree_mask=tree.attention_mask()),
+        ]  # fmt: skip
+
+    for exact in (True, False):
+        outs = []
+        for on in (True, False):
+            monkeypatch.setattr(runtime_model, "FUSED_DECODE_LAYER", on)
+            calls.clear()
+            batch = items()
+            logits = decoder.forward(batch, exact=exact)
+            kv = [c.kv.clone() for c in caches]
+            for item in batch:
+                item.cache.truncate(item.cache.num_tokens - len(item.token_ids))
+            outs.append((logits, kv))
+            assert len(calls) == (len(decoder.layers) if on else 0)
+        for a, b in zip(outs[0][0] + outs[0][1], outs[1][0] + outs[1][1], strict=True):
+            assert torch.equal(a, b)
+    monkeypatch.setattr(runtime_model, "FUSED_DECODE_LAYER", True)
+    for exact, fused_layers in ((False, 0), (True, len(decoder.layers))):
+        calls.clear()
+        fresh = model.new_cache(40)
+        decoder.forward([BatchItem([300], caches[0]), BatchItem(prompts[0], fresh)], exact=exact)
+        caches[0].truncate(caches[0].num_tokens - 1)
+        # fast mode: one forward with a prompt chunk, run from Python; exact mode runs the
+        # decoding row apart from the chunk (see _prefill_groups), so that forward is fused
+        assert len(calls) == fused_layers

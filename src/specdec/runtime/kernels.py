@@ -330,6 +330,56 @@ def quant_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor
     return out
 
 
+def decode_layer(
+    x: torch.Tensor,
+    normed: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    caches: list[torch.Tensor],
+    layer: int,
+    store_seq: torch.Tensor,
+    store_slot: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_n: torch.Tensor,
+    row_off: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    heads: int,
+    blocks: list[torch.Tensor],
+    codes: list[int],
+    q8: list[int],
+    mlp_norm: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer of decoding / verification rows whose products are quantized, in
+    one call: the fused QKV product, :func:`rotary_kv`, :func:`ragged_attention`, the
+    output product, :func:`add_rms_norm`, the gate/up product, :func:`silu_mul` and the
+    down product, each as its own function computes it (so the same bits as those calls
+    made one by one).
+
+    Args:
+        x, normed: ``[T, D]`` the residual stream and its attention norm, contiguous.
+        cos, sin, caches, layer, store_seq, store_slot: as :func:`rotary_kv` takes them.
+        row_seq, row_n, row_off, slots, scale: as :func:`ragged_attention` takes them.
+        heads: query heads H.
+        blocks, codes, q8: per product (qkv, o, gate_up, down) its blocks, their kind and
+            1 for :func:`q8_gemm`, 0 for :func:`quant_gemm`.
+        mlp_norm, eps: the MLP norm's weight and epsilon.
+
+    Returns:
+        ``(x + attention output, MLP output)``, both ``[T, D]``, ``x``'s dtype.
+
+    Raises:
+        RuntimeError: the extension is not available, or any of the calls refuses its
+            inputs.
+    """
+    out = _module_or_raise().decode_layer(
+        x, normed, cos, sin, caches, layer, store_seq, store_slot, row_seq, row_n, row_off,
+        slots, float(scale), heads, blocks, codes, q8, mlp_norm, float(eps),
+    )  # fmt: skip
+    return out[0], out[1]
+
+
 def q8_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """``y ~ x W^T`` with ``x`` quantized to 8 bits per block of 32 activations and
     integer dot products with GGUF's own Q4_1 / Q8_0 blocks: llama.cpp's arithmetic

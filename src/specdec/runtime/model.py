@@ -27,6 +27,7 @@ from specdec.runtime.attention import (
 from specdec.runtime.cache import NativeKVCache
 from specdec.runtime.kernels import (
     add_rms_norm,
+    decode_layer,
     kernel_available,
     ragged_attention,
     rms_norm,
@@ -41,6 +42,13 @@ from specdec.runtime.weights import ModelWeights
 #: Fast mode: a sequence with at most this many new rows (after its prefill) goes through
 #: the attention kernel; longer chunks through one ``scaled_dot_product_attention``.
 KERNEL_ROWS = 64
+
+#: Run a layer of decoding / verification rows as one call into the extension
+#: (:func:`~specdec.runtime.kernels.decode_layer`) where its products are quantized
+#: (``fma`` or ``q8`` kernel, no bias, no query/key norms): the same functions in the same
+#: order as :meth:`NativeDecoder._fused_layer`, so the same bits (tested), without about a
+#: dozen Python calls and tensor allocations per layer. ``False`` runs them from Python.
+FUSED_DECODE_LAYER = True
 
 
 class NativeDecoder:
@@ -96,6 +104,7 @@ class NativeDecoder:
             for i, w in enumerate(weights.layers)
         ]
         self.lm_head = linear("lm_head", 0, weights.lm_head, None)
+        self._decode_specs = [self._decode_spec(i) for i in range(len(self.layers))]
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.device = weights.embed.device
         self.prefill_plan = prefill or self._measure_prefill(quantized)
@@ -288,6 +297,25 @@ class NativeDecoder:
         gate, up = _product(layer["gate_up"], normed, plans, exact, upcast).chunk(2, dim=-1)
         return x + _product(layer["down"], F.silu(gate) * up, plans, exact, upcast)
 
+    def _decode_spec(self, index: int):
+        """``(blocks, codes, q8 flags, rows)`` of layer ``index``'s four products for
+        :func:`decode_layer` (``rows``: the most rows one call of each computes with the
+        bits it has alone), or ``None`` where a product is dense, ``amx``, or has a bias,
+        or the layer has query/key norms."""
+        layer = self.layers[index]
+        parts = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
+        if self.weights.layers[index].q_norm is not None or not all(
+            isinstance(p, QuantLinear) and p.kernel in ("fma", "q8") and p.bias is None
+            for p in parts
+        ):
+            return None
+        return (
+            [p.layout[0] for p in parts],
+            [int(p.layout[1]) for p in parts],
+            [int(p.kernel == "q8") for p in parts],
+            min(p.tile for p in parts),
+        )
+
     def _fused_layer(self, index, x, normed, cos, sin, plans, exact, kernel):
         """One decoder layer with the compiled kernels (:mod:`specdec.runtime.kernels`):
         ``normed`` is ``x`` after the attention norm; returns ``(x + attention output,
@@ -295,6 +323,13 @@ class NativeDecoder:
         cfg = self.config
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = self.weights.layers[index]
+        spec = self._decode_specs[index]
+        if FUSED_DECODE_LAYER and spec is not None and kernel.every and x.shape[0] <= spec[3]:
+            return decode_layer(
+                x, normed, cos, sin, kernel.caches, index, kernel.store_seq, kernel.store_slot,
+                kernel.row_seq, kernel.row_n, kernel.row_off, kernel.slots, self.scale, h,
+                spec[0], spec[1], spec[2], w.mlp_norm, cfg.rms_eps,
+            )  # fmt: skip
         layer = self.layers[index]
         qkv = _rows(_product(layer["qkv"], normed, plans, exact, self.prefill_plan))
         if w.q_norm is not None:
@@ -364,6 +399,7 @@ class NativeDecoder:
             torch.tensor(seq, dtype=torch.long),
             torch.tensor(slot, dtype=torch.long),
             any(p.kernel for p in plans),
+            all(p.kernel for p in plans),
             torch.tensor(row_seq, dtype=torch.long),
             torch.tensor(n, dtype=torch.long),
             torch.tensor(off, dtype=torch.long),
@@ -395,6 +431,7 @@ class _KernelRows:
     store_seq: torch.Tensor
     store_slot: torch.Tensor
     rows: bool  # any row's attention runs in the kernel
+    every: bool  # every row's attention runs in the kernel (no prompt chunk)
     row_seq: torch.Tensor
     row_n: torch.Tensor
     row_off: torch.Tensor

@@ -629,6 +629,44 @@ void amx_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::T
 // q8.cpp
 void q8_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y);
 
+// One decoder layer of decoding / verification rows whose four products are quantized
+// (fma or q8 kernel), after the attention norm: the calls _fused_layer makes in Python
+// (specdec.runtime.model), in the same order on the same functions, so the same bits,
+// without a dozen Python calls and allocations per layer. Returns {x + attention output,
+// MLP output} (the sum left to the next layer's add_rms_norm).
+std::vector<torch::Tensor> decode_layer(
+    torch::Tensor x, torch::Tensor normed, torch::Tensor cos, torch::Tensor sin,
+    std::vector<torch::Tensor> kv, int64_t layer, torch::Tensor store_seq,
+    torch::Tensor store_slot, torch::Tensor row_seq, torch::Tensor row_n, torch::Tensor row_off,
+    torch::Tensor slots, double scale, int64_t heads, std::vector<torch::Tensor> blocks,
+    std::vector<int64_t> codes, std::vector<int64_t> q8, torch::Tensor mlp_norm, double eps) {
+  TORCH_CHECK(blocks.size() == 4 && codes.size() == 4 && q8.size() == 4,
+              "four products: qkv, o, gate_up, down");
+  TORCH_CHECK(!kv.empty(), "no KV caches");
+  auto product = [&](const torch::Tensor& in, int i) {
+    auto y = at::empty({in.size(0), blocks[i].size(0)}, in.options());
+    if (q8[i]) {
+      q8_gemm(in, blocks[i], codes[i], y);
+    } else {
+      quant_gemm(in, blocks[i], codes[i], y);
+    }
+    return y;
+  };
+  const int64_t T = x.size(0), D = kv[0].size(4);
+  auto qkv = product(normed, 0);
+  auto q = at::empty({T, heads, D}, x.options());
+  rotary_kv(qkv, cos, sin, kv, layer, store_seq, store_slot, heads, q);
+  auto attn = at::empty({T, heads * D}, x.options());
+  ragged_attention(q, kv, layer, row_seq, row_n, row_off, slots, scale, attn);
+  auto o = product(attn, 1);
+  auto sum = at::empty_like(x), mlp_in = at::empty_like(x);
+  add_rms_norm(x, o, mlp_norm, eps, sum, mlp_in);
+  auto gate_up = product(mlp_in, 2);
+  auto h = at::empty({T, gate_up.size(1) / 2}, x.options());
+  silu_mul(gate_up, h);
+  return {sum, product(h, 3)};
+}
+
 // The instruction set the kernels were built for on this machine (-march=native).
 std::string simd() {
 #if defined(__AVX512F__)
@@ -653,5 +691,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm", &amx_gemm, "bfloat16 x W^T on AMX tiles, W packed; row-invariant for any M");
   m.def("amx_quant_gemm", &amx_quant_gemm, "bfloat16 x W^T on AMX tiles, W in Q4_1 / Q8_0 tiles");
   m.def("q8_gemm", &q8_gemm, "x W^T with x quantized to 8 bits per block of 32, W in Q4_1 / Q8_0");
+  m.def("decode_layer", &decode_layer, "one decoder layer of decoding rows, quantized products");
   m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
 }
