@@ -553,13 +553,15 @@ def test_q8_runs_only_when_asked_for(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["fma", "q8"])
-def test_a_fused_decode_layer_gives_the_bits_of_the_layer_run_from_python(
+def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
     kernel, embedded_fp32, monkeypatch
 ):
-    """``decode_layer`` (one call per layer into the extension) against the same layer
-    run call by call from Python: identical logits and KV caches, in both modes, for a
-    ragged batch of a decoding row, a chain of 3 and a token tree of 7 rows; a prompt
-    chunk in the batch keeps the Python path."""
+    """``decode_layers`` (every layer of a forward in one call into the extension) and
+    ``decode_layer`` (one call per layer, where hidden states are captured) against the
+    same layers run call by call from Python: identical logits, captured states and KV
+    caches, in both modes, for a ragged batch of a decoding row, a chain of 3 and a token
+    tree of 7 rows, over all layers and over a subset (layer skipping); a prompt chunk in
+    the batch keeps the Python path."""
     from specdec.models.base import BatchItem
     from specdec.models.native import NativeModel
     from specdec.runtime import model as runtime_model
@@ -568,10 +570,14 @@ def test_a_fused_decode_layer_gives_the_bits_of_the_layer_run_from_python(
     monkeypatch.setenv("SPECDEC_QUANT_KERNEL", kernel)
     model = NativeModel(embedded_fp32, quantization="gguf")
     decoder = model.decoder
+    n_layers = len(decoder.layers)
     assert all(spec is not None for spec in decoder._decode_specs)
     calls = []
-    fused = runtime_model.decode_layer
-    monkeypatch.setattr(runtime_model, "decode_layer", lambda *a: calls.append(1) or fused(*a))
+    for name in ("decode_layer", "decode_layers"):
+        real = getattr(runtime_model, name)
+        monkeypatch.setattr(
+            runtime_model, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a)
+        )
     tree = TokenTree.build([ROOT, ROOT, 0, 0, 1, 2], [311, 312, 313, 314, 315, 316])
     prompts = [list(range(200, 212)), list(range(400, 409)), list(range(600, 620))]
     caches = [model.new_cache(40) for _ in prompts]
@@ -587,26 +593,35 @@ def test_a_fused_decode_layer_gives_the_bits_of_the_layer_run_from_python(
                       tree_mask=tree.attention_mask()),
         ]  # fmt: skip
 
-    for exact in (True, False):
+    cases = [  # (exact, layers, capture, the calls the fused path makes)
+        (True, None, (), ["decode_layers"]),
+        (False, None, (), ["decode_layers"]),
+        (True, [0, 3, 7, 20], (), ["decode_layers"]),
+        (True, None, (5, n_layers), ["decode_layer"] * n_layers),
+    ]
+    for exact, layers, capture, fused_calls in cases:
         outs = []
         for on in (True, False):
             monkeypatch.setattr(runtime_model, "FUSED_DECODE_LAYER", on)
             calls.clear()
             batch = items()
-            logits = decoder.forward(batch, exact=exact)
+            results = decoder.forward_full(batch, exact=exact, layers=layers, capture=capture)
+            tensors = [
+                t for r in results for t in (r.logits, r.hidden, r.captured) if t is not None
+            ]
             kv = [c.kv.clone() for c in caches]
             for item in batch:
                 item.cache.truncate(item.cache.num_tokens - len(item.token_ids))
-            outs.append((logits, kv))
-            assert len(calls) == (len(decoder.layers) if on else 0)
-        for a, b in zip(outs[0][0] + outs[0][1], outs[1][0] + outs[1][1], strict=True):
-            assert torch.equal(a, b)
+            outs.append(tensors + kv)
+            assert calls == (fused_calls if on else []), (exact, layers, capture)
+        for a, b in zip(outs[0], outs[1], strict=True):
+            assert torch.equal(a, b), (exact, layers, capture)
     monkeypatch.setattr(runtime_model, "FUSED_DECODE_LAYER", True)
-    for exact, fused_layers in ((False, 0), (True, len(decoder.layers))):
+    for exact, fused in ((False, []), (True, ["decode_layers"])):
         calls.clear()
         fresh = model.new_cache(40)
         decoder.forward([BatchItem([300], caches[0]), BatchItem(prompts[0], fresh)], exact=exact)
         caches[0].truncate(caches[0].num_tokens - 1)
         # fast mode: one forward with a prompt chunk, run from Python; exact mode runs the
         # decoding row apart from the chunk (see _prefill_groups), so that forward is fused
-        assert len(calls) == fused_layers
+        assert calls == fused

@@ -380,6 +380,54 @@ def decode_layer(
     return out[0], out[1]
 
 
+def decode_layers(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    caches: list[torch.Tensor],
+    layers: list[int],
+    store_seq: torch.Tensor,
+    store_slot: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_n: torch.Tensor,
+    row_off: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    heads: int,
+    blocks: list[torch.Tensor],
+    codes: list[int],
+    q8: list[int],
+    attn_norms: list[torch.Tensor],
+    mlp_norms: list[torch.Tensor],
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_layer` over ``layers`` in order in one call, each after its attention
+    norm (:func:`rms_norm` of ``x`` for the first, then :func:`add_rms_norm` of the
+    residual and the previous layer's MLP output): the calls a forward makes layer by
+    layer, so the same bits.
+
+    Args:
+        x: ``[T, D]`` the embeddings (contiguous).
+        layers: the layer indices (into the caches), in order.
+        blocks, codes, q8: four per layer (qkv, o, gate_up, down), as :func:`decode_layer`.
+        attn_norms, mlp_norms: one per layer.
+        the rest: as :func:`decode_layer`.
+
+    Returns:
+        ``(x after the last layer's attention, the last layer's MLP output)``: their sum
+        is the last layer's output.
+
+    Raises:
+        RuntimeError: the extension is not available, the lists' lengths do not match, or
+            any of the calls refuses its inputs.
+    """
+    out = _module_or_raise().decode_layers(
+        x, cos, sin, caches, layers, store_seq, store_slot, row_seq, row_n, row_off, slots,
+        float(scale), heads, blocks, codes, q8, attn_norms, mlp_norms, float(eps),
+    )  # fmt: skip
+    return out[0], out[1]
+
+
 def q8_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """``y ~ x W^T`` with ``x`` quantized to 8 bits per block of 32 activations and
     integer dot products with GGUF's own Q4_1 / Q8_0 blocks: llama.cpp's arithmetic

@@ -28,6 +28,7 @@ from specdec.runtime.cache import NativeKVCache
 from specdec.runtime.kernels import (
     add_rms_norm,
     decode_layer,
+    decode_layers,
     kernel_available,
     ragged_attention,
     rms_norm,
@@ -45,9 +46,11 @@ KERNEL_ROWS = 64
 
 #: Run a layer of decoding / verification rows as one call into the extension
 #: (:func:`~specdec.runtime.kernels.decode_layer`) where its products are quantized
-#: (``fma`` or ``q8`` kernel, no bias, no query/key norms): the same functions in the same
-#: order as :meth:`NativeDecoder._fused_layer`, so the same bits (tested), without about a
-#: dozen Python calls and tensor allocations per layer. ``False`` runs them from Python.
+#: (``fma`` or ``q8`` kernel, no bias, no query/key norms), and all the layers of such a
+#: forward in one call (:func:`~specdec.runtime.kernels.decode_layers`) where every layer
+#: qualifies and no hidden state is captured: the same functions in the same order as
+#: :meth:`NativeDecoder._fused_layer`, so the same bits (tested), without about a dozen
+#: Python calls and tensor allocations per layer. ``False`` runs them from Python.
 FUSED_DECODE_LAYER = True
 
 
@@ -105,6 +108,7 @@ class NativeDecoder:
         ]
         self.lm_head = linear("lm_head", 0, weights.lm_head, None)
         self._decode_specs = [self._decode_spec(i) for i in range(len(self.layers))]
+        self._fused_cache: dict[tuple[int, ...], tuple | None] = {}
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.device = weights.embed.device
         self.prefill_plan = prefill or self._measure_prefill(quantized)
@@ -200,6 +204,14 @@ class NativeDecoder:
         x = self.weights.embed.index_select(0, ids)
         kernel = self._kernel_rows(plans, exact)
         pending = None  # with the kernels: the last layer's output, not yet added to x
+        fused = self._fused_layers(order, kernel, x.shape[0]) if not wanted else None
+        if fused is not None:  # every layer in one call (see decode_layers)
+            x, pending = decode_layers(
+                x, cos, sin, kernel.caches, list(order), kernel.store_seq, kernel.store_slot,
+                kernel.row_seq, kernel.row_n, kernel.row_off, kernel.slots, self.scale,
+                self.config.num_heads, *fused, self.config.rms_eps,
+            )  # fmt: skip
+            order = ()
         for index in order:
             if kernel is None:
                 if index in wanted:
@@ -315,6 +327,33 @@ class NativeDecoder:
             [int(p.kernel == "q8") for p in parts],
             min(p.tile for p in parts),
         )
+
+    def _fused_layers(self, order, kernel, rows: int):
+        """The per-layer lists :func:`decode_layers` takes for the layers ``order``
+        (``blocks, codes, q8, attn_norms, mlp_norms``; built once per order), or ``None``
+        where the forward cannot run them in one call: fused layers off, a layer without
+        a :meth:`_decode_spec`, a row outside the attention kernel (a prompt chunk), or
+        more rows than a product computes at once with the bits of one row."""
+        if not FUSED_DECODE_LAYER or kernel is None or not kernel.every:
+            return None
+        key = tuple(order)
+        if key not in self._fused_cache:
+            specs = [self._decode_specs[i] for i in key]
+            if any(spec is None for spec in specs):
+                self._fused_cache[key] = None
+            else:
+                self._fused_cache[key] = (
+                    [b for spec in specs for b in spec[0]],
+                    [c for spec in specs for c in spec[1]],
+                    [f for spec in specs for f in spec[2]],
+                    [self.weights.layers[i].attn_norm for i in key],
+                    [self.weights.layers[i].mlp_norm for i in key],
+                    min(spec[3] for spec in specs),
+                )
+        fused = self._fused_cache[key]
+        if fused is None or rows > fused[5]:
+            return None
+        return fused[:5]
 
     def _fused_layer(self, index, x, normed, cos, sin, plans, exact, kernel):
         """One decoder layer with the compiled kernels (:mod:`specdec.runtime.kernels`):

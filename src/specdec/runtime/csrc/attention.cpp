@@ -667,6 +667,43 @@ std::vector<torch::Tensor> decode_layer(
   return {sum, product(h, 3)};
 }
 
+// decode_layer over the layers `layers` in order, each after its attention norm (the
+// first one's rms_norm of x, then add_rms_norm of the residual and the previous layer's
+// MLP output, as NativeDecoder.forward_full calls them). Per layer i (the position in
+// `layers`): blocks / codes / q8 [4 i .. 4 i + 3], attn_norms[i], mlp_norms[i].
+// Returns {x, MLP output of the last layer}.
+std::vector<torch::Tensor> decode_layers(
+    torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv,
+    std::vector<int64_t> layers, torch::Tensor store_seq, torch::Tensor store_slot,
+    torch::Tensor row_seq, torch::Tensor row_n, torch::Tensor row_off, torch::Tensor slots,
+    double scale, int64_t heads, std::vector<torch::Tensor> blocks, std::vector<int64_t> codes,
+    std::vector<int64_t> q8, std::vector<torch::Tensor> attn_norms,
+    std::vector<torch::Tensor> mlp_norms, double eps) {
+  const size_t L = layers.size();
+  TORCH_CHECK(L > 0 && blocks.size() == 4 * L && codes.size() == 4 * L && q8.size() == 4 * L &&
+                  attn_norms.size() == L && mlp_norms.size() == L,
+              "per layer: four products and two norms");
+  torch::Tensor pending;
+  for (size_t i = 0; i < L; ++i) {
+    auto normed = at::empty_like(x);
+    if (i == 0) {
+      rms_norm(x, attn_norms[0], eps, normed);
+    } else {
+      auto sum = at::empty_like(x);
+      add_rms_norm(x, pending, attn_norms[i], eps, sum, normed);
+      x = sum;
+    }
+    auto out = decode_layer(
+        x, normed, cos, sin, kv, layers[i], store_seq, store_slot, row_seq, row_n, row_off,
+        slots, scale, heads, {blocks.begin() + 4 * i, blocks.begin() + 4 * i + 4},
+        {codes.begin() + 4 * i, codes.begin() + 4 * i + 4},
+        {q8.begin() + 4 * i, q8.begin() + 4 * i + 4}, mlp_norms[i], eps);
+    x = out[0];
+    pending = out[1];
+  }
+  return {x, pending};
+}
+
 // The instruction set the kernels were built for on this machine (-march=native).
 std::string simd() {
 #if defined(__AVX512F__)
@@ -692,5 +729,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_quant_gemm", &amx_quant_gemm, "bfloat16 x W^T on AMX tiles, W in Q4_1 / Q8_0 tiles");
   m.def("q8_gemm", &q8_gemm, "x W^T with x quantized to 8 bits per block of 32, W in Q4_1 / Q8_0");
   m.def("decode_layer", &decode_layer, "one decoder layer of decoding rows, quantized products");
+  m.def("decode_layers", &decode_layers, "decode_layer over several layers, with their norms");
   m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
 }
