@@ -14,8 +14,10 @@ float32, the result cast to the model's dtype. So a float32 quantized model is *
 model* as the dense float32 copy transformers loads from the same GGUF, not an
 approximation of it; a bfloat16 one keeps the file's weights exactly (the dense bfloat16
 copy rounds them to 8 bits of mantissa) and rounds activations to bfloat16 between
-products. The product is row-invariant by construction (the dense float32 ``stream``
-kernel's arithmetic on those values), so exact mode holds; :class:`QuantLinear` checks
+products (that is the default ``fma`` kernel; the opt-in ``q8`` kernel instead rounds the
+activations to 8 bits per block, as llama.cpp does: see :data:`QUANT_KERNELS`). The
+product is row-invariant by construction (the dense float32 ``stream`` kernel's arithmetic
+on those values), so exact mode holds; :class:`QuantLinear` checks
 that once per shape before exact mode uses it, as calibration checks every dense
 formulation.
 
@@ -391,12 +393,14 @@ def quant_kernel_choices(
         return dict.fromkeys(quantized, forced)
     usable = [k for k in available if k in MEASURED_QUANT_KERNELS]
     if forced:
+        why = (
+            "this CPU has no AMX-BF16 (or the OS refuses its tile state)"
+            if dtype == torch.bfloat16
+            else f"{str(dtype).replace('torch.', '')} activations; amx computes in bfloat16"
+        )
         logger.warning(
-            "SPECDEC_QUANT_KERNEL=%s is not available here (%s activations%s): the %s kernel "
-            "runs",
-            forced, str(dtype).replace("torch.", ""),
-            "" if dtype == torch.bfloat16 else "; amx computes in bfloat16", "fma",
-        )  # fmt: skip
+            "SPECDEC_QUANT_KERNEL=%s is not available here (%s): the fma kernel runs", forced, why
+        )
     if len(usable) < 2:
         return dict.fromkeys(quantized, "fma")
     key = f"quant|{linear.machine_key(dtype, torch.device('cpu'))}|{','.join(usable)}"
