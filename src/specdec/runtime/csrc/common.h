@@ -18,6 +18,8 @@
 // (V16 below), so a product or an exp gives the same bits on either kind of CPU.
 #define SPECDEC_AVX2 1
 #include <immintrin.h>
+#elif defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 namespace specdec {
@@ -35,6 +37,17 @@ inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// A float16 stored at p (GGUF block scales), as float32 (exact).
+inline float half_bits_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
 }
 
 inline float tree_sum(float* lane) {

@@ -296,16 +296,6 @@ constexpr int64_t block_bytes(int64_t kind) {
   return kind == kQ4_1 ? 20 : kind == kQ8_0 ? 34 : 24;
 }
 
-inline float half_bits_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
-
 #if defined(__AVX512F__)
 // One block's 32 weights as float32: lo = weights 0..15, hi = 16..31. A Q4_1 block holds
 // at most 16 distinct weights, d q + m for q = 0..15: those 16 are computed (the same

@@ -77,16 +77,6 @@ inline XPair pair_of(const XBlock& b0, const XBlock& b1) {
   return p;
 }
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-#if defined(SPECDEC_Q8_SIMD)
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
-
 // One row of K floats into K / 32 blocks.
 inline void quantize_row(const float* x, int64_t K, XBlock* out) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -163,9 +153,9 @@ inline void q8block(const XBlock* xa, int64_t nb, const uint8_t* q, int64_t row_
     for (int j = 0; j < NB; ++j) {
       const uint8_t* blk = q + j * row_bytes + b * bb;
       _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
-      dw[j] = half_to_float(blk);
+      dw[j] = half_bits_to_float(blk);
       if constexpr (kind == kQ4_1) {
-        mw[j] = half_to_float(blk + 2);
+        mw[j] = half_bits_to_float(blk + 2);
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
         // byte i holds q_i (low nibble) and q_{i+16} (high): bytes 0..15, then 16..31
         w[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib);
@@ -258,7 +248,7 @@ inline void q8pair(const XPair* xp, int64_t np, const uint8_t* q, int64_t row_by
         const uint8_t* rec = q + j * row_bytes + g * kPairBytes;
         const XPair& x = xp[m * np + g];
         float t[4];
-        for (int i = 0; i < 4; ++i) t[i] = half_to_float(rec + 2 * i) * x.ds[i];
+        for (int i = 0; i < 4; ++i) t[i] = half_bits_to_float(rec + 2 * i) * x.ds[i];
         for (int l = 0; l < 8; ++l) {
           const int half = l / 4, base = 16 * half + 4 * (l % 4);
           int p = 0;
@@ -288,7 +278,7 @@ inline void q8block(const XBlock* xa, int64_t nb, const uint8_t* q, int64_t row_
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = q + j * row_bytes + b * bb;
         const XBlock& xb = xa[m * nb + b];
-        const float dd = half_to_float(blk) * xb.d;
+        const float dd = half_bits_to_float(blk) * xb.d;
         for (int l = 0; l < 8; ++l) {
           int p = 0;
           for (int i = 4 * l; i < 4 * l + 4; ++i) {
@@ -298,7 +288,7 @@ inline void q8block(const XBlock* xa, int64_t nb, const uint8_t* q, int64_t row_
           }
           acc[l] = std::fma(static_cast<float>(p), dd, acc[l]);
         }
-        if constexpr (kind == kQ4_1) accm = std::fma(half_to_float(blk + 2), xb.s, accm);
+        if constexpr (kind == kQ4_1) accm = std::fma(half_bits_to_float(blk + 2), xb.s, accm);
       }
       const float u0 = (acc[0] + acc[4]) + (acc[2] + acc[6]);
       const float u1 = (acc[1] + acc[5]) + (acc[3] + acc[7]);
