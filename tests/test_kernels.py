@@ -414,7 +414,7 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
     chunks of long attention rows, rows of the fused ops); a result's bits never depend on
     how many threads ran it. (The rest of the suite may run on one thread per test worker:
     ``make test`` uses pytest-xdist, see ``conftest.pytest_configure``.)"""
-    from specdec.runtime.quant import kernel_layout, quantize
+    from specdec.runtime.quant import kernel_layout, q8_layout, quantize
 
     gen = torch.Generator().manual_seed(11)
     t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
@@ -425,6 +425,7 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
     w = torch.randn(576, 1536, generator=gen).to(dtype)
     matrix = quantize(torch.randn(576, 1536, generator=gen) * 0.05, "q4_1")
     blocks, code = kernel_layout(matrix)
+    grouped, group_code = q8_layout(matrix)
     norm_w = torch.randn(1536, generator=gen).to(dtype)
     gate_up = torch.randn(17, 2 * 1536, generator=gen).to(dtype)
 
@@ -436,6 +437,7 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
             kernels.quant_gemm(x, blocks, code), kernels.quant_gemm(x[:1], blocks, code),
             kernels.quant_gemm(x[:5], blocks, code),
             kernels.q8_gemm(x, matrix.blocks, 0), kernels.q8_gemm(x[:1], matrix.blocks, 0),
+            kernels.q8_gemm(x, grouped, group_code), kernels.q8_gemm(x[:9], grouped, group_code),
             kernels.rms_norm(x, norm_w, 1e-5), *kernels.add_rms_norm(x, x, norm_w, 1e-5),
             kernels.silu_mul(gate_up),
         ]  # fmt: skip

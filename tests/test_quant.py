@@ -30,7 +30,7 @@ from specdec.runtime.kernels import (  # noqa: E402
 from specdec.runtime.quant import (  # noqa: E402
     KINDS,
     MEASURED_QUANT_KERNELS,
-    Q4_1_PAIRS,
+    Q8_GROUP_KINDS,
     QUANT_ROWS,
     QuantizedMatrix,
     QuantLinear,
@@ -428,9 +428,9 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.where(tie & (err != 0), fixed, r32)
 
 
-def _q8_reference(x: torch.Tensor, matrix: QuantizedMatrix, pairs: bool) -> torch.Tensor:
+def _q8_reference(x: torch.Tensor, matrix: QuantizedMatrix) -> torch.Tensor:
     """The q8 kernel's arithmetic (``csrc/q8.cpp``) in PyTorch, step by step: ``[M, N]``
-    float32; ``pairs``: Q4_1 read in pairs of blocks (:func:`q8_layout`)."""
+    float32."""
     m_rows, k = x.shape
     n, nb = matrix.shape[0], k // 32
     xb = x.float().reshape(m_rows, nb, 32)
@@ -446,45 +446,24 @@ def _q8_reference(x: torch.Tensor, matrix: QuantizedMatrix, pairs: bool) -> torc
         q = torch.cat([nib & 15, nib >> 4], dim=-1)  # q_i, then q_{i + 16}
     else:
         q = raw[..., 2:34].contiguous().view(torch.int8).long()
-    prod = torch.einsum("mbi,nbi->mnbi", a.long(), q)
-    if pairs:  # lane l' of each block: i = 4l' .. 4l' + 3 and 16 + 4l' .. 16 + 4l' + 3
-        p = prod.reshape(m_rows, n, nb // 2, 2, 2, 4, 4).sum(dim=(4, 6))  # [.., g, block, l']
-        acc = torch.zeros(m_rows, n, 8)
-        ma, mb = torch.zeros(m_rows, n), torch.zeros(m_rows, n)
-        for g in range(nb // 2):
-            b0, b1 = 2 * g, 2 * g + 1
-            t = [dw[None, :, b0] * d[:, None, b0], dw[None, :, b1] * d[:, None, b1],
-                 mw[None, :, b0] * s[:, None, b0], mw[None, :, b1] * s[:, None, b1]]  # fmt: skip
-            dd = torch.cat([t[0][..., None].expand(m_rows, n, 4),
-                            t[1][..., None].expand(m_rows, n, 4)], dim=-1)  # fmt: skip
-            acc = _fma32(p[:, :, g].reshape(m_rows, n, 8).float(), dd, acc)
-            ma, mb = ma + t[2], mb + t[3]
-        u0 = (acc[..., 0] + acc[..., 4]) + (acc[..., 2] + acc[..., 6])
-        u1 = (acc[..., 1] + acc[..., 5]) + (acc[..., 3] + acc[..., 7])
-        return (u0 + u1) + (ma + mb)
-    # p[m, n, b, l]: the exact integer sum over i = 4l .. 4l + 3
-    p = prod.reshape(m_rows, n, nb, 8, 4).sum(-1)
-    acc = torch.zeros(m_rows, n, 8)
-    accm = torch.zeros(m_rows, n)
+    p = torch.einsum("mbi,nbi->mnb", a.long(), q)  # exact integers, |p| < 2^24
+    acc = torch.zeros(m_rows, n)
     for b in range(nb):
-        dd = (dw[None, :, b] * d[:, None, b])[..., None].expand(m_rows, n, 8)
-        acc = _fma32(p[:, :, b].float(), dd, acc)
+        acc = _fma32(p[:, :, b].float(), dw[None, :, b] * d[:, None, b], acc)
         if matrix.kind == "q4_1":
-            accm = _fma32(mw[None, :, b].expand(m_rows, n), s[:, None, b].expand(m_rows, n), accm)
-    u0 = (acc[..., 0] + acc[..., 4]) + (acc[..., 2] + acc[..., 6])
-    u1 = (acc[..., 1] + acc[..., 5]) + (acc[..., 3] + acc[..., 7])
-    return (u0 + u1) + accm
+            acc = _fma32(mw[None, :, b].expand(m_rows, n), s[:, None, b].expand(m_rows, n), acc)
+    return acc
 
 
 @pytest.mark.parametrize("layout", ["file", "q8"])
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "k"), [(9, 64), (40, 576), (13, 96)])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (40, 576), (13, 96)])
 def test_q8_product_is_its_arithmetic_bit_for_bit_for_any_row_count(kind, dtype, n, k, layout):
     """The q8 kernel (8-bit activations, integer dot products: llama.cpp's arithmetic)
     equals its specification computed in PyTorch, bit for bit, then rounded to the
-    activations' dtype, on the file's blocks and on its own layout (Q4_1 in pairs of
-    blocks where K is a multiple of 64); including a block of zero weights (d = 0), a
+    activations' dtype, on the file's rows and on its own layout (groups of 8 outputs
+    interleaved, where N is a multiple of 8); including a block of zero weights (d = 0), a
     block of zero activations (d_x = 0), ties of the rounding to 8 bits and Q8_0's -128.
     Every row gives the same bits alone and at every place of every row count up to 20
     (the kernel's one-row path, its chunks of rows and their remainders)."""
@@ -498,11 +477,10 @@ def test_q8_product_is_its_arithmetic_bit_for_bit_for_any_row_count(kind, dtype,
     x[3, 0] = 127.0
     x = x.to(dtype)
     blocks, code = (matrix.blocks, KINDS[kind][0]) if layout == "file" else q8_layout(matrix)
-    pairs = code == Q4_1_PAIRS
-    assert pairs == (layout == "q8" and kind == "q4_1" and k % 64 == 0)
+    assert (code == Q8_GROUP_KINDS[kind]) == (layout == "q8" and n % 8 == 0)
     y = q8_gemm(x, blocks, code)
     assert y.dtype == dtype and y.shape == (23, n)
-    assert torch.equal(y, _q8_reference(x, matrix, pairs).to(dtype))
+    assert torch.equal(y, _q8_reference(x, matrix).to(dtype))
     alone = torch.cat([q8_gemm(x[i : i + 1], blocks, code) for i in range(23)])
     assert torch.equal(alone, y)
     for m in range(2, 21):
@@ -518,16 +496,16 @@ def test_q8_product_is_near_the_float_product_and_refuses_what_it_cannot_compute
     y = q8_gemm(x, matrix.blocks, 0)
     ref = x.double() @ reference_dequantize(matrix).double().t()
     assert ((y.double() - ref).norm() / ref.norm()).item() < 0.02
-    paired = q8_gemm(x, *q8_layout(matrix))
-    assert ((paired.double() - ref).norm() / ref.norm()).item() < 0.02
+    grouped = q8_gemm(x, *q8_layout(matrix))
+    assert torch.equal(grouped, y)  # the same arithmetic on either layout
     with pytest.raises(RuntimeError, match="kind must be 0"):
         q8_gemm(x, kernel_layout(matrix)[0], 2)  # the fma kernel's own layout is not read
     with pytest.raises(RuntimeError, match="quantized rows hold"):
         q8_gemm(x[:, :544], matrix.blocks, 0)
-    odd = _matrix("q4_1", 8, 96)  # K = 96: not whole pairs
-    with pytest.raises(RuntimeError, match="a multiple of 64"):
-        q8_gemm(torch.randn(1, 96), torch.zeros(8, 60, dtype=torch.uint8), Q4_1_PAIRS)
-    assert q8_layout(odd)[1] == KINDS["q4_1"][0]  # such a matrix keeps the file's blocks
+    odd = _matrix("q4_1", 12, 96)  # N = 12: not whole groups of 8
+    with pytest.raises(RuntimeError, match="not a multiple of 8"):
+        q8_gemm(torch.randn(1, 96), odd.blocks, Q8_GROUP_KINDS["q4_1"])
+    assert q8_layout(odd)[1] == KINDS["q4_1"][0]  # such a matrix keeps the file's rows
     with pytest.raises(RuntimeError, match="unsupported dtype"):
         q8_gemm(x.double(), matrix.blocks, 0)
 

@@ -436,15 +436,19 @@ def q8_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
     or the x86 CPU (AVX2 code on AVX-512 CPUs too).
 
     Per row and block of 32: ``d = max|x| / 127``, ``a = round(x / d)`` (int8, nearest
-    even), ``s = d * sum(a)``; per output, 8 float32 lanes accumulate ``float(sum of 4
-    q a) * (d_w d)`` over the blocks (fused multiply-add), Q4_1 adds ``m_w s`` (``w = d_w
-    q + m_w``), then a fixed sum of the lanes. Not the float32 product: the activations
-    are rounded to 8 bits (relative error about 1e-2 per output).
+    even), ``s = d * sum(a)``; per output, one float32 accumulator takes, block after
+    block, ``fma(float(p), d_w * d, acc)`` with ``p`` the exact integer ``sum(q a)``, then
+    (Q4_1, ``w = d_w q + m_w``) ``fma(m_w, s, acc)``. Not the float32 product: the
+    activations are rounded to 8 bits (relative error about 1e-2 per output).
 
     Args:
         x: ``[M, K]`` with contiguous rows (float32, bfloat16 or float16), K a multiple of 32.
-        blocks: ``[N, K / 32 * bytes per block]`` uint8, the file's blocks as they are.
-        kind: 0 = Q4_1 (20 bytes per block of 32 weights), 1 = Q8_0 (34 bytes).
+        blocks: ``[N, K / 32 * bytes per block]`` uint8: the file's blocks as they are
+            (kinds 0 and 1, plain C++), or groups of 8 outputs interleaved by
+            :func:`specdec.runtime.quant.q8_layout` (kinds 4 and 5, N a multiple of 8; the
+            AVX2 code: one ``vpmaddubsw`` multiplies 4 activations with 8 outputs' weights).
+        kind: 0 = Q4_1 (20 bytes per block of 32 weights), 1 = Q8_0 (34 bytes), 4 / 5 =
+            the same blocks interleaved in groups of 8. Every kind gives the same bits.
 
     Returns:
         ``[M, N]`` contiguous, ``x``'s dtype (the float32 result rounded to it).

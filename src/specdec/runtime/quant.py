@@ -197,30 +197,40 @@ def kernel_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     return packed, Q4_1_KERNEL_LAYOUT
 
 
-#: The q8 kernel's code for Q4_1 blocks in pairs (:func:`q8_layout`).
-Q4_1_PAIRS = 3
+#: The q8 kernel's codes for Q4_1 / Q8_0 rows interleaved in groups of 8 (:func:`q8_layout`).
+Q8_GROUP_KINDS = {"q4_1": 4, "q8_0": 5}
 
 
 def q8_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     """The blocks as the ``q8`` kernel (:func:`~specdec.runtime.kernels.q8_gemm`) reads
     them fastest, and their kernel code.
 
-    Q4_1 with K a multiple of 64: blocks ``2g`` and ``2g + 1`` of each row as one 40-byte
-    record (float16 ``d_0, d_1, m_0, m_1``, then the two blocks' 16 nibble bytes), the
-    same 20 bytes per 32 weights as the file, so one load gives 64 weights (see
-    ``csrc/q8.cpp``). Other matrices: the file's blocks as they are.
+    N a multiple of 8: the rows interleaved in groups of 8 outputs, per group and block of
+    32 k one record of the 8 outputs' float16 ``d`` (then, Q4_1, their 8 ``m``), then
+    their integers 4 k at a time per output (Q4_1: vector ``t`` byte ``4j + r`` is output
+    ``j``'s file byte ``4t + r``, holding ``q_{4t+r}`` and ``q_{16+4t+r}``; Q8_0: vector
+    ``t`` byte ``4j + r`` is ``q_{4t+r}``), so one multiply-add serves 8 outputs (see
+    ``csrc/q8.cpp``). The same bytes per weight as the file, made once at load. Other N:
+    the file's rows as they are (the same arithmetic, read by slower code).
 
     Returns:
-        ``(blocks, code)``: ``[N, bytes per row]`` uint8 and the ``kind`` for ``q8_gemm``.
+        ``(blocks, code)``: ``[N, K / 32 * bytes per block]`` uint8 and the ``kind`` for
+        ``q8_gemm``.
     """
     n, k = matrix.shape
-    if matrix.kind != "q4_1" or k % (2 * BLOCK):
+    if n % 8:
         return matrix.blocks, KINDS[matrix.kind][0]
-    raw = matrix.blocks.reshape(n, k // (2 * BLOCK), 2, 20)
-    scales = raw[..., :4].reshape(n, -1, 2, 2, 2).transpose(2, 3)  # [pair, d|m, block, 2 bytes]
-    nibbles = raw[..., 4:]  # [pair, block, 16]
-    record = torch.cat([scales.reshape(n, -1, 8), nibbles.reshape(n, -1, 32)], dim=-1)
-    return record.reshape(n, k // (2 * BLOCK) * 40).contiguous(), Q4_1_PAIRS
+    nb, size = k // BLOCK, KINDS[matrix.kind][1]
+    raw = matrix.blocks.reshape(n // 8, 8, nb, size).transpose(1, 2)  # [group, block, j, bytes]
+    parts = [raw[..., 0:2].reshape(n // 8, nb, 16)]  # the 8 d
+    if matrix.kind == "q4_1":
+        parts.append(raw[..., 2:4].reshape(n // 8, nb, 16))  # the 8 m
+        ints = raw[..., 4:20].reshape(n // 8, nb, 8, 4, 4)  # [.., j, t, r]: file byte 4t + r
+    else:
+        ints = raw[..., 2:34].reshape(n // 8, nb, 8, 8, 4)  # [.., j, t, r]: q_{4t + r}
+    parts.append(ints.transpose(2, 3).reshape(n // 8, nb, -1))  # [.., t, j, r]
+    blocks = torch.cat(parts, dim=-1).reshape(n, nb * size).contiguous()
+    return blocks, Q8_GROUP_KINDS[matrix.kind]
 
 
 #: Tile kinds of :func:`amx_layout` (``csrc/amx.cpp``) and bytes per tile of 16 x 32 weights.
