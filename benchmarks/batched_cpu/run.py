@@ -6,13 +6,17 @@ first turns of Spec-Bench questions, up to 11 per category group, chat template 
 specdec's tokenizer) in batches of c (``LLM.generate(list)`` in each engine), greedy,
 the same number of new tokens; throughput = output tokens / wall seconds of the batches,
 after a warm-up batch of the same size (vLLM compiles its CPU graphs per shape).
-specdec runs on its defaults (``backend auto``, ``dtype auto``), vLLM in bfloat16 (its
-CPU default) from the same weights (specdec's Hugging Face copy of the embedded GGUF),
+specdec runs on its defaults (``backend auto``, ``dtype auto``: the GGUF's own Q4_1 / Q8_0
+blocks with the quantized kernel measurement picks) and, with ``--kernels auto,q8`` (the
+default), once more with each kernel forced by ``SPECDEC_QUANT_KERNEL`` (``q8``: the
+opt-in kernel with 8-bit activations, llama.cpp's arithmetic; see
+``specdec.runtime.quant``); vLLM in bfloat16 (its CPU default) from the same weights
+(specdec's Hugging Face copy of the embedded GGUF),
 with its prefix cache off: the same prompts come back at every level, so a cached vLLM
 would skip the prefill specdec computes (runs before 2026-12-02 08:00 left it on, and
 measured vLLM's decoding against specdec's prefill and decoding from 16 sequences on).
-Every specdec output is also compared with the same prompt decoded alone (c = 1):
-batching must not change a token.
+Every specdec output is also compared with the same prompt decoded alone (c = 1) on the
+same kernel: batching must not change a token.
 
 vLLM pins an older transformers than specdec, so it lives in its own virtual
 environment; this script runs itself there for vLLM's part (``--vllm-python``):
@@ -82,18 +86,53 @@ def batches(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def run_specdec(ids: list[list[int]], counts: dict[int, int], max_new: int) -> dict:
+def machine() -> str:
+    """The CPU's model name, cores, and the matrix instruction sets that decide the
+    kernels' speed (the project's VMs change between sessions)."""
+    from specdec.runtime.linear import cpu_name
+
+    try:
+        flags = set(
+            next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("flags")).split(":", 1)[1].split()
+        )  # fmt: skip
+    except (OSError, StopIteration):
+        flags = set()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    extras = [name for flag, name in (("avx512_bf16", "BF16"), ("avx512_vnni", "VNNI"))
+              if flag in flags]  # fmt: skip
+    if extras:
+        isa += " with " + " and ".join(extras)
+    isa += ", AMX" if "amx_tile" in flags else ", no AMX"
+    return f"{cpu_name()}, {os.cpu_count()} cores ({isa})"
+
+
+def run_specdec(
+    ids: list[list[int]], counts: dict[int, int], max_new: int, kernel: str = "auto"
+) -> dict:
+    """specdec's part on its defaults, with the quantized kernel ``kernel`` forced
+    (``SPECDEC_QUANT_KERNEL``) unless it is ``auto``."""
     import torch
 
     from specdec import LLM, SamplingParams, SpeculativeConfig
+    from specdec.cli_common import target_meta
 
-    llm = LLM(speculative=SpeculativeConfig(method="none"))
+    before = os.environ.pop("SPECDEC_QUANT_KERNEL", None)
+    if kernel != "auto":
+        os.environ["SPECDEC_QUANT_KERNEL"] = kernel
+    try:
+        llm = LLM(speculative=SpeculativeConfig(method="none"))
+    finally:
+        os.environ.pop("SPECDEC_QUANT_KERNEL", None)
+        if before is not None:
+            os.environ["SPECDEC_QUANT_KERNEL"] = before
     params = SamplingParams(max_new_tokens=max_new)
     llm.generate(ids[:2], params)  # warm-up: kernels, calibration, caches
     out = {"engine": "specdec", "backend": llm.target.backend,
            "dtype": str(llm.target.dtype).replace("torch.", ""),
            "quantization": getattr(llm.target, "quantization", "none"),
-           "threads": torch.get_num_threads(), "runs": {}}  # fmt: skip
+           "kernel": target_meta(llm.target, 0)["quant_kernel"] or kernel,
+           "threads": torch.get_num_threads(), "machine": machine(), "runs": {}}  # fmt: skip
     for c, n in counts.items():
         llm.generate(ids[-c:], SamplingParams(max_new_tokens=8))  # this batch size's shapes
         tokens, seconds, outputs = 0, 0.0, []
@@ -105,7 +144,7 @@ def run_specdec(ids: list[list[int]], counts: dict[int, int], max_new: int) -> d
             outputs += [list(r.token_ids) for r in results]
         out["runs"][str(c)] = {"prompts": len(outputs), "tokens": tokens, "seconds": seconds,
                                "outputs": outputs}  # fmt: skip
-        print(f"specdec c={c}: {tokens / seconds:.1f} tok/s", file=sys.stderr)
+        print(f"specdec ({kernel}) c={c}: {tokens / seconds:.1f} tok/s", file=sys.stderr)
     out["peak_rss_gib"] = peak_rss_gib()
     out["kv_bytes_per_token"] = llm.target.new_cache(1).bytes_per_token
     return out
@@ -144,13 +183,24 @@ def run_vllm(ids: list[list[int]], counts: dict[int, int], max_new: int, folder:
     return out
 
 
-def report(spec: dict, vllm: dict | None, max_new: int, alone_n: int) -> str:
+def report(specs: list[dict] | dict, vllm: dict | None, max_new: int, alone_n: int) -> str:
+    """The markdown report of specdec's runs (one per kernel; a single dict: results of
+    runs before ``--kernels``) beside vLLM's."""
+    specs = [specs] if isinstance(specs, dict) else specs
+    spec = specs[0]
+
+    def name(run: dict) -> str:
+        return f"specdec ({run.get('kernel') or 'dense'})" if len(specs) > 1 else "specdec"
+
+    kernels = "".join(
+        f"{name(r)}: {r.get('kernel') or 'dense'} kernel; " for r in specs if "kernel" in r
+    )
     lines = [
         "# Batched throughput: specdec vs vLLM (CPU)\n",
         f"Plain greedy decoding, {max_new} new tokens, Spec-Bench first turns. Machine: "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; specdec "
+        f"{spec.get('machine') or platform.processor() or platform.machine()}; specdec "
         f"{spec['backend']} {spec['dtype']}, {spec.get('quantization', 'none')} weights "
-        f"({spec['threads']} threads)"
+        f"({kernels}{spec['threads']} threads)"
         + (
             f", vLLM {vllm['version']} bfloat16 ({vllm['threads']} threads, prefix cache off: "
             "the levels repeat the prompts, and specdec has no prefix cache)"
@@ -158,41 +208,43 @@ def report(spec: dict, vllm: dict | None, max_new: int, alone_n: int) -> str:
             else ""
         )
         + ".\n",
-        "| concurrency | prompts | specdec tok/s | vLLM tok/s | specdec / vLLM | specdec "
-        "identical to alone |",
-        "|---|---|---|---|---|---|",
     ]
-    alone = spec["runs"]["1"]["outputs"]
+    header = ["concurrency", "prompts"]
+    for run in specs:
+        header += [f"{name(run)} tok/s"]
+    if vllm:
+        header += ["vLLM tok/s"] + [f"{name(run)} / vLLM" for run in specs]
+    header += [f"{name(run)} identical to alone" for run in specs]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in spec["runs"]:
-        s = spec["runs"][c]
-        rate = s["tokens"] / s["seconds"]
-        same = sum(a == b for a, b in zip(s["outputs"], alone, strict=False))
-        compared = min(len(s["outputs"]), len(alone))
-        cells = [c, str(s["prompts"]), f"{rate:.1f}"]
-        if vllm and c in vllm["runs"]:
-            v = vllm["runs"][c]
-            vrate = v["tokens"] / v["seconds"]
-            cells += [f"{vrate:.1f}", f"{rate / vrate:.2f}x"]
-        else:
-            cells += ["-", "-"]
-        cells.append(f"{same}/{compared}")
+        rates = [r["runs"][c]["tokens"] / r["runs"][c]["seconds"] for r in specs]
+        cells = [c, str(spec["runs"][c]["prompts"])] + [f"{x:.1f}" for x in rates]
+        if vllm:
+            v = vllm["runs"].get(c)
+            vrate = v["tokens"] / v["seconds"] if v else None
+            cells += [f"{vrate:.1f}" if vrate else "-"]
+            cells += [f"{x / vrate:.2f}x" if vrate else "-" for x in rates]
+        for r in specs:
+            outs, alone = r["runs"][c]["outputs"], r["runs"]["1"]["outputs"]
+            same = sum(a == b for a, b in zip(outs, alone, strict=False))
+            cells.append(f"{same}/{min(len(outs), len(alone))}")
         lines.append("| " + " | ".join(cells) + " |")
+    peak = max(r["peak_rss_gib"] for r in specs)
     lines.append(
-        f"\nMemory: specdec peak RSS {spec['peak_rss_gib']:.2f} GiB over the whole run "
+        f"\nMemory: specdec peak RSS {peak:.2f} GiB over the whole run "
         f"({max(map(int, spec['runs']))} sequences at once at most), KV cache "
         f"{spec['kv_bytes_per_token']} bytes per cached token (all layers)"
         + (f"; vLLM peak RSS {vllm['peak_rss_gib']:.2f} GiB, its processes together (its "
            "KV cache space is preallocated: VLLM_CPU_KVCACHE_SPACE=4 GiB)." if vllm else ".")
     )  # fmt: skip
     if vllm:
-        agree = sum(
-            a == b
-            for a, b in zip(spec["runs"]["1"]["outputs"], vllm["runs"]["1"]["outputs"], strict=True)
-        )
-        lines.append(
-            f"\nvLLM's outputs equal specdec's (c = 1) on {agree}/{alone_n} prompts "
-            "(different kernels, both bfloat16: a different rounding can flip a near-tie)."
-        )
+        for r in specs:
+            pairs = zip(r["runs"]["1"]["outputs"], vllm["runs"]["1"]["outputs"], strict=True)
+            agree = sum(a == b for a, b in pairs)
+            lines.append(
+                f"\nvLLM's outputs equal {name(r)}'s (c = 1) on {agree}/{alone_n} prompts "
+                "(different arithmetic: a different rounding can flip a near-tie)."
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -203,6 +255,9 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=64, help="prompts at c >= 16 and c = 1")
     p.add_argument("--small", type=int, default=16, help="prompts at c = 4")
     p.add_argument("--concurrency", default="1,4,16,64", help="levels (default: %(default)s)")
+    p.add_argument("--kernels", default="auto,q8",
+                   help="specdec's quantized kernels, one run each: auto (measured), fma, amx, "
+                   "q8 (default: %(default)s)")  # fmt: skip
     p.add_argument("--out", type=Path, default=HERE)
     p.add_argument("--report-only", action="store_true",
                    help="rewrite report.md from --out's results.json")  # fmt: skip
@@ -238,7 +293,10 @@ def main() -> int:
         vllm = json.loads(job.with_suffix(".out.json").read_text())
         job.unlink()
         job.with_suffix(".out.json").unlink()
-    spec = run_specdec(ids, counts, args.max_new_tokens)
+    spec = [
+        run_specdec(ids, counts, args.max_new_tokens, kernel.strip())
+        for kernel in args.kernels.split(",")
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"specdec": spec, "vllm": vllm}))
     text = report(spec, vllm, args.max_new_tokens, counts[1])
