@@ -57,7 +57,8 @@ def test_the_plan_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     calls = []
 
-    def fake_measure(products, heads, dtype, repeats=2):
+    def fake_measure(products, heads, dtype, repeats=2, quantized=None):
+        assert quantized is None  # not a q8 model
         calls.append((len(products), heads, dtype))
         assert [k for _, k in products] == [32, 32, 32, 64]  # qkv, o, gate_up, down inputs
         return PrefillPlan(256, 1024, {"products": {}})
@@ -161,3 +162,64 @@ def test_greedy_speculation_equals_plain_decoding_with_upcast_prompts(quantizati
     for prompt in ([1, *[(3 * i) % 11 + 3 for i in range(40)]], "w5 w6 w7 w5 w6 w7 w5 w6"):
         plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
         assert llm.generate(prompt, params).token_ids == plain.token_ids
+
+
+def test_the_quantized_kernel_computes_prompts_where_it_wins_at_every_size():
+    """``measure`` with a q8 model's products: the kernel is chosen for every prompt chunk
+    only where it beats the chosen dense arithmetic (by the 5% margin) at every size."""
+    import time
+
+    def dense(x, upcast):
+        time.sleep(0.003)
+
+    def timed(seconds):
+        return [lambda x: time.sleep(seconds)]
+
+    for dtype in (torch.float32, torch.bfloat16):
+        plan = prefill.measure([(dense, 8)], (2, 1, 4), dtype, 1, quantized=timed(0.0))
+        assert plan.quantized_prefill
+        assert set(plan.times_ms["products"]) == (
+            {"native", "float32", "quantized"} if dtype == torch.bfloat16 else
+            {"native", "quantized"}
+        )  # fmt: skip
+        assert plan.products_from is None or dtype == torch.bfloat16
+        slower = prefill.measure([(dense, 8)], (2, 1, 4), dtype, 1, quantized=timed(0.006))
+        assert not slower.quantized_prefill
+    assert not prefill.measure([(dense, 8)], (2, 1, 4), torch.float32, 1).quantized_prefill
+
+
+def _q8_model(monkeypatch) -> NativeModel:
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "q8")
+    model = _bf16_model(quantization="q4_1")
+    assert model.decoder.layers[0]["qkv"].kernel == "q8"
+    model.decoder.prefill_plan = PrefillPlan(quantized_prefill=True)
+    return model
+
+
+def test_q8_prompt_chunks_on_the_kernel_are_its_product_alone_or_in_a_batch(monkeypatch):
+    """With the plan's ``quantized_prefill``, a prompt chunk's products are the q8 kernel's
+    (8-bit activations), not the dense product; a chunk gets the same bits alone or next
+    to other sequences; greedy speculation still equals plain decoding."""
+    model = _q8_model(monkeypatch)
+    linear = model.decoder.layers[0]["gate_up"]
+    x = torch.randn(PREFILL_DENSE_ROWS + 5, 32).bfloat16()
+    assert torch.equal(linear.prefill(x, quantized=True), linear(x))
+    assert not torch.equal(linear.prefill(x), linear(x))  # the dense product differs
+    on = _forward_prompt(model, PrefillPlan(quantized_prefill=True), PROMPT)
+    off = _forward_prompt(model, NEVER, PROMPT)
+    assert not torch.equal(on, off)
+    torch.testing.assert_close(on, off, atol=0.3, rtol=0.1)
+    model.decoder.prefill_plan = PrefillPlan(quantized_prefill=True)
+    caches = [model.new_cache(128) for _ in range(2)]
+    model.decoder.forward([BatchItem(PROMPT[:8], caches[1])])
+    batch = [BatchItem(PROMPT[:50], caches[0], num_logits=1), BatchItem([3, 4, 5], caches[1])]
+    together = model.decoder.forward_full(batch)
+    (alone,) = model.decoder.forward_full(
+        [BatchItem(PROMPT[:50], model.new_cache(128), num_logits=1)]
+    )
+    assert torch.equal(together[0].logits, alone.logits)
+    llm = LLM(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompt = [1, *[(3 * i) % 11 + 3 for i in range(40)]]
+    plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
+    assert llm.generate(prompt, params).token_ids == plain.token_ids

@@ -29,7 +29,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-#: The extension's sources (the build is named by a hash of them and ``common.h``).
+#: The extension's sources (the build is named by a hash of them, ``common.h``, the flags and
+#: the CPU's instruction sets).
 _SOURCES = (
     _CSRC / "attention.cpp",
     _CSRC / "layer_ops.cpp",
@@ -59,6 +60,7 @@ def _load():
         digest = hashlib.sha256(
             b"".join(p.read_bytes() for p in (*_SOURCES, _CSRC / "common.h"))
             + " ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode()
+            + _cpu_flags().encode()
         ).hexdigest()[:10]
         name = f"specdec_kernels_{digest}"
         library = _built(name)
@@ -83,6 +85,20 @@ def _load():
         )
         _module = None
     return _module
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags (``/proc/cpuinfo``, sorted; ``""`` elsewhere): part
+    of the build's name, since ``-march=native`` compiles for this CPU only (a cached build
+    from a VM with AVX-512 VNNI would fault on one without, and one built without it would
+    leave it unused)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")) and ":" in line:
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return ""
 
 
 def _built(name: str) -> Path | None:
@@ -446,7 +462,8 @@ def q8_gemm(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
         blocks: ``[N, K / 32 * bytes per block]`` uint8: the file's blocks as they are
             (kinds 0 and 1, plain C++), or groups of 8 outputs interleaved by
             :func:`specdec.runtime.quant.q8_layout` (kinds 4 and 5, N a multiple of 8; the
-            AVX2 code: one ``vpmaddubsw`` multiplies 4 activations with 8 outputs' weights).
+            AVX2 code: one ``vpmaddubsw`` multiplies 4 activations with 8 outputs' weights;
+            with AVX-512 VNNI one 256-bit ``vpdpbusd``, the same exact integers).
         kind: 0 = Q4_1 (20 bytes per block of 32 weights), 1 = Q8_0 (34 bytes), 4 / 5 =
             the same blocks interleaved in groups of 8. Every kind gives the same bits.
 

@@ -124,11 +124,17 @@ class NativeDecoder:
         products = [(first[name].prefill, k) for name, k in width.items() if name in first]
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         kinds = {name: m[0].kind for name, m in quantized.items()}
+        kernels = {name: first[name].kernel for name in width
+                   if isinstance(first.get(name), QuantLinear)}  # fmt: skip
         model_key = ";".join(
             [f"{name}={k}:{kinds.get(name, 'dense')}" for name, k in width.items()]
             + [f"heads={'x'.join(map(str, heads))}"]
+            + [f"kernel={'/'.join(sorted(set(kernels.values())))}"] * bool(kernels)
         )
-        return prefill_plan(products, heads, self.dtype, self.device, model_key)
+        q8 = [first[name] for name in width if name in first]
+        if not all(kernels.get(name) == "q8" for name in width if name in first):
+            q8 = []  # only the q8 kernel computes a prompt differently from its dense form
+        return prefill_plan(products, heads, self.dtype, self.device, model_key, q8 or None)
 
     def new_cache(self, capacity: int) -> NativeKVCache:
         """An empty cache for one sequence (``capacity`` slots; grows if needed)."""
@@ -593,8 +599,9 @@ def _product(
     mode's tiles."""
     if not any(p.prefill for p in plans):
         return linear(x, exact)
+    quantized = upcast.quantized_prefill and isinstance(linear, QuantLinear)
     if not exact:
-        if upcast.products(x.shape[0]):
+        if upcast.products(x.shape[0]) and not quantized:
             return linear.prefill(x, True)
         return linear(x, False)
     outputs, row, run = [], 0, 0  # run: rows of other sequences not yet computed
@@ -603,7 +610,11 @@ def _product(
             if run:
                 outputs.append(linear(x[row - run : row], True))
                 run = 0
-            outputs.append(linear.prefill(x[row : row + p.length], upcast.products(p.length)))
+            chunk = x[row : row + p.length]
+            if quantized:
+                outputs.append(linear.prefill(chunk, quantized=True))
+            else:
+                outputs.append(linear.prefill(chunk, upcast.products(p.length)))
         else:
             run += p.length
         row += p.length

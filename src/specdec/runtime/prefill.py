@@ -17,6 +17,14 @@ is the same call for the same chunk, so exact mode's promise holds: a prompt chu
 are only ever computed as that chunk (see :func:`specdec.runtime.model._product`), so a
 sequence gets the same bits alone or in any batch, and greedy speculative decoding still
 equals plain decoding token for token (both prefill the same way).
+
+A model on the opt-in ``q8`` kernel (8-bit activations, llama.cpp's arithmetic) has one
+more choice: its prompt chunks as one dense product on the dequantized weights, or on the
+``q8`` kernel itself, as llama.cpp computes a prompt (measured on a 2-core AMD EPYC Zen 4
+with AVX-512 VNNI: the kernel at about 170-190 GMAC/s from 8 rows on, against about 165
+for oneDNN's bfloat16 product, before expanding the blocks). It is measured the same way
+(:attr:`PrefillPlan.quantized_prefill`) and is again one call per chunk: the same bits
+alone or in any batch.
 """
 
 from __future__ import annotations
@@ -42,19 +50,28 @@ ENV = "SPECDEC_PREFILL_FLOAT32"
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """When a prompt chunk of a 16-bit model runs in float32.
+    """When a prompt chunk of a 16-bit model runs in float32, and whether a model on the
+    ``q8`` kernel runs its prompt chunks on that kernel.
 
     Attributes:
         products_from: chunks of at least this many rows compute their matrix products
             in float32 (``None``: never).
         attention_from: the same for the chunk's attention.
-        times_ms: what was measured, ``{"products" | "attention": {"native" | "float32":
-            [ms per PREFILL_ROWS entry]}}`` (for reports; empty when forced).
+        quantized_prefill: every prompt chunk's products run on the quantized kernel (the
+            8-bit activations of :mod:`specdec.runtime.quant`'s ``q8`` kernel, as
+            llama.cpp computes a prompt), not as one dense product on the dequantized
+            weights: measured faster than the dense product at every
+            :data:`PREFILL_ROWS` size, on ``q8`` models only (``False``: the dense product
+            from :data:`~specdec.runtime.quant.PREFILL_DENSE_ROWS` rows on).
+        times_ms: what was measured, ``{"products" | "attention": {"native" | "float32"
+            (| "quantized"): [ms per PREFILL_ROWS entry]}}`` (for reports; empty when
+            forced).
     """
 
     products_from: int | None = None
     attention_from: int | None = None
     times_ms: dict = field(default_factory=dict)
+    quantized_prefill: bool = False
 
     def products(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` rows computes its products in float32."""
@@ -142,38 +159,63 @@ def measure(
     heads: tuple[int, int, int],
     dtype: torch.dtype,
     repeats: int = 2,
+    quantized: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> PrefillPlan:
     """Time one layer's products and a causal attention at :data:`PREFILL_ROWS` rows, in
-    ``dtype`` and in float32, and choose the thresholds (:func:`threshold`).
+    ``dtype`` and in float32 (16-bit models), and choose the thresholds
+    (:func:`threshold`); with ``quantized``, also the products on the quantized kernel,
+    chosen for every chunk where they beat the chosen dense arithmetic by
+    :data:`UPCAST_GAIN` at every size.
 
     Args:
         products: ``(prefill, in_features)`` per product of one layer; ``prefill(x,
             upcast)`` computes the chunk's product (upcast: in float32).
         heads: ``(query heads, key-value heads, head dim)``.
-        dtype: the model's (16-bit) dtype.
+        dtype: the model's dtype.
+        quantized: per product (same order), the quantized kernel's product ``f(x)``.
     """
     gen = torch.Generator().manual_seed(0)
     h, g, d = heads
+    sixteen = dtype in (torch.bfloat16, torch.float16)
+    arithmetics = (("native", False), ("float32", True)) if sixteen else (("native", False),)
     times: dict[str, dict[str, list[float]]] = {
-        "products": {"native": [], "float32": []},
-        "attention": {"native": [], "float32": []},
+        "products": {name: [] for name, _ in arithmetics},
+        "attention": {name: [] for name, _ in arithmetics},
     }
+    if quantized:
+        times["products"]["quantized"] = []
     for rows in PREFILL_ROWS:
         inputs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in products]
         q = torch.randn(rows, h, d, generator=gen).to(dtype)
         kv = torch.randn(2, g, rows, d, generator=gen).to(dtype)
-        for name, upcast in (("native", False), ("float32", True)):
+        for name, upcast in arithmetics:
             times["products"][name].append(
                 _fastest(lambda u=upcast, i=inputs: _run_products(products, i, u), repeats)
             )
             times["attention"][name].append(
                 _fastest(lambda u=upcast, q=q, kv=kv: _run_attention(q, kv, u), repeats)
             )
-    return PrefillPlan(
-        threshold(times["products"]["native"], times["products"]["float32"]),
-        threshold(times["attention"]["native"], times["attention"]["float32"]),
-        times,
+        if quantized:
+            times["products"]["quantized"].append(
+                _fastest(
+                    lambda i=inputs: [f(x) for f, x in zip(quantized, i, strict=True)], repeats
+                )
+            )
+    t = times["products"]
+    products_from = threshold(t["native"], t["float32"]) if sixteen else None
+    attention_from = (
+        threshold(times["attention"]["native"], times["attention"]["float32"]) if sixteen else None
     )
+    quantized_prefill = False
+    if quantized:
+        dense = [
+            t["float32"][i] if products_from is not None and r >= products_from else n
+            for i, (r, n) in enumerate(zip(PREFILL_ROWS, t["native"], strict=True))
+        ]
+        quantized_prefill = all(
+            qt < (1.0 - UPCAST_GAIN) * dt for qt, dt in zip(t["quantized"], dense, strict=True)
+        )
+    return PrefillPlan(products_from, attention_from, times, quantized_prefill)
 
 
 def prefill_plan(
@@ -182,18 +224,20 @@ def prefill_plan(
     dtype: torch.dtype,
     device: torch.device,
     model_key: str,
+    quantized: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> PrefillPlan:
     """The :class:`PrefillPlan` for a model: forced by ``SPECDEC_PREFILL_FLOAT32``,
-    :data:`NEVER` for float32 models and off CPU, else read from the kernel table
-    (:func:`specdec.runtime.linear.kernel_table_path`) or measured now (:func:`measure`,
-    under a second for SmolLM2-135M) and kept there.
+    :data:`NEVER` off CPU and for float32 models without ``quantized``, else read from
+    the kernel table (:func:`specdec.runtime.linear.kernel_table_path`) or measured now
+    (:func:`measure`, about a second for SmolLM2-135M) and kept there.
 
     Args:
         products: as for :func:`measure` (one layer's).
         heads: ``(query heads, key-value heads, head dim)``.
         dtype: the model's dtype.
         device: where it runs.
-        model_key: names the model's shapes in the table.
+        model_key: names the model's shapes (and kernels) in the table.
+        quantized: as for :func:`measure` (a ``q8`` model's products), or ``None``.
 
     Raises:
         ValueError: a bad ``SPECDEC_PREFILL_FLOAT32``.
@@ -203,7 +247,7 @@ def prefill_plan(
     forced = forced_plan()
     if forced is not None:
         return forced
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+    if device.type != "cpu" or (dtype not in (torch.bfloat16, torch.float16) and not quantized):
         return NEVER
     key = f"prefill|{linear.machine_key(dtype, device)}"
     path = linear.kernel_table_path()
@@ -211,6 +255,6 @@ def prefill_plan(
     entries = table.setdefault(key, {})
     if model_key not in entries:
         logger.info("timing prompt chunks in %s and float32 (%s)", dtype, model_key)
-        entries[model_key] = vars(measure(products, heads, dtype))
+        entries[model_key] = vars(measure(products, heads, dtype, quantized=quantized))
         linear._write_table(path, table)
     return PrefillPlan(**entries[model_key])

@@ -502,13 +502,16 @@ class QuantLinear:
             y = self._apply(x, self.layout)
         return y if self.bias is None else y + self.bias
 
-    def prefill(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+    def prefill(
+        self, x: torch.Tensor, upcast: bool = False, quantized: bool = False
+    ) -> torch.Tensor:
         """A prompt chunk's product (the same call for the same chunk, so the same bits):
-        below :data:`PREFILL_DENSE_ROWS` rows the quantized kernel, else one dense product
-        on the dequantized matrix, in ``x``'s dtype or, with ``upcast``, in float32 (the
+        below :data:`PREFILL_DENSE_ROWS` rows, or with ``quantized`` (the prefill plan's
+        choice for the ``q8`` kernel), the quantized kernel; else one dense product on
+        the dequantized matrix, in ``x``'s dtype or, with ``upcast``, in float32 (the
         dequantized values unrounded, the result rounded once to ``x``'s dtype; see
         :mod:`specdec.runtime.prefill`)."""
-        if x.shape[0] < PREFILL_DENSE_ROWS:
+        if quantized or x.shape[0] < PREFILL_DENSE_ROWS:
             return self(x)
         if upcast:
             bias = None if self.bias is None else self.bias.float()
