@@ -377,3 +377,40 @@ def test_sampling_transform_flags_apply_and_stay_lossless(capsys, model_dir):
     assert shaped["token_ids"] != plain["token_ids"]
     block = run_json(capsys, model_dir, "--drafter", "ngram", "--verifier", "block", *args)
     assert block["token_ids"] == shaped["token_ids"]
+
+
+def _fake_output(tokens: list[int], seconds: float, steps_off: int = 0):
+    from types import SimpleNamespace
+
+    metrics = SimpleNamespace(
+        lossy=False, verifier="rejection", num_output_tokens=len(tokens), num_steps=len(tokens),
+        mean_acceptance_length=1.0, num_draft_tokens=0, acceptance_rate=0.0,
+        num_accepted_tokens=0, num_drafts=0, per_position_acceptance_rate=[],
+        accepted_length_counts=[], chosen_k_counts=[3, 1], num_steps_off=steps_off,
+        elapsed_s=seconds, tokens_per_s=len(tokens) / seconds,
+    )  # fmt: skip
+    return SimpleNamespace(metrics=metrics, finish_reason="length", token_ids=tokens)
+
+
+def test_compare_says_what_a_short_run_or_a_differing_output_means(capsys):
+    """A speedup over a few tokens is called timing noise; a greedy output that differs
+    without exact mode says why and what keeps it identical; "speculation off" is printed
+    only when the controller switched it off."""
+    from specdec import SamplingParams
+    from specdec.cli import NOISY_TOKENS, _print_metrics
+
+    meta = {"backend": "hf", "dtype": "bfloat16", "exact": False, "quantization": "none",
+            "quant_kernel": None, "simd": None, "threads": 1}  # fmt: skip
+    short, other = _fake_output([1, 2, 3], 0.1), _fake_output([1, 2, 4], 0.2)
+    _print_metrics(short, other, SamplingParams(), None, meta)
+    out = capsys.readouterr().out
+    assert "speedup                  2.00x (only 3 tokens: timing noise)" in out
+    assert "identical to baseline    NO" in out and "`--backend native`" in out
+    assert "speculation off" not in out
+    long = list(range(NOISY_TOKENS))
+    _print_metrics(_fake_output(long, 0.1, 1), _fake_output(long, 0.1), SamplingParams(),
+                   None, {**meta, "exact": True})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "speedup                  1.00x\n" in out and "timing noise" not in out
+    assert "identical to baseline    yes" in out and "`--backend native`" not in out
+    assert "speculation off          1 of 4 steps" in out
