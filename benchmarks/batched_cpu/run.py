@@ -89,15 +89,10 @@ def batches(items: list, size: int) -> list[list]:
 def machine() -> str:
     """The CPU's model name, cores, and the matrix instruction sets that decide the
     kernels' speed (the project's VMs change between sessions)."""
+    from specdec.runtime.kernels import cpu_flags
     from specdec.runtime.linear import cpu_name
 
-    try:
-        flags = set(
-            next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("flags")).split(":", 1)[1].split()
-        )  # fmt: skip
-    except (OSError, StopIteration):
-        flags = set()
+    flags = set(cpu_flags().split())
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     extras = [name for flag, name in (("avx512_bf16", "BF16"), ("avx512_vnni", "VNNI"))
               if flag in flags]  # fmt: skip

@@ -60,7 +60,7 @@ def _load():
         digest = hashlib.sha256(
             b"".join(p.read_bytes() for p in (*_SOURCES, _CSRC / "common.h"))
             + " ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode()
-            + _cpu_flags().encode()
+            + cpu_flags().encode()
         ).hexdigest()[:10]
         name = f"specdec_kernels_{digest}"
         library = _built(name)
@@ -87,17 +87,20 @@ def _load():
     return _module
 
 
-def _cpu_flags() -> str:
-    """The CPU's instruction-set flags (``/proc/cpuinfo``, sorted; ``""`` elsewhere): part
-    of the build's name, since ``-march=native`` compiles for this CPU only (a cached build
-    from a VM with AVX-512 VNNI would fault on one without, and one built without it would
-    leave it unused)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")) and ":" in line:
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
+def cpu_flags(cpuinfo: str | None = None) -> str:
+    """The CPU's instruction-set flags: the first ``flags`` (x86) or ``Features`` (Arm)
+    line of a ``/proc/cpuinfo`` text (default: this machine's), sorted and space-separated;
+    ``""`` without one. Part of the build's name, since ``-march=native`` compiles for this
+    CPU only (a cached build from a VM with AVX-512 VNNI would fault on one without, and
+    one built without it would leave it unused)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")) and ":" in line:
+            return " ".join(sorted(line.split(":", 1)[1].split()))
     return ""
 
 

@@ -438,11 +438,10 @@ def flags_digest(cpuinfo: str) -> str:
     ``/proc/cpuinfo`` text, whatever the flags' order; ``""`` without one."""
     import hashlib
 
-    for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")) and ":" in line:
-            flags = " ".join(sorted(line.split(":", 1)[1].split()))
-            return hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return ""
+    from specdec.runtime.kernels import cpu_flags
+
+    flags = cpu_flags(cpuinfo)
+    return hashlib.sha256(flags.encode()).hexdigest()[:12] if flags else ""
 
 
 def cpu_name() -> str:

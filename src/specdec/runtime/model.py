@@ -131,10 +131,12 @@ class NativeDecoder:
             + [f"heads={'x'.join(map(str, heads))}"]
             + [f"kernel={'/'.join(sorted(set(kernels.values())))}"] * bool(kernels)
         )
-        q8 = [first[name] for name in width if name in first]
-        if not all(kernels.get(name) == "q8" for name in width if name in first):
-            q8 = []  # only the q8 kernel computes a prompt differently from its dense form
-        return prefill_plan(products, heads, self.dtype, self.device, model_key, q8 or None)
+        present = [name for name in width if name in first]
+        # only the q8 kernel computes a prompt differently from its dense form
+        q8 = [first[name] for name in present] if kernels and all(
+            kernels.get(name) == "q8" for name in present
+        ) else None  # fmt: skip
+        return prefill_plan(products, heads, self.dtype, self.device, model_key, q8)
 
     def new_cache(self, capacity: int) -> NativeKVCache:
         """An empty cache for one sequence (``capacity`` slots; grows if needed)."""
