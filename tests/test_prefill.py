@@ -15,6 +15,7 @@ from specdec.models.base import BatchItem
 from specdec.models.hf import HFModel
 from specdec.models.native import NativeModel
 from specdec.runtime import prefill
+from specdec.runtime.kernels import kernel_available
 from specdec.runtime.prefill import ALWAYS, ENV, NEVER, PrefillPlan, forced_plan, threshold
 from specdec.runtime.quant import PREFILL_DENSE_ROWS
 
@@ -57,8 +58,9 @@ def test_the_plan_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     calls = []
 
-    def fake_measure(products, heads, dtype, repeats=2, quantized=None):
+    def fake_measure(products, heads, dtype, repeats=2, quantized=None, kernel=False):
         assert quantized is None  # not a q8 model
+        assert kernel == kernel_available(torch.device("cpu"))
         calls.append((len(products), heads, dtype))
         assert [k for _, k in products] == [32, 32, 32, 64]  # qkv, o, gate_up, down inputs
         return PrefillPlan(256, 1024, {"products": {}})
@@ -69,7 +71,22 @@ def test_the_plan_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
     assert _bf16_model().decoder.prefill_plan == first  # read back from the table
     assert calls == [(4, (4, 2, 8), torch.bfloat16)]
     fp32 = NativeModel(make_model(make_tokenizer(), seed=0), exact=True)
-    assert fp32.decoder.prefill_plan == NEVER and len(calls) == 1  # float32: nothing to gain
+    if kernel_available(torch.device("cpu")):  # float32: only the attention kernel to choose
+        assert fp32.decoder.prefill_plan == first and calls[1][2] == torch.float32
+    else:
+        assert fp32.decoder.prefill_plan == NEVER and len(calls) == 1  # nothing to gain
+
+
+def test_kernel_threshold_is_where_the_kernel_wins_up_to_there():
+    assert prefill.kernel_threshold([10, 40, 160], [5, 20, 80], ROWS) == 1024
+    assert prefill.kernel_threshold([10, 40, 160], [5, 20, 170], ROWS) == 256
+    assert prefill.kernel_threshold([10, 40, 160], [5, 50, 100], ROWS) == 64  # every smaller
+    assert prefill.kernel_threshold([10, 40, 160], [12, 20, 80], ROWS) is None
+    assert prefill.kernel_threshold([10, 40, 160], [9.8, 39, 156], ROWS) is None  # margin
+    plan = PrefillPlan(kernel_attention_to=256)
+    assert plan.kernel_attention(1) and plan.kernel_attention(256)
+    assert not plan.kernel_attention(257) and not NEVER.kernel_attention(1)
+    assert not ALWAYS.kernel_attention(1)  # a forced plan keeps the library's attention
 
 
 def test_measure_times_both_arithmetics_at_each_size():
@@ -223,3 +240,71 @@ def test_q8_prompt_chunks_on_the_kernel_are_its_product_alone_or_in_a_batch(monk
     prompt = [1, *[(3 * i) % 11 + 3 for i in range(40)]]
     plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
     assert llm.generate(prompt, params).token_ids == plain.token_ids
+
+
+needs_kernels = pytest.mark.skipif(
+    not kernel_available(torch.device("cpu")), reason="the compiled kernels are not available"
+)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_measure_times_the_attention_kernel_against_the_chosen_arithmetic(dtype):
+    hf = make_model(make_tokenizer(), seed=0)
+    model = NativeModel(HFModel(hf.model.to(dtype), hf.tokenizer), exact=True)
+    products = [(model.decoder.layers[0]["qkv"].prefill, 32)]
+    plan = prefill.measure(products, (4, 2, 64), dtype, repeats=1, kernel=True)
+    times = plan.times_ms["attention"]
+    assert len(times["kernel"]) == len(prefill.PREFILL_ROWS) and all(t > 0 for t in times["kernel"])
+    library = [
+        times["float32"][i] if plan.attention(r) else times["native"][i]
+        for i, r in enumerate(prefill.PREFILL_ROWS)
+    ]
+    assert plan.kernel_attention_to == prefill.kernel_threshold(library, times["kernel"])
+    assert "kernel" not in prefill.measure(products, (4, 2, 64), dtype, 1).times_ms["attention"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prompt_attention_on_the_kernel_is_close_and_the_same_alone_or_in_a_batch(
+    dtype, monkeypatch
+):
+    """With ``kernel_attention_to``, a prompt chunk's attention runs on the runtime's kernel
+    (not ``scaled_dot_product_attention``): logits close to the library's, the same bits
+    alone or next to other sequences (exact mode), and greedy speculation still equals
+    plain decoding."""
+    from specdec.runtime import model as runtime_model
+
+    hf = make_model(make_tokenizer(), seed=0)
+    model = NativeModel(HFModel(hf.model.to(dtype), hf.tokenizer), exact=True)
+    on_kernel = PrefillPlan(kernel_attention_to=1 << 20)
+    library = _forward_prompt(model, NEVER, PROMPT)
+    calls = []
+    real = runtime_model.attention_fast
+    monkeypatch.setattr(runtime_model, "attention_fast", lambda *a: calls.append(1) or real(*a))
+    kernel = _forward_prompt(model, on_kernel, PROMPT)
+    assert not calls  # no prompt row went through the library
+    _forward_prompt(model, NEVER, PROMPT)
+    assert calls
+    tolerance = (
+        {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.15, "rtol": 0.05}
+    )
+    torch.testing.assert_close(kernel, library, **tolerance)
+    model.decoder.prefill_plan = on_kernel
+    for exact in (True, False):
+        caches = [model.new_cache(128) for _ in range(2)]
+        model.decoder.forward([BatchItem(PROMPT[:8], caches[1])], exact)
+        batch = [BatchItem(PROMPT[:50], caches[0], num_logits=1), BatchItem([3, 4, 5], caches[1])]
+        together = model.decoder.forward_full(batch, exact)
+        (alone,) = model.decoder.forward_full(
+            [BatchItem(PROMPT[:50], model.new_cache(128), num_logits=1)], exact
+        )
+        if exact:
+            assert torch.equal(together[0].logits, alone.logits)
+        else:
+            torch.testing.assert_close(together[0].logits, alone.logits, **tolerance)
+    llm = LLM(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for prompt in ([1, *[(3 * i) % 11 + 3 for i in range(40)]], "w5 w6 w7 w5 w6 w7 w5 w6"):
+        plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
+        assert llm.generate(prompt, params).token_ids == plain.token_ids

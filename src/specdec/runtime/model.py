@@ -111,9 +111,9 @@ class NativeDecoder:
         self._fused_cache: dict[tuple[int, ...], tuple | None] = {}
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.device = weights.embed.device
+        self.use_kernel = kernel_available(self.device)
         self.prefill_plan = prefill or self._measure_prefill(quantized)
         self._cos = self._sin = torch.empty(0)
-        self.use_kernel = kernel_available(self.device)
 
     def _measure_prefill(self, quantized: dict) -> PrefillPlan:
         """:func:`~specdec.runtime.prefill.prefill_plan` timed on the first layer's products."""
@@ -136,7 +136,9 @@ class NativeDecoder:
         q8 = [first[name] for name in present] if kernels and all(
             kernels.get(name) == "q8" for name in present
         ) else None  # fmt: skip
-        return prefill_plan(products, heads, self.dtype, self.device, model_key, q8)
+        return prefill_plan(
+            products, heads, self.dtype, self.device, model_key, q8, kernel=self.use_kernel
+        )
 
     def new_cache(self, capacity: int) -> NativeKVCache:
         """An empty cache for one sequence (``capacity`` slots; grows if needed)."""
@@ -423,12 +425,20 @@ class NativeDecoder:
         every layer); ``None`` without the kernels. Attention rows: in exact mode every row after
         a sequence's prefill (the kernel is batch-invariant by construction); in fast mode
         those of sequences with at most :data:`KERNEL_ROWS` new rows (longer chunks are
-        faster as one ``scaled_dot_product_attention``)."""
+        faster as one ``scaled_dot_product_attention``); and prompt chunks where the
+        prefill plan measured the kernel faster
+        (:attr:`~specdec.runtime.prefill.PrefillPlan.kernel_attention_to`; the same call
+        for the same chunk, so the same bits alone or in any batch). ``every``: every row
+        on the kernel and no prompt chunk (a chunk's products are its own, see
+        :func:`_product`, so the fused decoding layers never take one)."""
         if not self.use_kernel:
             return None
         seq, slot, row_seq, n, off, slots, used = [], [], [], [], [], [], 0
         for s, p in enumerate(plans):
-            p.kernel = not p.prefill and (exact or p.length <= KERNEL_ROWS)
+            if p.prefill:
+                p.kernel = self.prefill_plan.kernel_attention(p.length)
+            else:
+                p.kernel = exact or p.length <= KERNEL_ROWS
             seq += [s] * p.length
             slot += range(p.start, p.start + p.length)
             for v in p.visible:
@@ -446,7 +456,7 @@ class NativeDecoder:
             torch.tensor(seq, dtype=torch.long),
             torch.tensor(slot, dtype=torch.long),
             any(p.kernel for p in plans),
-            all(p.kernel for p in plans),
+            all(p.kernel and not p.prefill for p in plans),
             torch.tensor(row_seq, dtype=torch.long),
             torch.tensor(n, dtype=torch.long),
             torch.tensor(off, dtype=torch.long),
@@ -478,7 +488,7 @@ class _KernelRows:
     store_seq: torch.Tensor
     store_slot: torch.Tensor
     rows: bool  # any row's attention runs in the kernel
-    every: bool  # every row's attention runs in the kernel (no prompt chunk)
+    every: bool  # every row's attention runs in the kernel, and no row is a prompt chunk
     row_seq: torch.Tensor
     row_n: torch.Tensor
     row_off: torch.Tensor

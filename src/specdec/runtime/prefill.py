@@ -25,6 +25,15 @@ with AVX-512 VNNI: the kernel at about 170-190 GMAC/s from 8 rows on, against ab
 for oneDNN's bfloat16 product, before expanding the blocks). It is measured the same way
 (:attr:`PrefillPlan.quantized_prefill`) and is again one call per chunk: the same bits
 alone or in any batch.
+
+A chunk's attention has one more candidate, in every dtype: the runtime's own attention
+kernel (:func:`specdec.runtime.kernels.ragged_attention`, the arithmetic of decoding rows:
+each row over its visible keys in position order), in place of
+``scaled_dot_product_attention``. It skips the library's per-call setup and the causal
+mask's padding, so it wins on short and medium chunks and loses on long ones (measured on
+the Zen 4: 0.82 against 1.25 ms at 256 rows, 11.8 against 12.7 ms at 1024, 44 against
+40 ms at 2048, bfloat16). :attr:`PrefillPlan.kernel_attention_to` is the largest measured
+size up to which it wins.
 """
 
 from __future__ import annotations
@@ -64,14 +73,22 @@ class PrefillPlan:
             :data:`PREFILL_ROWS` size, on ``q8`` models only (``False``: the dense product
             from :data:`~specdec.runtime.quant.PREFILL_DENSE_ROWS` rows on).
         times_ms: what was measured, ``{"products" | "attention": {"native" | "float32"
-            (| "quantized"): [ms per PREFILL_ROWS entry]}}`` (for reports; empty when
-            forced).
+            (| "quantized" | "kernel"): [ms per PREFILL_ROWS entry]}}`` (for reports;
+            empty when forced).
+        kernel_attention_to: chunks of at most this many rows compute their attention on
+            the runtime's attention kernel (:func:`~specdec.runtime.kernels.ragged_attention`,
+            each row over its keys as a decoding row is) instead of
+            ``scaled_dot_product_attention``: the largest :data:`PREFILL_ROWS` size at
+            which, and at every smaller one, the kernel was measured faster than the
+            chosen arithmetic by :data:`UPCAST_GAIN` (``None``: never; only where the
+            kernels are compiled).
     """
 
     products_from: int | None = None
     attention_from: int | None = None
     times_ms: dict = field(default_factory=dict)
     quantized_prefill: bool = False
+    kernel_attention_to: int | None = None
 
     def products(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` rows computes its products in float32."""
@@ -80,6 +97,10 @@ class PrefillPlan:
     def attention(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` rows computes its attention in float32."""
         return self.attention_from is not None and rows >= self.attention_from
+
+    def kernel_attention(self, rows: int) -> bool:
+        """Whether a chunk of ``rows`` rows computes its attention on the runtime's kernel."""
+        return self.kernel_attention_to is not None and rows <= self.kernel_attention_to
 
 
 #: Never upcast (float32 models, GPUs, ``SPECDEC_PREFILL_FLOAT32=off``).
@@ -104,6 +125,25 @@ def threshold(native: list[float], upcast: list[float], rows=PREFILL_ROWS) -> in
         else:
             break
     return start
+
+
+def kernel_threshold(library: list[float], kernel: list[float], rows=PREFILL_ROWS) -> int | None:
+    """The largest measured row count at which, and at every smaller measured count, the
+    kernel's attention beats the library's by at least :data:`UPCAST_GAIN` (``None``: not
+    even at the smallest).
+
+    Args:
+        library: milliseconds of ``scaled_dot_product_attention`` in the arithmetic the
+            plan chose for that size, one per ``rows`` entry.
+        kernel: milliseconds of the kernel, one per ``rows`` entry.
+    """
+    end = None
+    for r, a, b in zip(rows, library, kernel, strict=True):
+        if b < (1.0 - UPCAST_GAIN) * a:
+            end = r
+        else:
+            break
+    return end
 
 
 def forced_plan() -> PrefillPlan | None:
@@ -154,18 +194,33 @@ def _run_attention(q: torch.Tensor, kv: torch.Tensor, upcast: bool) -> None:
         attention_fast(q, kv[0], kv[1], CAUSAL, scale)
 
 
+def _run_kernel_attention(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> None:
+    """The runtime's attention kernel over a prompt from an empty cache (row i sees slots
+    0 .. i), as :meth:`~specdec.runtime.model.NativeDecoder.forward_full` calls it."""
+    from specdec.runtime.kernels import ragged_attention
+
+    rows = q.shape[0]
+    ragged_attention(
+        q, [cache], 0, torch.zeros(rows, dtype=torch.long), torch.arange(1, rows + 1),
+        torch.full((rows,), -1, dtype=torch.long), torch.empty(0, dtype=torch.long),
+        q.shape[-1] ** -0.5, out,
+    )  # fmt: skip
+
+
 def measure(
     products: list[tuple[Callable[[torch.Tensor, bool], torch.Tensor], int]],
     heads: tuple[int, int, int],
     dtype: torch.dtype,
     repeats: int = 2,
     quantized: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    kernel: bool = False,
 ) -> PrefillPlan:
     """Time one layer's products and a causal attention at :data:`PREFILL_ROWS` rows, in
     ``dtype`` and in float32 (16-bit models), and choose the thresholds
     (:func:`threshold`); with ``quantized``, also the products on the quantized kernel,
     chosen for every chunk where they beat the chosen dense arithmetic by
-    :data:`UPCAST_GAIN` at every size.
+    :data:`UPCAST_GAIN` at every size; with ``kernel``, also the attention on the runtime's
+    kernel (:func:`kernel_threshold` against the chosen arithmetic).
 
     Args:
         products: ``(prefill, in_features)`` per product of one layer; ``prefill(x,
@@ -173,6 +228,8 @@ def measure(
         heads: ``(query heads, key-value heads, head dim)``.
         dtype: the model's dtype.
         quantized: per product (same order), the quantized kernel's product ``f(x)``.
+        kernel: the compiled kernels are available here (:func:`~specdec.runtime.kernels.
+            kernel_available`).
     """
     gen = torch.Generator().manual_seed(0)
     h, g, d = heads
@@ -184,6 +241,8 @@ def measure(
     }
     if quantized:
         times["products"]["quantized"] = []
+    if kernel:
+        times["attention"]["kernel"] = []
     for rows in PREFILL_ROWS:
         inputs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in products]
         q = torch.randn(rows, h, d, generator=gen).to(dtype)
@@ -194,6 +253,13 @@ def measure(
             )
             times["attention"][name].append(
                 _fastest(lambda u=upcast, q=q, kv=kv: _run_attention(q, kv, u), repeats)
+            )
+        if kernel:
+            cache = torch.zeros(1, 2, g, -(-rows // 64) * 64, d, dtype=dtype)
+            cache[0, :, :, :rows] = kv
+            out = torch.empty(rows, h * d, dtype=dtype)
+            times["attention"]["kernel"].append(
+                _fastest(lambda q=q, c=cache, o=out: _run_kernel_attention(q, c, o), repeats)
             )
         if quantized:
             times["products"]["quantized"].append(
@@ -215,7 +281,15 @@ def measure(
         quantized_prefill = all(
             qt < (1.0 - UPCAST_GAIN) * dt for qt, dt in zip(t["quantized"], dense, strict=True)
         )
-    return PrefillPlan(products_from, attention_from, times, quantized_prefill)
+    kernel_attention_to = None
+    if kernel:
+        a = times["attention"]
+        library = [
+            a["float32"][i] if attention_from is not None and r >= attention_from else n
+            for i, (r, n) in enumerate(zip(PREFILL_ROWS, a["native"], strict=True))
+        ]
+        kernel_attention_to = kernel_threshold(library, a["kernel"])
+    return PrefillPlan(products_from, attention_from, times, quantized_prefill, kernel_attention_to)
 
 
 def prefill_plan(
@@ -225,11 +299,13 @@ def prefill_plan(
     device: torch.device,
     model_key: str,
     quantized: list[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    kernel: bool = False,
 ) -> PrefillPlan:
-    """The :class:`PrefillPlan` for a model: forced by ``SPECDEC_PREFILL_FLOAT32``,
-    :data:`NEVER` off CPU and for float32 models without ``quantized``, else read from
-    the kernel table (:func:`specdec.runtime.linear.kernel_table_path`) or measured now
-    (:func:`measure`, about a second for SmolLM2-135M) and kept there.
+    """The :class:`PrefillPlan` for a model: forced by ``SPECDEC_PREFILL_FLOAT32`` (a
+    forced plan keeps prompt attention on ``scaled_dot_product_attention``), :data:`NEVER`
+    off CPU and for float32 models with neither ``quantized`` nor ``kernel``, else read
+    from the kernel table (:func:`specdec.runtime.linear.kernel_table_path`) or measured
+    now (:func:`measure`, about a second for SmolLM2-135M) and kept there.
 
     Args:
         products: as for :func:`measure` (one layer's).
@@ -238,6 +314,7 @@ def prefill_plan(
         device: where it runs.
         model_key: names the model's shapes (and kernels) in the table.
         quantized: as for :func:`measure` (a ``q8`` model's products), or ``None``.
+        kernel: as for :func:`measure`.
 
     Raises:
         ValueError: a bad ``SPECDEC_PREFILL_FLOAT32``.
@@ -247,14 +324,18 @@ def prefill_plan(
     forced = forced_plan()
     if forced is not None:
         return forced
-    if device.type != "cpu" or (dtype not in (torch.bfloat16, torch.float16) and not quantized):
+    sixteen = dtype in (torch.bfloat16, torch.float16)
+    if device.type != "cpu" or not (sixteen or quantized or kernel):
         return NEVER
-    key = f"prefill|{linear.machine_key(dtype, device)}"
+    # prefill2: plans that also choose the attention kernel (measured again once)
+    key = f"prefill2|{linear.machine_key(dtype, device)}"
     path = linear.kernel_table_path()
     table = linear._read_table(path)
     entries = table.setdefault(key, {})
     if model_key not in entries:
         logger.info("timing prompt chunks in %s and float32 (%s)", dtype, model_key)
-        entries[model_key] = vars(measure(products, heads, dtype, quantized=quantized))
+        entries[model_key] = vars(
+            measure(products, heads, dtype, quantized=quantized, kernel=kernel)
+        )
         linear._write_table(path, table)
     return PrefillPlan(**entries[model_key])
