@@ -434,6 +434,7 @@ def _bench_argv(tmp_path, *extra):
         (["--method", "ngram", "--method", "ngram:k=10"], "same method"),
         (["--limit-per-category", "0"], "must be >= 1"),
         (["--repeat", "0"], "--repeat must be >= 1"),
+        (["--serving", "--serving-rounds", "0"], "--serving-rounds must be >= 1"),
         (["--method", "suffix:max_depth=1"], "max_depth must be an integer >= 2"),
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "--top-p"),

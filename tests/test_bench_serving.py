@@ -3,6 +3,8 @@ vLLM's server beside it (the measurement itself starts real servers; not run her
 
 from __future__ import annotations
 
+import pytest
+
 from specdec.bench.cli import serve_options, serving_config
 from specdec.bench.methods import parse_methods
 from specdec.bench.serving import Level, ServingResult, report_markdown
@@ -52,10 +54,38 @@ def test_report_puts_vllm_beside_speculation_off_and_on():
     ]
     text = report_markdown(ServingResult(levels, 25.0, same, 48, 2, "0.32.0"))
     rows = [line for line in text.splitlines() if line.startswith("| 32 |")]
-    assert rows[0].startswith("| 32 | 60.0 | 66.0 | 1.10x")  # specdec off / on
+    assert rows[0].startswith("| 32 | 60.0 | 66.0 | 1.10x | - |")  # specdec off / on
     assert rows[1] == "| 32 | 120.0 | 0.50x | 0.55x | 100 | 20.0 | 2/2 |"  # vLLM
     assert "| 1 | 10.0 | 2.00x | 3.00x | 100 | 20.0 | 1/2 |" in text
     assert "vLLM 0.32.0's OpenAI server" in text
     # without vLLM: no second table
     alone = report_markdown(ServingResult(levels[:4], 25.0, same, 48, 2))
     assert "vLLM" not in alone
+
+
+def test_levels_run_in_abba_order_and_pool_their_rounds():
+    from specdec.bench.serving import _level as pooled
+    from specdec.bench.serving import abba
+
+    assert abba((False, True), 2) == [False, True, True, False]
+    assert abba((False, True), 3) == [False, True, True, False, False, True]
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        abba((False,), 0)
+    # (text, tokens, ttft s, tpot s, e2e s) per prompt; two rounds of two prompts
+    first = (2.0, [("a", 10, 0.1, 0.01, 0.2), ("b", 30, 0.3, 0.03, 0.6)])
+    second = (6.0, [("a", 10, 0.5, 0.05, 1.0), ("b", 30, 0.7, 0.07, 1.4)])
+    level = pooled([first, second], True, 4)
+    assert level.throughput == 80 / 8.0 and level.round_throughputs == [20.0, 40 / 6.0]
+    assert (level.rounds, level.output_tokens, level.num_requests) == (2, 40, 2)
+    assert level.ttft_ms == pytest.approx(400.0) and level.outputs == ["a", "b"]
+    assert level.repeatable
+    other = (6.0, [("a", 10, 0.5, 0.05, 1.0), ("c", 30, 0.7, 0.07, 1.4)])
+    assert not pooled([first, other], True, 4).repeatable
+    on = Level(True, 4, 2, 40, 8.0, 10.0, 1.0, 1.0, 1.0, 1.0, ["a", "b"], "specdec", 2,
+               [22.0, 6.0], False)  # fmt: skip
+    off = Level(False, 4, 2, 40, 8.0, 10.0, 1.0, 1.0, 1.0, 1.0, ["a", "b"], "specdec", 2,
+                [20.0, 6.0])  # fmt: skip
+    text = report_markdown(ServingResult([off, on], 25.0, ["a", "b"], 48, 2))
+    assert "Each level ran 2 times" in text
+    assert "| 4 | 10.0 | 10.0 | 1.00x | 1.10x, 1.00x |" in text
+    assert "2/2 (a round differed) |" in text

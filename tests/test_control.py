@@ -1196,6 +1196,32 @@ def test_cost_drafts_whole_cheap_deterministic_proposals_or_none():
     assert [bad.choose(view) for _ in range(3)] == [0, 0, 0]  # 1 token for 1.5x: off
 
 
+def test_cost_new_requests_know_a_shared_drafter_is_deterministic():
+    """Once a request of a drafter has drafted deterministically, a new request of the
+    same drafter takes the whole-proposal path from its first step: with the shared
+    goodput of never-accepted drafts, it starts off (no search over lengths), and an
+    isolated request still learns on its own."""
+    from specdec.control import controllers
+
+    controller = CostController()
+    view = StepView(MAX_K, frozen_cost())
+    first = controller.start(info())
+    assert not first.deterministic
+    for _ in range(30):
+        k = first.choose(view)
+        first.observe(StepOutcome(k=k, num_drafted=min(k, 5), num_accepted=0, num_emitted=1,
+                                  deterministic=True))  # fmt: skip
+    searched = []
+    real = controllers.best_length
+    controllers.best_length = lambda *a, **kw: searched.append(1) or real(*a, **kw)
+    try:
+        second = controller.start(info())
+        assert second.deterministic and second.choose(view) == 0 and not searched
+    finally:
+        controllers.best_length = real
+    assert not controller.start(info(isolated=True)).deterministic
+
+
 def test_cost_whole_proposals_pay_for_their_rows_in_a_batch():
     """SmartSpec's batch goodput for whole proposals: 2 tokens per speculating step for 5
     draft rows pays alone (and beside few sequences), but not beside 31 others in a

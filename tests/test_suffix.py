@@ -145,6 +145,26 @@ def test_draft_length_is_capped_by_the_match_length():
         assert state.propose(text, 10, GENERATOR).token_ids == expected
 
 
+def test_a_sequence_builds_its_tree_when_it_first_drafts():
+    """The prompt goes into the sequence's tree at its first match, not at start (a
+    request that never drafts never pays for it); the tree is then the tree of every
+    committed token, as if built token by token."""
+    prompt = [5, 6, 7, 5, 6, 8, 5, 6]
+    state = SuffixDrafter(SuffixOptions(global_cache=False)).start(prompt, SamplingParams())
+    assert state.tree.num_nodes == 1  # nothing inserted yet
+    tokens = [*prompt, 7, 5]
+    assert state.propose(tokens, 4, GENERATOR).token_ids[0] == 6  # "7 5" went on with 6
+    eager = SuffixTree(SuffixOptions().max_depth)
+    eager.extend("self", tokens)
+    assert state.tree.num_nodes == eager.num_nodes and state.tokens == tokens
+    assert state.tree.count([5, 6]) == eager.count([5, 6]) == 3
+    more = [*tokens, 6, 7]
+    state.propose(more, 4, GENERATOR)
+    eager.extend("self", [6, 7])
+    assert state.tree.num_nodes == eager.num_nodes
+    assert state.tree.count([6, 7]) == eager.count([6, 7]) == 3
+
+
 def test_global_cache_drafts_from_earlier_outputs_and_evicts_lru():
     drafter = SuffixDrafter(SuffixOptions(max_cached_requests=2))
     prompt = [1, 2]

@@ -152,6 +152,14 @@ def add_parser(sub) -> None:
         "serving.{json,md,png} with --out",
     )
     p.add_argument(
+        "--serving-rounds",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with --serving: how many times each level runs (speculation off, on, on, off, "
+        "...; vLLM's N times back to back), pooled (default: 2)",
+    )
+    p.add_argument(
         "--controller",
         default="fixed",
         metavar="NAME[:OPTS]",
@@ -180,6 +188,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit-per-category must be >= 1, got {args.limit_per_category}")
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.serving_rounds < 1:
+        raise ValueError(f"--serving-rounds must be >= 1, got {args.serving_rounds}")
     out_dir = _check_out_dir(args.out) if args.out else None
     greedy = SamplingParams(max_new_tokens=params.max_new_tokens, seed=params.seed)
     if (args.forward_cost or args.serving) and params != greedy:
@@ -403,8 +413,9 @@ def _serving(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
             return holder["llm"]
 
         result = run_serving(
-            serve_args, make_llm, prompts, args.max_new_tokens, progress=bar.update
-        )
+            serve_args, make_llm, prompts, args.max_new_tokens, progress=bar.update,
+            rounds=args.serving_rounds,
+        )  # fmt: skip
         env = environment(holder["llm"])
         env["speculative"] = str(speculative)
         if vllm_python:
@@ -413,7 +424,7 @@ def _serving(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
             del target  # its memory, before vLLM preallocates its own
             result.levels += run_vllm_serving(
                 vllm_python, model, dtype, threads, prompts, args.max_new_tokens,
-                progress=bar.update,
+                progress=bar.update, rounds=args.serving_rounds,
             )  # fmt: skip
             result.vllm_version = vllm_version
     print(report_markdown(result))

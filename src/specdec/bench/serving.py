@@ -7,7 +7,9 @@ asyncio ``httpx`` streams of ``/v1/chat/completions`` (greedy,
 For each concurrency c, the same prompts are sent by c concurrent clients, each taking the
 next prompt when its previous one finishes; speculation off and on run back to back at each
 level (off 1, on 1, off 2, on 2, ...), so a change in the machine's speed during the run
-hits both alike. Measured per request: time to first token
+hits both alike; each level runs ``rounds`` times (default 2) in ABBA order (off, on,
+on, off: a linear drift of the machine's speed cancels out), and its figures pool every
+round. Measured per request: time to first token
 (TTFT: first non-empty content chunk), time per output token after the first (TPOT =
 (end - first token) / (tokens - 1), vLLM's definition), end-to-end latency; per level:
 output tokens per second over the wall time of the level. Speculation is switched per
@@ -55,8 +57,13 @@ class Level:
         num_requests, output_tokens, wall_s: what ran.
         throughput: output tokens per second over the level's wall time.
         ttft_ms, tpot_ms, e2e_ms: medians over requests (and p90 of TTFT).
-        outputs: each prompt's text, in prompt order.
+        outputs: each prompt's text, in prompt order (the first round's).
         server: ``"specdec"`` or ``"vllm"``.
+        rounds: how many times the level ran (its figures pool them all: throughput is
+            every round's tokens over every round's wall time, medians are over every
+            request of every round).
+        round_throughputs: each round's output tokens per second.
+        repeatable: every round gave the same outputs.
     """
 
     speculative: bool
@@ -71,6 +78,9 @@ class Level:
     e2e_ms: float
     outputs: list[str] = field(repr=False)
     server: str = "specdec"
+    rounds: int = 1
+    round_throughputs: list[float] = field(default_factory=list)
+    repeatable: bool = True
 
 
 @dataclass
@@ -90,6 +100,7 @@ def run_serving(
     max_new_tokens: int,
     concurrency: tuple[int, ...] = CONCURRENCY,
     progress=None,
+    rounds: int = 2,
 ) -> ServingResult:
     """Measure the server on ``prompts`` (see the module docstring).
 
@@ -98,13 +109,15 @@ def run_serving(
             and served model name are added here.
         make_llm: builds the same model in this process, for the in-process measurement
             (called after the server has exited).
+        rounds: times each level runs (ABBA order, pooled), >= 1.
     """
     port = _free_port()
     command = [sys.executable, "-m", "specdec.cli", "serve", *serve_args, "--port", str(port),
                "--served-model-name", "bench"]  # fmt: skip
     levels = _measure_server(
-        command, None, port, prompts, max_new_tokens, concurrency, (False, True), progress
-    )
+        command, None, port, prompts, max_new_tokens, concurrency, (False, True), progress,
+        rounds=rounds,
+    )  # fmt: skip
     llm = make_llm()
     params = SamplingParams(max_new_tokens=max_new_tokens)
     llm.generate(prompts[0], SamplingParams(max_new_tokens=8))  # the same warm-up
@@ -128,10 +141,11 @@ def run_vllm_serving(
     max_new_tokens: int,
     concurrency: tuple[int, ...] = CONCURRENCY,
     progress=None,
+    rounds: int = 2,
 ) -> list[Level]:
     """Measure vLLM's OpenAI server on the same prompts and levels (``server="vllm"``,
     ``speculative=False``: plain decoding, vLLM's default; prefix cache off, see the
-    module's note).
+    module's note), each level ``rounds`` times back to back, pooled.
 
     Args:
         python: the interpreter of vLLM's environment.
@@ -156,7 +170,7 @@ def run_vllm_serving(
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus[:threads])))
     levels = _measure_server(
         command, env, port, prompts, max_new_tokens, concurrency, (False,), progress,
-        extension=False,
+        extension=False, rounds=rounds,
     )  # fmt: skip
     for level in levels:
         level.server = "vllm"
@@ -167,12 +181,36 @@ def run_vllm_serving(
 VLLM_SERVING_KV_GIB = 4
 
 
+def abba(modes: tuple[bool, ...], rounds: int) -> list[bool]:
+    """The order of one level's runs: ``modes``, then reversed, and so on ``rounds`` times
+    (ABBA for two modes and two rounds: a linear drift of the machine's speed hits both
+    modes alike).
+
+    Example:
+        >>> abba((False, True), 2), abba((False,), 3)
+        ([False, True, True, False], [False, False, False])
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    return [m for r in range(rounds) for m in (modes if r % 2 == 0 else modes[::-1])]
+
+
 def _measure_server(
-    command, env, port, prompts, max_new_tokens, concurrency, modes, progress, extension=True
+    command,
+    env,
+    port,
+    prompts,
+    max_new_tokens,
+    concurrency,
+    modes,
+    progress,
+    extension=True,
+    rounds=1,
 ) -> list[Level]:
     """Start ``command`` (a server on ``port``), wait for ``/health``, warm it up, run
-    every (mode, concurrency) level, stop it. ``extension``: the requests may carry
-    specdec's ``speculative`` field (a vLLM server gets plain OpenAI requests)."""
+    every (mode, concurrency) level ``rounds`` times (:func:`abba`), stop it.
+    ``extension``: the requests may carry specdec's ``speculative`` field (a vLLM server
+    gets plain OpenAI requests)."""
     import httpx
 
     # the log goes to a file, not a pipe: a chatty server would fill a pipe and block
@@ -200,10 +238,13 @@ def _measure_server(
             url = f"{base}/v1/chat/completions"
             asyncio.run(_warmup(url, prompts[0], extension))
             for c in concurrency:  # off and on alternate: drift hits both alike
-                for speculative in modes:
-                    levels.append(
-                        asyncio.run(_level(url, prompts, max_new_tokens, c, speculative, extension))
+                runs: dict[bool, list] = {m: [] for m in modes}
+                for speculative in abba(modes, rounds):
+                    runs[speculative].append(
+                        asyncio.run(_run(url, prompts, max_new_tokens, c, speculative, extension))
                     )
+                for speculative in modes:
+                    levels.append(_level(runs[speculative], speculative, c))
                     if progress:
                         progress()
         finally:
@@ -245,7 +286,8 @@ def _body(
     return body
 
 
-async def _level(url, prompts, max_tokens, concurrency, speculative, extension=True) -> Level:
+async def _run(url, prompts, max_tokens, concurrency, speculative, extension=True):
+    """One run of a level: ``(wall s, per prompt (text, tokens, ttft, tpot, e2e))``."""
     import httpx
 
     pending = list(enumerate(prompts))
@@ -262,22 +304,32 @@ async def _level(url, prompts, max_tokens, concurrency, speculative, extension=T
     async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
     wall = time.perf_counter() - start
-    ordered = [results[i] for i in range(len(prompts))]
-    tokens = sum(r[1] for r in ordered)
-    ttft = [r[2] * 1e3 for r in ordered if r[2] is not None]
-    tpot = [r[3] * 1e3 for r in ordered if r[3] is not None]
+    return wall, [results[i] for i in range(len(prompts))]
+
+
+def _level(runs: list[tuple[float, list]], speculative: bool, concurrency: int) -> Level:
+    """One level's figures, pooled over its runs (see :class:`Level`)."""
+    wall = sum(w for w, _ in runs)
+    requests = [r for _, ordered in runs for r in ordered]
+    tokens = sum(r[1] for r in requests)
+    ttft = [r[2] * 1e3 for r in requests if r[2] is not None]
+    tpot = [r[3] * 1e3 for r in requests if r[3] is not None]
+    first = [r[0] for r in runs[0][1]]
     return Level(
         speculative=speculative,
         concurrency=concurrency,
-        num_requests=len(prompts),
-        output_tokens=tokens,
+        num_requests=len(runs[0][1]),
+        output_tokens=tokens // len(runs),
         wall_s=wall,
         throughput=tokens / wall,
         ttft_ms=statistics.median(ttft),
         ttft_p90_ms=_quantile(ttft, 0.9),
         tpot_ms=statistics.median(tpot) if tpot else 0.0,
-        e2e_ms=statistics.median(r[4] * 1e3 for r in ordered),
-        outputs=[r[0] for r in ordered],
+        e2e_ms=statistics.median(r[4] * 1e3 for r in requests),
+        outputs=first,
+        rounds=len(runs),
+        round_throughputs=[sum(r[1] for r in ordered) / w for w, ordered in runs],
+        repeatable=all([r[0] for r in ordered] == first for _, ordered in runs),
     )
 
 
@@ -319,18 +371,36 @@ def report_markdown(result: ServingResult) -> str:
     off = {lv.concurrency: lv for lv in own if not lv.speculative}
     on = {lv.concurrency: lv for lv in own if lv.speculative}
     vllm = {lv.concurrency: lv for lv in result.levels if lv.server == "vllm"}
-    lines = [
-        "| concurrency | tokens/s off | tokens/s on | on / off | TTFT ms off / on (median) "
-        "| TPOT ms off / on (median) | e2e ms off / on (median) | identical |",
-        "|---|---|---|---|---|---|---|---|",
+    rounds = max((lv.rounds for lv in result.levels), default=1)
+    lines = []
+    if rounds > 1:
+        lines += [
+            f"Each level ran {rounds} times (speculation off, on, on, off, ...: a steady "
+            "drift of the machine's speed hits both alike); its figures pool the rounds, "
+            "and `on / off by round` pairs round i of each.",
+            "",
+        ]
+    lines += [
+        "| concurrency | tokens/s off | tokens/s on | on / off | on / off by round "
+        "| TTFT ms off / on (median) | TPOT ms off / on (median) | e2e ms off / on (median) "
+        "| identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in sorted(off):
         a, b = off[c], on[c]
         same = sum(x == y for x, y in zip(a.outputs, b.outputs, strict=True))
+        by_round = (
+            ", ".join(
+                f"{y / x:.2f}x"
+                for x, y in zip(a.round_throughputs, b.round_throughputs, strict=True)
+            )
+            or "-"
+        )
+        repeat = "" if a.repeatable and b.repeatable else " (a round differed)"
         lines.append(
             f"| {c} | {a.throughput:.1f} | {b.throughput:.1f} | {b.throughput / a.throughput:.2f}x "
-            f"| {a.ttft_ms:.0f} / {b.ttft_ms:.0f} | {a.tpot_ms:.1f} / {b.tpot_ms:.1f} "
-            f"| {a.e2e_ms:.0f} / {b.e2e_ms:.0f} | {same}/{len(a.outputs)} |"
+            f"| {by_round} | {a.ttft_ms:.0f} / {b.ttft_ms:.0f} | {a.tpot_ms:.1f} / {b.tpot_ms:.1f} "
+            f"| {a.e2e_ms:.0f} / {b.e2e_ms:.0f} | {same}/{len(a.outputs)}{repeat} |"
         )
     server_1 = on[min(on)].throughput if on else 0.0
     same_in_process = sum(

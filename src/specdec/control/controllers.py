@@ -467,7 +467,10 @@ class CostControl:
             scale = min(1.0, 2.0 / g.steps)
             self.goodput.tokens, self.goodput.seconds = g.tokens * scale, g.seconds * scale
             self.goodput.steps, self.goodput.rows = g.steps * scale, g.rows * scale
-        self.deterministic = False  # its drafts carry no distribution
+        # its drafts carry no distribution (known from the start when another request of
+        # the same drafter has drafted: a new request then takes the whole-proposal path
+        # at once, a comparison of two goodputs instead of a search over lengths)
+        self.deterministic = bool(shared.get("deterministic")) if shared is not None else False
         # what the last probe cost beyond a plain step (relative; measured, so never for
         # isolated requests, whose choices must not depend on timing)
         self.probe_extra = shared.get("probe_extra", 0.0) if shared is not None else 0.0
@@ -575,6 +578,8 @@ class CostControl:
         if not drafted:  # a step without a draft says nothing about acceptance
             return
         self.deterministic = outcome.deterministic
+        if self.shared is not None:
+            self.shared["deterministic"] = outcome.deterministic
         self.estimator.update(drafted, outcome.num_accepted)
         view = self._view
         if self.shared is not None:

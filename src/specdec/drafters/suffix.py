@@ -284,7 +284,13 @@ class SuffixDrafter(DrafterBase):
 
 
 class SuffixSequence(DrafterBase):
-    """One sequence: its suffix tree over prompt + output (extended as tokens commit)."""
+    """One sequence: its suffix tree over prompt + output (extended as tokens commit).
+
+    The tree is built when the sequence first drafts, not when it starts: a request whose
+    controller keeps speculation off (a large batch, where drafts do not pay) never pays
+    for inserting its prompt (about 30 us per prompt token at depth 24 in CPython). What
+    a draft sees is the same either way: every committed token is in the tree before a
+    match."""
 
     def __init__(
         self, drafter: SuffixDrafter, prompt_ids: Sequence[int], read_cache: bool = True
@@ -294,15 +300,17 @@ class SuffixSequence(DrafterBase):
         self.read_cache = read_cache
         self.tree = SuffixTree(self.options.max_depth)
         self.num_prompt = len(prompt_ids)
-        self.tokens: list[int] = []
-        self._sync(prompt_ids)
+        self.tokens: list[int] = [int(t) for t in prompt_ids]
+        self._inserted = 0  # tokens[:_inserted] are in the tree
 
     def _sync(self, token_ids: Sequence[int]) -> None:
-        """Insert the committed tokens not yet in the tree (tokens only ever get added)."""
+        """Record the committed tokens not seen yet (tokens only ever get added), and
+        insert every recorded token not yet in the tree."""
         if len(token_ids) > len(self.tokens):
-            new = [int(t) for t in token_ids[len(self.tokens) :]]
-            self.tree.extend("self", new)
-            self.tokens.extend(new)
+            self.tokens.extend(int(t) for t in token_ids[len(self.tokens) :])
+        if self._inserted < len(self.tokens):
+            self.tree.extend("self", self.tokens[self._inserted :])
+            self._inserted = len(self.tokens)
 
     def match(self, token_ids: Sequence[int], max_tokens: int) -> Match | None:
         """The best place to continue from, over both trees and every match length."""
