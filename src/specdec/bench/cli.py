@@ -490,4 +490,7 @@ def environment(llm: LLM | None) -> dict:
             exact=getattr(llm.target, "exact", False),
             quantization=getattr(llm.target, "quantization", "none"),
         )
+        kernels = getattr(getattr(llm.target, "decoder", None), "quant_kernels", None) or {}
+        if kernels:  # which product kernel ran the quantized weights (fma, amx, q8)
+            facts["quant_kernel"] = ",".join(sorted(set(kernels.values())))
     return facts
