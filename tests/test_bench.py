@@ -220,6 +220,14 @@ def test_report_files(tmp_path):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_notes_that_hf_methods_compare_arithmetics_too():
+    from specdec.bench.report import hf_note
+
+    records = [_record("ar", "p1", 10, 2.0), _record("hf-prompt-lookup:k=10", "p1", 10, 1.0)]
+    assert "--backend hf --quantization none" in hf_note(summarize(records, "ar"))
+    assert hf_note(summarize(records[:1], "ar")) == ""
+
+
 # ---------------------------------------------------------------- tiny end-to-end
 
 

@@ -445,7 +445,10 @@ def _print_metrics(
                 f"speculation off          {m.num_steps_off} of {choices} steps "
                 "(the controller chose k = 0)"
             )
-        print(f"chosen k histogram       {chosen} (k:steps; a drafter may propose fewer, or none)")
+        print(
+            f"chosen k histogram       {chosen} (k:steps; k is capped by the tokens left, "
+            "steps with none left to draft are not counted; a drafter may propose fewer)"
+        )
     print(f"time                     {m.elapsed_s:.2f} s ({m.tokens_per_s:.1f} tokens/s)")
     if baseline is None:
         return

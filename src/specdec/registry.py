@@ -649,7 +649,8 @@ def _register_controllers() -> None:
     for entry in (
         ControllerEntry(
             "fixed", c.FixedOptions, c.FixedController,
-            "every step drafts the configured k (reproducible benchmarks)",
+            "every step drafts the configured k, capped by the tokens left to generate "
+            "(reproducible benchmarks)",
         ),
         ControllerEntry(
             "heuristic", c.HeuristicOptions, c.HeuristicController,

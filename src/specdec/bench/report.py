@@ -194,7 +194,8 @@ def markdown_tables(summary: dict[str, dict[str, Summary]], baseline: str) -> st
                 ),
             ),
             table(
-                "Speculation controller: steps with speculation off / mean chosen k",
+                "Speculation controller: steps with speculation off / mean chosen k "
+                "(capped by the tokens left)",
                 lambda s: (
                     "-" if s.off_share is None else f"{s.off_share:.0%} / {s.mean_chosen_k:.1f}"
                 ),
@@ -203,9 +204,26 @@ def markdown_tables(summary: dict[str, dict[str, Summary]], baseline: str) -> st
                 f"Outputs identical to {baseline} (greedy)",
                 lambda s: "-" if s.num_identical is None else f"{s.num_identical}/{s.num_turns}",
             ),
+            hf_note(summary),
             peer_tables(summary, table),
             per_position_table(summary),
         ]
+    )
+
+
+def hf_note(summary: dict[str, dict[str, Summary]]) -> str:
+    """A note when a transformers method (``hf-*``) ran: it computes with transformers'
+    arithmetic on the model's dense weights, so against a baseline on another backend or
+    weights its speed and identity measure the arithmetic too ('' without one)."""
+    if not any(m.startswith("hf-") for m in summary):
+        return ""
+    return (
+        "The `hf-*` methods run transformers' `generate` on the model's dense weights. "
+        "Against a baseline on the native runtime or on a GGUF's blocks, their speedup and "
+        "identity compare two arithmetics as well as two ways of speculating (a near-tie "
+        "can flip, an end-of-sequence token can come earlier or later). To compare the "
+        "speculation alone, run `--backend hf --quantization none` (what `make bench` "
+        "does).\n\n"
     )
 
 

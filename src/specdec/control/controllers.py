@@ -108,7 +108,8 @@ class AcceptanceEstimator:
 
 @dataclass(frozen=True)
 class FixedOptions:
-    """``fixed`` takes no options: every step drafts the configured k."""
+    """``fixed`` takes no options: every step drafts the configured k (capped by the
+    tokens left to generate, as for every controller)."""
 
 
 class FixedControl:
