@@ -31,7 +31,7 @@ kernel (:func:`specdec.runtime.kernels.ragged_attention`, the arithmetic of deco
 each row over its visible keys in position order), in place of
 ``scaled_dot_product_attention``. It skips the library's per-call setup and the causal
 mask's padding, so it wins on short and medium chunks and loses on long ones (measured on
-the Zen 4: 0.82 against 1.25 ms at 256 rows, 11.8 against 12.7 ms at 1024, 44 against
+the Zen 4: 0.65 against 1.07 ms at 256 rows, 9.8 against 12.6 ms at 1024, 44 against
 40 ms at 2048, bfloat16). :attr:`PrefillPlan.kernel_attention_to` is the largest measured
 size up to which it wins.
 """
@@ -118,13 +118,28 @@ def threshold(native: list[float], upcast: list[float], rows=PREFILL_ROWS) -> in
         native: milliseconds in the model's dtype, one per ``rows`` entry.
         upcast: milliseconds in float32, one per ``rows`` entry.
     """
-    start = None
-    for r, a, b in reversed(list(zip(rows, native, upcast, strict=True))):
+    return _winning_run(reversed(list(zip(rows, native, upcast, strict=True))))
+
+
+def _winning_run(sizes) -> int | None:
+    """The last size of the leading run of ``(size, slower ms, faster ms)`` where the
+    faster one wins by at least :data:`UPCAST_GAIN` (``None``: not at the first)."""
+    last = None
+    for r, a, b in sizes:
         if b < (1.0 - UPCAST_GAIN) * a:
-            start = r
+            last = r
         else:
             break
-    return start
+    return last
+
+
+def _chosen(times: dict[str, list[float]], upcast_from: int | None) -> list[float]:
+    """Per :data:`PREFILL_ROWS` size, the time of the arithmetic a threshold chose there
+    (float32 from ``upcast_from`` rows on, else the model's dtype)."""
+    return [
+        times["float32"][i] if upcast_from is not None and r >= upcast_from else n
+        for i, (r, n) in enumerate(zip(PREFILL_ROWS, times["native"], strict=True))
+    ]
 
 
 def kernel_threshold(library: list[float], kernel: list[float], rows=PREFILL_ROWS) -> int | None:
@@ -137,13 +152,7 @@ def kernel_threshold(library: list[float], kernel: list[float], rows=PREFILL_ROW
             plan chose for that size, one per ``rows`` entry.
         kernel: milliseconds of the kernel, one per ``rows`` entry.
     """
-    end = None
-    for r, a, b in zip(rows, library, kernel, strict=True):
-        if b < (1.0 - UPCAST_GAIN) * a:
-            end = r
-        else:
-            break
-    return end
+    return _winning_run(zip(rows, library, kernel, strict=True))
 
 
 def forced_plan() -> PrefillPlan | None:
@@ -274,21 +283,14 @@ def measure(
     )
     quantized_prefill = False
     if quantized:
-        dense = [
-            t["float32"][i] if products_from is not None and r >= products_from else n
-            for i, (r, n) in enumerate(zip(PREFILL_ROWS, t["native"], strict=True))
-        ]
+        dense = _chosen(t, products_from)
         quantized_prefill = all(
             qt < (1.0 - UPCAST_GAIN) * dt for qt, dt in zip(t["quantized"], dense, strict=True)
         )
     kernel_attention_to = None
     if kernel:
         a = times["attention"]
-        library = [
-            a["float32"][i] if attention_from is not None and r >= attention_from else n
-            for i, (r, n) in enumerate(zip(PREFILL_ROWS, a["native"], strict=True))
-        ]
-        kernel_attention_to = kernel_threshold(library, a["kernel"])
+        kernel_attention_to = kernel_threshold(_chosen(a, attention_from), a["kernel"])
     return PrefillPlan(products_from, attention_from, times, quantized_prefill, kernel_attention_to)
 
 
