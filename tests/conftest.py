@@ -13,6 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from specdec.models.hf import HFModel
 
 NUM_WORDS = 29  # + 3 special tokens = 32 real tokens
+#: Where the tests' models live: ``SPECDEC_TEST_DEVICE=cuda`` runs the suite's models on a
+#: GPU (``benchmarks/gpu_check.sh``); CPU otherwise.
+TEST_DEVICE = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cpu"))
 
 
 def pytest_configure(config):
@@ -52,8 +55,10 @@ def make_model(
     max_positions: int = 128,
     init_std: float = 0.3,
     name: str = "tiny",
+    device: torch.device | str = TEST_DEVICE,
 ) -> HFModel:
-    """A random Llama; ``vocab_size`` > len(tokenizer) gives a padded embedding matrix.
+    """A random Llama on ``device``; ``vocab_size`` > len(tokenizer) gives a padded
+    embedding matrix.
 
     ``init_std`` is large so next-token distributions are peaked, like a trained model's.
     """
@@ -72,7 +77,7 @@ def make_model(
         pad_token_id=0,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval().to(device)
     return HFModel(model, tokenizer, name=name)
 
 
@@ -131,14 +136,14 @@ def perturbed_copy(
     with torch.no_grad():
         source = model.model.state_dict()
         for key, tensor in copy.state_dict().items():
-            src = source[key]
+            src = source[key].cpu()
             if src.shape != tensor.shape:  # padded vocabulary rows
                 tensor.normal_(0, 0.3, generator=generator)
                 tensor[: src.shape[0]] = src
             else:
                 tensor.copy_(src)
             tensor.add_(noise * torch.randn(tensor.shape, generator=generator))
-    return HFModel(copy, model.tokenizer, name=name)
+    return HFModel(copy.to(TEST_DEVICE), model.tokenizer, name=name)
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ TREES = ("dynamic:top_k=2,depth=4,budget=8", "static:tree-8", "sequoia:budget=8,
 
 def hf_greedy(model: HFModel, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Independent oracle: transformers' own greedy generate (no EOS stop)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.model.device)
     out = model.model.generate(
         ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )

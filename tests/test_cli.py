@@ -7,7 +7,9 @@ import json
 import sys
 
 import pytest
+import torch
 
+from specdec import LLM
 from specdec.cli import main
 
 #: With the seed-0 tiny model this prompt gives 20 greedy tokens with no EOS and a repeating
@@ -312,6 +314,17 @@ def test_stdin_prompt_differs_from_literal_dash(capsys, model_dir, monkeypatch):
 def test_unavailable_cuda_is_a_clear_error_without_loading(capsys, model_dir):
     code, _, err = run_cli(capsys, "generate", PROMPT, "--model", model_dir, "--device", "cuda")
     assert code == 2 and "CUDA is not available" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_unavailable_draft_device_is_a_clear_error_without_loading(capsys, model_dir):
+    code, _, err = run_cli(
+        capsys, "generate", PROMPT, "--model", model_dir, "--draft-model", model_dir,
+        "--draft-device", "cuda",
+    )  # fmt: skip
+    assert code == 2 and "CUDA is not available" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="invalid device"):
+        LLM(model_dir, draft=model_dir, draft_device="gpu0")
 
 
 def test_draft_model_option_implies_draft_model_drafter(capsys, model_dir):

@@ -19,7 +19,7 @@ PROMPTS = [[1, 5, 6, 7, 8, 5, 6], [1, 20, 21, 22, 23, 24, 20, 21, 22], [1, 9]]
 
 def hf_greedy(model: HFModel, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Independent oracle: transformers' own greedy generate (no EOS stop)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.model.device)
     out = model.model.generate(
         ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )
@@ -345,7 +345,8 @@ def test_padded_draft_never_proposes_padding_ids(target, padded_draft):
     sequence = drafter.start(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=20))
     proposal = sequence.propose(PROMPTS[0], 4, make_generator(0))
     assert proposal.draft_probs.shape == (4, target.vocab_size)
-    torch.testing.assert_close(proposal.draft_probs.sum(-1), torch.ones(4))
+    ones = torch.ones(4, device=proposal.draft_probs.device)
+    torch.testing.assert_close(proposal.draft_probs.sum(-1), ones)
     assert all(t < len(target.tokenizer) for t in proposal.token_ids)
 
 

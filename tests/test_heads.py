@@ -94,12 +94,16 @@ def smooth(tokenizer):
 @pytest.fixture(scope="session")
 def heads(tmp_path_factory, tokenizer):
     """Head folders per (model, kind) for the conformance targets (``target``: the
-    ``tiny-target`` weights, ``small``: the 8-token model)."""
+    ``tiny-target`` weights, ``small``: the 8-token model), trained on the CPU as
+    ``specdec train-head`` does (the suite's models may be on a GPU: the heads then load
+    there)."""
     root = tmp_path_factory.mktemp("heads")
     small_tok = make_tokenizer(num_words=5)
     models = {
-        "target": make_model(tokenizer, seed=0, name="tiny-target"),
-        "small": make_model(small_tok, seed=0, hidden_size=16, num_layers=1, init_std=0.2),
+        "target": make_model(tokenizer, seed=0, name="tiny-target", device="cpu"),
+        "small": make_model(
+            small_tok, seed=0, hidden_size=16, num_layers=1, init_std=0.2, device="cpu"
+        ),
     }
     out = {}
     for name, model in models.items():

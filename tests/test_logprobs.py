@@ -63,7 +63,7 @@ def test_values_are_the_targets_raw_distribution_teacher_forced(target):
         ignore_eos=True,
     )  # fmt: skip
     out = llm.generate(PROMPTS[1], params)
-    ids = torch.tensor([PROMPTS[1] + out.token_ids])
+    ids = torch.tensor([PROMPTS[1] + out.token_ids], device=target.model.device)
     with torch.no_grad():
         logits = target.model(ids).logits[0, len(PROMPTS[1]) - 1 : -1]
     logp = torch.log_softmax(logits.float(), -1)
@@ -120,7 +120,7 @@ def test_token_logprobs_checks_its_rows():
 
 def _teacher_forced(target, ids):
     with torch.no_grad():
-        logits = target.model(torch.tensor([ids])).logits[0]
+        logits = target.model(torch.tensor([ids], device=target.model.device)).logits[0]
     return torch.log_softmax(logits.float(), -1)
 
 

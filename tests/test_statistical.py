@@ -84,7 +84,7 @@ def _lossy_rejection_sample(draft_token_ids, draft_probs, target_probs, generato
     for i in range(k):
         token = int(draft_token_ids[i])
         draft_p = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        if float(torch.rand(1, generator=generator)) >= min(
+        if float(torch.rand(1, generator=generator, device=generator.device)) >= min(
             1.0, float(target_probs[i, token]) / draft_p
         ):
             recovered = int(sample(target_probs[i : i + 1], generator))

@@ -398,7 +398,8 @@ def test_the_transforms_change_greedy_output(target):
 def test_plain_greedy_repetition_penalty_matches_transformers(target):
     prompt = PROMPTS[0]
     want = target.model.generate(
-        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, repetition_penalty=1.6,
+        torch.tensor([prompt], device=target.model.device), max_new_tokens=20, do_sample=False,
+        repetition_penalty=1.6,
         eos_token_id=None, pad_token_id=0,
     )[0, len(prompt):].tolist()  # fmt: skip
     params = SamplingParams(max_new_tokens=20, repetition_penalty=1.6, ignore_eos=True)

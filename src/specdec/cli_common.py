@@ -226,7 +226,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         help="dtype of --draft-model (default: --dtype); int8-dynamic quantizes its "
         "decoder linear layers to int8 (CPU)",
     )
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    add_device_args(parser)
     parser.add_argument(
         "--backend",
         default=DEFAULT_BACKEND,
@@ -244,6 +244,16 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
     )
     add_quantization_arg(parser)
     add_threads_arg(parser)
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--draft-device``."""
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--draft-device",
+        default=None,
+        help="torch device of --draft-model (default: --device), e.g. cpu beside a cuda target",
+    )
 
 
 def add_quantization_arg(
@@ -379,7 +389,8 @@ def parse_logit_bias(items: list[str]) -> dict[int, float]:
 
 def llm_from_args(args: argparse.Namespace, speculative: SpeculativeConfig, **kwargs):
     """An :class:`~specdec.LLM` for ``--model`` with the model options (``--dtype``,
-    ``--device``, ``--draft-dtype``, ``--backend``, ``--exact``); ``kwargs`` go to ``LLM``."""
+    ``--device``, ``--draft-dtype``, ``--draft-device``, ``--backend``, ``--exact``);
+    ``kwargs`` go to ``LLM``."""
     from specdec.llm import LLM
 
     return LLM(
@@ -388,6 +399,7 @@ def llm_from_args(args: argparse.Namespace, speculative: SpeculativeConfig, **kw
         dtype=args.dtype,
         device=args.device,
         draft_dtype=args.draft_dtype,
+        draft_device=args.draft_device,
         backend=args.backend,
         exact=args.exact,
         quantization=args.quantization,

@@ -28,6 +28,7 @@ from specdec.models.loading import (
     INT8_DYNAMIC,
     check_quantization,
     load,
+    parse_device,
 )
 from specdec.sampling import NoAllowedToken, TokenLogprob, make_generator
 from specdec.structured import GrammarCompiler, GrammarState
@@ -162,6 +163,10 @@ class LLM:
         exact: native backend: batch-invariant forwards (default on).
         draft_dtype: dtype of a draft loaded by name (default: ``dtype``); e.g.
             ``"int8-dynamic"`` for a cheaper quantized copy of the target as draft.
+        draft_device: device of a draft loaded by name (default: ``device``), e.g.
+            ``"cpu"`` beside a ``"cuda"`` target (DuoDecoding's setting; with
+            ``draft-model:overlap=true`` the CPU drafts while the GPU verifies). A draft
+            passed as a model object stays where it is.
         quantization: native backend, models loaded by name: weight-only quantized
             products (:func:`specdec.models.load`): ``"auto"`` (default: a GGUF model runs
             its own Q4_1 / Q8_0 blocks), ``"none"``, ``"gguf"``, ``"q8_0"`` or ``"q4_1"``.
@@ -193,6 +198,7 @@ class LLM:
         dtype: str = DEFAULT_DTYPE,
         device: str = "cpu",
         draft_dtype: str | None = None,
+        draft_device: str | None = None,
         backend: str = DEFAULT_BACKEND,
         exact: bool = True,
         engine_config: EngineConfig | None = None,
@@ -209,6 +215,9 @@ class LLM:
         self.speculative = speculative
         self._dtype, self._device = dtype, device
         self._draft_dtype = draft_dtype or dtype
+        self._draft_device = draft_device or device
+        if draft_device is not None:
+            parse_device(draft_device)  # refused before the target loads
         self._backend, self._exact = backend, exact
         check_quantization(quantization, backend)
         self.target: Backend = (
@@ -333,7 +342,7 @@ class LLM:
                     INT8_DYNAMIC, source, INT8_DYNAMIC, self.target.backend,
                 )  # fmt: skip
                 backend = "hf"
-            draft = load(source, self._draft_dtype, self._device, backend, self._exact)
+            draft = load(source, self._draft_dtype, self._draft_device, backend, self._exact)
         self._draft = draft
         return draft
 

@@ -347,13 +347,20 @@ def _apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row.
 
+    The draw runs on the generator's device (a CPU draft's probabilities beside a GPU
+    target's generator, or the reverse), so a seeded generation is the same stream of
+    draws wherever each model runs.
+
     Args:
         probs: ``[N, V]`` float probabilities (rows need not be exactly normalised).
         generator: the ``torch.Generator`` every random draw of a generation uses.
 
     Returns:
-        ``[N]`` int64 token ids.
+        ``[N]`` int64 token ids, on ``probs``' device.
     """
+    if probs.device != generator.device:
+        ids = torch.multinomial(probs.to(generator.device), 1, generator=generator)
+        return ids.squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -391,7 +398,8 @@ class GeneratorSource:
         self.generator = generator
 
     def uniform(self, n: int, device: torch.device | str) -> torch.Tensor:
-        return torch.rand(n, generator=self.generator, device=device)
+        """Drawn on the generator's device (see :func:`sample`), returned on ``device``."""
+        return torch.rand(n, generator=self.generator, device=self.generator.device).to(device)
 
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
         return sample(probs, self.generator)

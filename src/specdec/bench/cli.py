@@ -253,7 +253,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         backend = args.backend
         if backend == "native" and str(draft_dtype).lower() == INT8_DYNAMIC:
             backend = "auto"  # as LLM does: int8 layers run on transformers
-        draft = load(args.draft_model, draft_dtype, args.device, backend, args.exact)
+        device = args.draft_device or args.device
+        draft = load(args.draft_model, draft_dtype, device, backend, args.exact)
     if peers:  # the bar stands still meanwhile: say why
         slow = any(m.is_peer and PEER_LIBRARY[m.kind] == "vllm" for m in methods)
         print(
@@ -381,6 +382,8 @@ def serve_options(args: argparse.Namespace, speculative: SpeculativeConfig, thre
         options += ["--draft-model", args.draft_model]
     if args.draft_dtype:
         options += ["--draft-dtype", args.draft_dtype]
+    if args.draft_device:
+        options += ["--draft-device", args.draft_device]
     return options
 
 

@@ -48,28 +48,48 @@ class Machine:
     bandwidth_gbs: float
     peak_gflops: dict[str, float]
     threads: int
+    #: the CPU's model name, or the GPU's for a run on one
+    device: str = ""
 
 
-def measure_machine(dtypes=("float32", "bfloat16"), repeats: int = 3) -> Machine:
-    """Measure read bandwidth and GEMM peak (see the module docstring)."""
-    data = torch.ones(1 << 28)  # 1 GiB of float32
-    best = min(_seconds(data.sum) for _ in range(repeats))
+def measure_machine(
+    dtypes=("float32", "bfloat16"), repeats: int = 3, device: str | torch.device = "cpu"
+) -> Machine:
+    """Measure read bandwidth and GEMM peak on ``device`` (see the module docstring; on a
+    GPU the products are 8192 x 8192 x 8192, 2048 being too small to fill one)."""
+    device = torch.device(device)
+    data = torch.ones(1 << 28, device=device)  # 1 GiB of float32
+    best = min(_seconds(data.sum, device) for _ in range(repeats))
     bandwidth = data.numel() * 4 / best / 1e9
     data = None
     peaks = {}
-    n = 2048
+    n = 8192 if device.type == "cuda" else 2048
     for name in dtypes:
         dtype = getattr(torch, name)
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        a @ b
-        best = min(_seconds(lambda a=a, b=b: a @ b) for _ in range(repeats))
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        _seconds(lambda a=a, b=b: a @ b, device)
+        best = min(_seconds(lambda a=a, b=b: a @ b, device) for _ in range(repeats))
         peaks[name] = 2 * n**3 / best / 1e9
-    return Machine(bandwidth, peaks, torch.get_num_threads())
+    return Machine(bandwidth, peaks, torch.get_num_threads(), _device_name(device))
 
 
-def _seconds(f) -> float:
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from specdec.runtime.linear import cpu_name
+
+    return cpu_name()
+
+
+def _seconds(f, device: torch.device | None = None) -> float:
+    """Wall seconds of ``f()``, waiting for a GPU's queued work before and after."""
+    on_gpu = device is not None and device.type == "cuda"
+    synchronize = torch.cuda.synchronize if on_gpu else (lambda: None)
+    synchronize()
     start = time.perf_counter()
     f()
+    synchronize()
     return time.perf_counter() - start
 
 
@@ -107,10 +127,12 @@ def forward_times(
     model: HFModel, tokens=TOKENS, repeats: int = 7, context: int = CONTEXT
 ) -> list[float]:
     """Median milliseconds of one forward of T new tokens after ``context`` cached ones
-    (random token ids; the timing does not depend on them)."""
+    (random token ids; the timing does not depend on them). On a GPU each forward is timed
+    from an idle device until its queued work is done."""
     gen = torch.Generator().manual_seed(0)
     high = min(model.vocab_size, len(model.tokenizer))
     prefix = torch.randint(3, high, (context,), generator=gen).tolist()
+    device = next(model.model.parameters()).device
     cache = model.new_cache(context + max(tokens))
     model.forward(prefix, cache, num_logits=1)
     out = []
@@ -118,9 +140,7 @@ def forward_times(
         new = torch.randint(3, high, (t,), generator=gen).tolist()
         samples = []
         for _ in range(repeats + 1):  # the first run warms up
-            start = time.perf_counter()
-            model.forward(new, cache)
-            samples.append((time.perf_counter() - start) * 1e3)
+            samples.append(_seconds(lambda new=new: model.forward(new, cache), device) * 1e3)
             cache.truncate(context)
         out.append(sorted(samples[1:])[repeats // 2])
     return out
@@ -154,7 +174,7 @@ def run_forward_cost(model_name: str, device: str = "cpu", progress=None) -> dic
     """
     from specdec.models.loading import load, with_backend
 
-    machine = measure_machine()
+    machine = measure_machine(device=device)
     curves, stats = [], {}
     loaded: dict[str, HFModel] = {}
     for backend, dtype, exact, quantization in CONFIGS:
@@ -185,8 +205,9 @@ def report_markdown(result: dict) -> str:
     """Tables: t(T) in ms (and t(T)/t(1)), the roofline, and the issue's three checks."""
     m = result["machine"]
     peaks = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in m["peak_gflops"].items())
+    where = f"measured here, {m['device']}" if m.get("device") else "measured here"
     lines = [
-        f"Machine (measured here): read bandwidth {m['bandwidth_gbs']:.1f} GB/s, GEMM peak "
+        f"Machine ({where}): read bandwidth {m['bandwidth_gbs']:.1f} GB/s, GEMM peak "
         f"{peaks}, {m['threads']} threads. Context: {CONTEXT} cached tokens.\n",
         "| configuration | " + " | ".join(f"T={t}" for t in TOKENS) + " |",
         "|---|" + "---|" * len(TOKENS),

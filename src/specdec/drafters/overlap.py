@@ -120,7 +120,8 @@ class OverlapSequence(DrafterBase):
         what it assumed (its first token the bonus token the target emitted), else a
         draft made now; then the next draft starts in the background."""
         if self._seed is None:  # the background's own streams, from the generation's
-            self._seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+            draw = torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)
+            self._seed = int(draw)
         tokens = list(token_ids)
         assumed = self._assumed is not None and tokens[:-1] == self._assumed
         if not assumed and self._cancel is not None:

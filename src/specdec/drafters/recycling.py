@@ -63,12 +63,12 @@ class RecyclingTable:
         """
         last = {int(t): row for row, t in enumerate(input_ids)}  # one write per token
         rows = torch.tensor(list(last.values()), dtype=torch.long)
-        logits = target_logits[rows].float()
-        top = torch.topk(logits, self.top_k, dim=-1)
-        probs = torch.softmax(logits, dim=-1).gather(1, top.indices)
+        logits = target_logits[rows.to(target_logits.device)].float()
+        top = torch.topk(logits, self.top_k, dim=-1)  # on the target's device; the table
+        probs = torch.softmax(logits, dim=-1).gather(1, top.indices)  # stays on the CPU
         ids = torch.tensor(list(last), dtype=torch.long)
-        self.tokens[ids] = top.indices
-        self.probs[ids] = probs
+        self.tokens[ids] = top.indices.cpu()
+        self.probs[ids] = probs.cpu()
 
     def candidates(self, token: int, width: int) -> tuple[list[int], list[float]]:
         """The first ``width`` known candidates after ``token`` and their probabilities."""

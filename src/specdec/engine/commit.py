@@ -81,6 +81,8 @@ def verify(
     """
     draft_ids = torch.tensor(proposal.token_ids, dtype=torch.long, device=target_logits.device)
     draft_probs = proposal.draft_probs
+    if draft_probs is not None:  # a draft on another device (a CPU draft, a GPU target)
+        draft_probs = draft_probs.to(target_logits.device)
     dead_end = None
     if params.transforms_logits:
         tokens = list(proposal.token_ids)

@@ -156,7 +156,7 @@ def load_head(
         ) from None
     if dtype is None:
         dtype = torch.float32 if view.embed.device.type == "cpu" else view.embed.dtype
-    head = head.to(dtype).eval()
+    head = head.to(view.embed.device, dtype).eval()  # on the target's device
     if isinstance(head, EagleHead):
         head.inv_freq = head.inv_freq.float()  # rotary angles stay float32
     return head.bind(view.embed)

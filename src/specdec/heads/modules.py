@@ -192,7 +192,7 @@ class EagleHead(nn.Module):
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``[(B,) N]`` int64 -> ``[(B,) N, D]`` the target's token embeddings."""
-        return F.embedding(token_ids, self.embed)
+        return F.embedding(token_ids.to(self.embed.device), self.embed)
 
     def fuse(self, captured: torch.Tensor) -> torch.Tensor:
         """``[N, C * D]`` captured target states -> ``[N, D]`` features."""
@@ -230,6 +230,9 @@ class EagleHead(nn.Module):
         c = self.config
         lead = features.shape[:-1]  # (B,) N
         n = lead[-1]
+        device = features.device  # the drafters build ids, positions and masks on the CPU
+        token_ids, positions = token_ids.to(device), positions.to(device)
+        mask = None if mask is None else mask.to(device)
         e = self.embed_tokens(token_ids).to(features.dtype)
         x = torch.cat([self.embed_norm(e), self.feature_norm(features)], dim=-1)
         q = self.q(x).view(*lead, c.num_heads, c.head_dim)
@@ -285,6 +288,7 @@ class ParallelHead(EagleHead):
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``>= 0`` read the target's embedding, ``-i`` reads mask embedding
         ``i`` (``[(B,) N]`` -> ``[(B,) N, D]``)."""
+        token_ids = token_ids.to(self.embed.device)
         masked = token_ids < 0
         if not bool(masked.any()):
             return F.embedding(token_ids, self.embed)

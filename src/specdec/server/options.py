@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from specdec.cli_common import (
+    add_device_args,
     add_drafter_args,
     add_quantization_arg,
     add_threads_arg,
@@ -35,7 +36,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "float32, bfloat16, float16, or int8-dynamic (runs on transformers)",
     )  # fmt: skip
     p.add_argument("--draft-dtype", default=None, help="dtype of --draft-model (default: --dtype)")
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    add_device_args(p)
     p.add_argument(
         "--backend",
         default=DEFAULT_BACKEND,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.sampling import sample
 from specdec.trees.tree import ROOT, TokenTree
 from specdec.verify.result import VerifyResult
 from specdec.verify.tree import SiblingRejection, TreeVerifyResult
@@ -33,7 +34,7 @@ def rejection_reference(
 ) -> VerifyResult:
     """Leviathan et al. 2023, Algorithm 1, one position at a time with Python scalars."""
     k = len(draft_token_ids)
-    uniforms = torch.rand(k, generator=generator, device=target_probs.device).tolist()
+    uniforms = torch.rand(k, generator=generator, device=generator.device).tolist()
     for i, token in enumerate(draft_token_ids):
         target_p = float(target_probs[i, token])
         draft_p = 1.0 if draft_probs is None else float(draft_probs[i, token])
@@ -121,7 +122,7 @@ def tree_rejection_reference(
             else:
                 q = tree.draft_probs[child]
             ratio = float(p[token]) / float(q[token]) if float(q[token]) > 0 else 1.0
-            u = float(torch.rand(1, generator=generator))
+            u = float(torch.rand(1, generator=generator, device=generator.device))
             if u < min(1.0, ratio):
                 chosen = child
                 break
@@ -134,7 +135,7 @@ def tree_rejection_reference(
                 if float(proposal.sum()) > 0:
                     proposal = proposal / proposal.sum()
         if chosen is None:
-            last = int(torch.multinomial(p.unsqueeze(0), 1, generator=generator))
+            last = int(sample(p.unsqueeze(0), generator))
             tokens = [tree.token_ids[n] for n in path]
             return TreeVerifyResult(len(path), tokens + [last], path)
         path.append(chosen)
