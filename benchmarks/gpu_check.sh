@@ -70,4 +70,10 @@ env = {"model": "SmolLM2-135M-Instruct's shapes, random weights", "device": "cud
 write_forward_cost(Path(sys.argv[2]), result, env)
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== summary"
+echo "tests/test_cuda.py: $(tail -n 1 "$out/test_cuda.log")"
+echo "suite on the GPU: $(grep -c ' PASSED ' "$out/suite_cuda.log") passed," \
+    "$(grep -cE ' (FAILED|ERROR) ' "$out/suite_cuda.log") failed (why: $out/suite_failures.txt)"
+echo "forward cost: $out/forward_cost/forward_cost.md"
 exit $status

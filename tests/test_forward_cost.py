@@ -35,6 +35,15 @@ def test_weight_stats_count_layers_and_lm_head(target):
     assert params == expected and nbytes == 4 * expected
 
 
+def test_exact_plan_names_each_dense_product(target):
+    from specdec.bench.forward_cost import exact_plan
+
+    plan = exact_plan(NativeModel(target, exact=True))
+    assert set(plan) >= {"qkv", "o", "gate_up", "down"}
+    assert all(("rows" in how or "row at a time" in how) for how in plan.values())
+    assert exact_plan(target) == {}
+
+
 @pytest.mark.parametrize("backend", ["hf", "native"])
 def test_forward_times_of_a_tiny_model(target, backend):
     model = NativeModel(target) if backend == "native" else target
@@ -48,7 +57,7 @@ def _fake_result() -> dict:
         return dict(
             backend=backend, dtype=dtype, exact=exact, times_ms=times,
             roofline_ms=[base / 2] * len(TOKENS), kv_bytes_per_token=1024 if exact else None,
-            tokens=list(TOKENS),
+            tokens=list(TOKENS), exact_plan={"qkv": "linear, tiles of 16 rows"} if exact else {},
         )  # fmt: skip
 
     return {
@@ -65,6 +74,7 @@ def test_report_tables_and_files(tmp_path):
     assert "| hf float32 | 50% of the bound |" in text
     assert "exact decoding step 40.0 ms = 0.80x the fastest non-exact step (50.0 ms)" in text
     assert "1024 bytes per cached token" in text
+    assert "native float32 exact, dense products as calibrated: qkv: linear, tiles of 16" in text
     paths = write_forward_cost(tmp_path, result, {"cpu": "test"})
     assert sorted(p.name for p in paths) == [
         "forward_cost.json", "forward_cost.md", "forward_cost.png",

@@ -146,9 +146,31 @@ def forward_times(
     return out
 
 
+def exact_plan(model) -> dict[str, str]:
+    """How exact mode computes each dense product of a native model, as calibration chose
+    it (:class:`~specdec.runtime.linear.KernelChoice`): ``{product: "formulation, rows"}``
+    where rows is ``all rows at once``, ``tiles of T rows`` or ``one row at a time``;
+    ``{}`` for a model without dense products (transformers, or every product quantized).
+    """
+    from specdec.runtime.linear import ANY_ROWS
+
+    decoder = getattr(model, "decoder", None)
+    plan = {}
+    for name, choice in sorted((getattr(decoder, "choices", None) or {}).items()):
+        if choice.tile >= ANY_ROWS:
+            rows = "all rows at once"
+        elif choice.tile == 1:
+            rows = "one row at a time"
+        else:
+            rows = f"tiles of {choice.tile} rows"
+        padded = f", padded to {choice.min_rows}" if choice.min_rows > 1 else ""
+        plan[name] = f"{choice.exact}, {rows}{padded}"
+    return plan
+
+
 @dataclass
 class CurveRecord:
-    """One configuration's curve."""
+    """One configuration's curve (``exact_plan``: :func:`exact_plan` of an exact one)."""
 
     backend: str
     dtype: str
@@ -158,6 +180,7 @@ class CurveRecord:
     kv_bytes_per_token: int | None = None
     tokens: list[int] = field(default_factory=lambda: list(TOKENS))
     quantization: str = "none"
+    exact_plan: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -193,8 +216,11 @@ def run_forward_cost(model_name: str, device: str = "cpu", progress=None) -> dic
         roof = [roofline_ms(params, weight_bytes, t, machine, dtype) for t in TOKENS]
         kv = model.new_cache(1).bytes_per_token if backend == "native" else None
         times = forward_times(model)
+        plan = exact_plan(model) if exact else {}
         curves.append(
-            CurveRecord(backend, dtype, exact, times, roof, kv, quantization=quantization)
+            CurveRecord(
+                backend, dtype, exact, times, roof, kv, quantization=quantization, exact_plan=plan
+            )
         )
         if progress:
             progress(1)
@@ -242,6 +268,10 @@ def report_markdown(result: dict) -> str:
         kv = [c.kv_bytes_per_token for c in curves if c.dtype == dtype and c.kv_bytes_per_token]
         if kv:
             lines.append(f"- {dtype}: KV cache {kv[0]} bytes per cached token (all layers).")
+        for c in curves:
+            if c.dtype == dtype and c.exact_plan:
+                chosen = "; ".join(f"{name}: {how}" for name, how in c.exact_plan.items())
+                lines.append(f"- {c.label}, dense products as calibrated: {chosen}.")
     return "\n".join(lines) + "\n"
 
 
