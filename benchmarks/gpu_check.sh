@@ -5,22 +5,30 @@
 #  2. the model-level test suite with its models on the GPU (SPECDEC_TEST_DEVICE=cuda):
 #     every drafter's conformance suite (greedy identity, chains and trees, native exact
 #     fp32/bf16, batches, sampling against the exact law), engines, verifiers, KV caches;
-#  3. `specdec bench --forward-cost` on SmolLM2-135M's shapes (random weights: the
-#     embedded GGUF need not be installed; a forward's time does not depend on weights).
+#  3. the forward-cost report (`specdec bench --forward-cost`'s) on SmolLM2-135M's shapes
+#     (random weights: the embedded GGUF need not be installed; a forward's time does not
+#     depend on the weights' values).
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]  (default out/gpu_check). Runs from a source
-# checkout (PYTHONPATH=src) or an installed specdec; PYTHON picks the interpreter, WORKERS
-# the pytest-xdist workers (8), SUITE_TIMEOUT the suite's seconds (420).
+# checkout (PYTHONPATH=src). PYTHON picks the interpreter (default: the Makefile's .venv,
+# else python3), WORKERS the pytest-xdist workers (8), SUITE_TIMEOUT the suite's seconds
+# (420), SUITE_FILES the test files (default: every model-level one).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-out/gpu_check}}
-py=${PYTHON:-python3}
+default_py=python3
+[ -x .venv/bin/python ] && default_py=.venv/bin/python  # the Makefile's environment
+py=${PYTHON:-$default_py}
+if ! $py -c "import torch" 2>/dev/null; then
+    echo "gpu_check: $py cannot import torch (PYTHON=... picks the interpreter)" >&2
+    exit 2
+fi
+if ! $py -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "gpu_check: torch $($py -c 'import torch; print(torch.__version__)') sees no CUDA GPU here" >&2
+    exit 2
+fi
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export SPECDEC_CACHE=${SPECDEC_CACHE:-$(mktemp -d)}
 mkdir -p "$out"
-if ! $py -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-    echo "gpu_check: no CUDA GPU here" >&2
-    exit 2
-fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     $py -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', \

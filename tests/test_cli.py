@@ -322,8 +322,19 @@ def test_unavailable_draft_device_is_a_clear_error_without_loading(capsys, model
         capsys, "generate", PROMPT, "--model", model_dir, "--draft-model", model_dir,
         "--draft-device", "cuda",
     )  # fmt: skip
-    assert code == 2 and "CUDA is not available" in err and "Traceback" not in err
-    with pytest.raises(ValueError, match="invalid device"):
+    assert code == 2 and "Traceback" not in err
+    assert "--draft-device 'cuda' requested but CUDA is not available" in err
+    code, _, err = run_cli(
+        capsys, "generate", PROMPT, "--model", model_dir, "--draft-model", model_dir,
+        "--draft-device", "gpu0",
+    )  # fmt: skip
+    assert code == 2 and "invalid --draft-device 'gpu0': use cpu, cuda, cuda:N or mps" in err
+    code, _, err = run_cli(
+        capsys, "generate", PROMPT, "--model", model_dir, "--drafter", "ngram",
+        "--draft-device", "cpu",
+    )  # fmt: skip
+    assert code == 2 and "--draft-device places --draft-model" in err
+    with pytest.raises(ValueError, match="invalid draft_device 'gpu0'"):
         LLM(model_dir, draft=model_dir, draft_device="gpu0")
 
 

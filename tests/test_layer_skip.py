@@ -275,15 +275,16 @@ def _transformers_layer_skip(hf, prompt, drafts, kept):
     """Independent oracle: transformers' modules, the prefix run by every layer into a
     cache, then ``[pending, *drafts]`` run by the kept layers only over that cache."""
     model = hf.model
+    device = model.device
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.tensor([prompt[:-1]]), cache=cache, use_cache=True)
+        model(torch.tensor([prompt[:-1]], device=device), cache=cache, use_cache=True)
         layers = model.model.layers
         try:
             model.model.layers = torch.nn.ModuleList([layers[i] for i in kept])
             n = len(prompt) - 1
-            ids = torch.tensor([[prompt[-1], *drafts]])
-            positions = torch.arange(n, n + ids.shape[1])[None]
+            ids = torch.tensor([[prompt[-1], *drafts]], device=device)
+            positions = torch.arange(n, n + ids.shape[1], device=device)[None]
             out = model(ids, cache=cache, use_cache=True, position_ids=positions)
         finally:
             model.model.layers = layers
@@ -306,7 +307,7 @@ def test_draft_logits_equal_transformers_with_the_skipped_layers_removed(deep, d
     finally:
         del deep.forward_full
     expected = _transformers_layer_skip(deep_hf, PROMPT, drafts, kept=[0, 2, 5])
-    assert torch.allclose(torch.stack(rows), expected[:5], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(torch.stack(rows), expected[:5].to(rows[0].device), atol=1e-4, rtol=1e-4)
     assert drafts == expected[:5].argmax(-1).tolist()
     full = _transformers_layer_skip(deep_hf, PROMPT, drafts, kept=range(6))
     assert not torch.allclose(full, expected, atol=1e-2)  # the skipped layers matter

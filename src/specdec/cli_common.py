@@ -22,6 +22,7 @@ from specdec.models.loading import (
     check_dtype,
     check_quantization,
     check_source,
+    parse_device,
 )
 from specdec.structured import StructuredOutputsParams
 
@@ -408,8 +409,9 @@ def llm_from_args(args: argparse.Namespace, speculative: SpeculativeConfig, **kw
 
 
 def check_model_args(args: argparse.Namespace) -> None:
-    """Check ``--model`` and ``--draft-model`` (paths, folders, embedded packages) without
-    loading anything, so a mistake is refused before the expensive part.
+    """Check ``--model`` and ``--draft-model`` (paths, folders, embedded packages) and
+    ``--draft-device`` without loading anything, so a mistake is refused before the
+    expensive part.
 
     Raises:
         FileNotFoundError, ValueError: the message names the path and what was expected.
@@ -417,6 +419,10 @@ def check_model_args(args: argparse.Namespace) -> None:
     check_source(args.model, "--model")
     if getattr(args, "draft_model", None):
         check_source(args.draft_model, "--draft-model")
+    if getattr(args, "draft_device", None):
+        if not getattr(args, "draft_model", None):
+            raise ValueError("--draft-device places --draft-model: give --draft-model too")
+        parse_device(args.draft_device, "--draft-device")
 
 
 @dataclass(frozen=True)

@@ -217,7 +217,7 @@ class LLM:
         self._draft_dtype = draft_dtype or dtype
         self._draft_device = draft_device or device
         if draft_device is not None:
-            parse_device(draft_device)  # refused before the target loads
+            parse_device(draft_device, "draft_device")  # refused before the target loads
         self._backend, self._exact = backend, exact
         check_quantization(quantization, backend)
         self.target: Backend = (

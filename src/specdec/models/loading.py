@@ -234,24 +234,25 @@ def check_dtype(dtype: str) -> None:
         parse_dtype(dtype)
 
 
-def parse_device(device: str | torch.device) -> torch.device:
-    """Validate a torch device string before any loading.
+def parse_device(device: str | torch.device, what: str = "device") -> torch.device:
+    """Validate a torch device string before any loading; ``what`` names it in errors
+    (``"draft_device"``, ``"--draft-device"``).
 
     Raises:
         ValueError: a malformed device, or CUDA / MPS requested where torch cannot use it.
     """
     try:
         parsed = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"invalid device {device!r}: {error}") from None
+    except (RuntimeError, TypeError):
+        raise ValueError(f"invalid {what} {device!r}: use cpu, cuda, cuda:N or mps") from None
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            f"device {device!r} requested but CUDA is not available to torch {torch.__version__}"
+            f"{what} {device!r} requested but CUDA is not available to torch {torch.__version__}"
         )
     if parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {device!r} requested but MPS is not available")
+        raise ValueError(f"{what} {device!r} requested but MPS is not available")
     if parsed.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"unsupported device {device!r}; use cpu, cuda or mps")
+        raise ValueError(f"unsupported {what} {device!r}; use cpu, cuda, cuda:N or mps")
     return parsed
 
 
@@ -479,9 +480,8 @@ def _check_model_folder(path: Path, what: str) -> str:
         ggufs = sorted(path.glob("*.gguf"))
         hint = f"; did you mean the GGUF file {ggufs[0]}?" if ggufs else ""
         raise ValueError(
-            f"{what}: folder {path} holds no Hugging Face model: {' and '.join(missing)} "
-            f"missing (expected config.json, tokenizer files and *.safetensors or *.bin "
-            f"weights){hint}"
+            f"{what}: folder {path} holds no Hugging Face model: "
+            f"{' and '.join(missing)} missing{hint}"
         )
     return "folder"
 
