@@ -279,6 +279,46 @@ def test_a_trimmed_proposal_is_verified_as_its_prefix(native):
                 engine.step()
 
 
+class ViewsControl(BadControl):
+    """Records the views it is shown; drafts nothing."""
+
+    def __init__(self, views):
+        super().__init__(0)
+        self.views = views
+
+    def choose(self, view):
+        self.views.append(view)
+        return 0
+
+
+class ViewsController:
+    name = "views-test"
+
+    def __init__(self):
+        self.views = []
+
+    def start(self, info):
+        return ViewsControl(self.views)
+
+
+def test_a_step_that_also_prefills_shows_controllers_only_the_verified_rows(native):
+    """Prompt chunks prefilled beside a verification cost the same whatever the drafts:
+    the view's rows and batch leave them out."""
+    engine = Engine(native)
+    controller = ViewsController()
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine.add_request(
+        "0", PROMPT, params, drafter=NgramDrafter(), num_speculative_tokens=4,
+        controller=controller,
+    )  # fmt: skip
+    engine.step()  # the first prompt
+    engine.add_request("1", PROMPT * 4, params, drafter=NgramDrafter(), num_speculative_tokens=4)
+    engine.step()  # sequence 0 verifies while sequence 1's prompt is prefilled
+    assert len(controller.views) == 1
+    view = controller.views[0]
+    assert view.batch_size == 1 and view.other_tokens == 0 and view.other_expected == 0.0
+
+
 def test_cost_controller_sees_the_batch():
     """SmartSpec: with a forward that costs much more past 8 rows, a sequence in a full
     batch drafts less than alone."""

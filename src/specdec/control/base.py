@@ -63,9 +63,10 @@ class StepView:
         max_k: most draft tokens (tree: depth) this step may take: the configured k capped
             by the tokens left to generate.
         batch_size: sequences verified in this forward (1 when isolated).
-        other_tokens: rows the rest of this forward runs: prompt chunks, the choices
-            already made for earlier sequences, one row per sequence still to choose
-            (0 when isolated).
+        other_tokens: rows the rest of this step verifies: the choices already made for
+            earlier sequences, one row per sequence still to choose (0 when isolated).
+            Prompt chunks prefilled in the same step are left out: their cost does not
+            depend on the drafts.
         other_expected: tokens the rest of the batch is expected to emit this step.
         cost: the cost model (frozen when isolated).
     """
