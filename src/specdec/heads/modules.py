@@ -192,7 +192,7 @@ class EagleHead(nn.Module):
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``[(B,) N]`` int64 -> ``[(B,) N, D]`` the target's token embeddings."""
-        return F.embedding(token_ids.to(self.embed.device), self.embed)
+        return F.embedding(token_ids, self.embed)
 
     def fuse(self, captured: torch.Tensor) -> torch.Tensor:
         """``[N, C * D]`` captured target states -> ``[N, D]`` features."""
@@ -288,7 +288,6 @@ class ParallelHead(EagleHead):
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``>= 0`` read the target's embedding, ``-i`` reads mask embedding
         ``i`` (``[(B,) N]`` -> ``[(B,) N, D]``)."""
-        token_ids = token_ids.to(self.embed.device)
         masked = token_ids < 0
         if not bool(masked.any()):
             return F.embedding(token_ids, self.embed)
