@@ -5,6 +5,7 @@ of sampled head drafts, and the drafter conformance suite for ``eagle``, ``medus
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -19,9 +20,16 @@ from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.options import EagleOptions, ParallelOptions
 from specdec.drafters.parallel import ParallelDrafter
 from specdec.heads.format import load_head, read_config, save_head, target_fingerprint
-from specdec.heads.modules import HeadConfig, init_from_target, make_head
+from specdec.heads.modules import (
+    HeadConfig,
+    QuantizedLinear,
+    init_from_target,
+    make_head,
+    quantize_head,
+)
 from specdec.models.base import BatchItem
 from specdec.models.native import NativeModel
+from specdec.runtime.kernels import kernel_available
 from specdec.sampling import logits_to_probs
 from specdec.training.train import (
     TrainConfig,
@@ -274,6 +282,69 @@ def test_trained_head_drafts_are_accepted_in_generation(smooth, tmp_path):
             assert out.token_ids == plain.generate(prompt, GREEDY).token_ids
             accepted[trained] += out.metrics.num_accepted_tokens
     assert accepted[True] > 2 * accepted[False] + 30
+
+
+@pytest.mark.skipif(not kernel_available("cpu"), reason="needs the C++ kernels")
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "parallel"])
+def test_quantized_heads_compute_what_the_float_head_does_within_the_blocks_rounding(smooth, kind):
+    head, _, _ = tiny_head(smooth, kind, steps=40)
+    head.eval()
+    quantized = copy.deepcopy(head)
+    assert quantize_head(quantized, "none") == 0
+    replaced = quantize_head(quantized, "q8_0")
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    assert replaced == len(linears) > 0  # the tiny target's widths are multiples of 32
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        if kind == "medusa":
+            x = torch.randn(3, smooth.head_view().hidden_size, generator=gen)
+            want, got = head(x), quantized(x)
+        else:
+            x = torch.randn(3, head.config.hidden_size * len(head.config.capture), generator=gen)
+            ids, pos = torch.tensor([5, 6, 7]), torch.arange(3)
+            want = head.logits(head.step(head.fuse(x), ids, pos, None, None, None)[0])
+            got = quantized.logits(quantized.step(quantized.fuse(x), ids, pos, None, None, None)[0])
+    assert got.dtype == want.dtype and got.shape == want.shape
+    error = float((got - want).abs().max() / want.abs().max())
+    assert 0 < error < 0.03, error  # Q8_0 rounds each weight to 1/254 of its block's largest
+
+
+def test_head_quantization_is_refused_where_it_cannot_run(smooth):
+    head, _, _ = tiny_head(smooth, "eagle", steps=40)
+    with pytest.raises(ValueError, match="unknown head quantization 'q2'"):
+        quantize_head(head, "q2")
+    with pytest.raises(ValueError, match="runs on the CPU in float32; this head is torch.bfloat16"):
+        quantize_head(copy.deepcopy(head).to(torch.bfloat16), "q8_0")
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_1"):
+        EagleOptions(quantization="int3")
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        QuantizedLinear(torch.nn.Linear(20, 8), "q8_0")
+
+
+@pytest.mark.skipif(not kernel_available("cpu"), reason="needs the C++ kernels")
+def test_every_head_quantization_keeps_greedy_output_and_q8_keeps_acceptance(smooth, tmp_path):
+    """``auto`` (Q8_0 on the CPU), ``none`` and ``q4_1`` all leave greedy output equal to
+    plain decoding; Q8_0 accepts about as many drafts as the float head."""
+    native = NativeModel(smooth)
+    plain = LLM(native, speculative=SpeculativeConfig(method="none"))
+    head, _, _ = tiny_head(smooth, "eagle", steps=150)
+    path = save_head(head, tmp_path / "eagle")
+    accepted = {}
+    for quantization in ("auto", "none", "q4_1"):
+        spec = SpeculativeConfig(
+            method=f"eagle:head={path},quantization={quantization}", num_speculative_tokens=4
+        )
+        llm = LLM(native, speculative=spec)
+        layers = list(llm.drafter(spec).head.modules())
+        assert any(isinstance(m, QuantizedLinear) for m in layers) == (quantization != "none")
+        accepted[quantization] = 0
+        for prompt in ([1, 11, 12, 13], [1, 20, 4], [1, 7, 7, 30, 2]):
+            out = llm.generate(prompt, GREEDY)
+            assert out.token_ids == plain.generate(prompt, GREEDY).token_ids
+            accepted[quantization] += out.metrics.num_accepted_tokens
+    assert accepted["none"] > 30
+    assert accepted["auto"] >= 0.85 * accepted["none"], accepted
 
 
 def test_vocabulary_choice_reports_coverage_and_maps_back():

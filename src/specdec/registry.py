@@ -469,10 +469,15 @@ def _sparse_kv(context: DrafterContext, options: opts.SparseKVOptions):
     return SparseKVDrafter(context.target, options)
 
 
-def _head(context: DrafterContext, kind: str, path: str):
+def _head(context: DrafterContext, kind: str, options):
+    """The head of ``options.head`` (or the shipped one), with ``options.quantization``."""
+    import torch
+
     from specdec.heads.format import load_head, shipped_head_path
+    from specdec.heads.modules import quantize_head
 
     view = context.target.head_view()
+    path, quantization = options.head, options.quantization
     if not path:
         shipped = shipped_head_path(view, kind)
         if shipped is None:
@@ -481,25 +486,32 @@ def _head(context: DrafterContext, kind: str, path: str):
                 f"trained with `specdec train-head --kind {kind} --model {view.name}`"
             )
         path = str(shipped)
-    return load_head(path, view, kind)
+    head = load_head(path, view, kind)
+    if quantization == "auto":
+        from specdec.runtime.kernels import kernel_available
+
+        on_cpu = head.norm.weight.device.type == "cpu" and head.dtype == torch.float32
+        quantization = "q8_0" if on_cpu and kernel_available("cpu") else "none"
+    quantize_head(head, quantization)
+    return head
 
 
 def _eagle(context: DrafterContext, options: opts.EagleOptions):
     from specdec.drafters.eagle import EagleDrafter
 
-    return EagleDrafter(context.target, _head(context, "eagle", options.head), options)
+    return EagleDrafter(context.target, _head(context, "eagle", options), options)
 
 
 def _medusa(context: DrafterContext, options: opts.MedusaOptions):
     from specdec.drafters.medusa import MedusaDrafter
 
-    return MedusaDrafter(context.target, _head(context, "medusa", options.head), options)
+    return MedusaDrafter(context.target, _head(context, "medusa", options), options)
 
 
 def _parallel(context: DrafterContext, options: opts.ParallelOptions):
     from specdec.drafters.parallel import ParallelDrafter
 
-    return ParallelDrafter(context.target, _head(context, "parallel", options.head), options)
+    return ParallelDrafter(context.target, _head(context, "parallel", options), options)
 
 
 def _retrieval(context: DrafterContext, options: opts.RetrievalOptions):

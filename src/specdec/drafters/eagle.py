@@ -108,8 +108,8 @@ class EagleSequence(DrafterBase):
         self.head = drafter.head
         self.params = params
         c = self.head.config
-        dtype = self.head.lm_head.weight.dtype
-        device = self.head.lm_head.weight.device
+        dtype = self.head.dtype
+        device = self.head.norm.weight.device
         self.cache = HeadCache(c.num_kv_heads, c.head_dim, dtype, device)
         self._features: list[torch.Tensor] = []  # captured states of rows not yet run
         self._known = 0  # tokens whose target features arrived
@@ -154,7 +154,7 @@ class EagleSequence(DrafterBase):
             return self._last
         captured = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
         self._features = []
-        dtype = self.head.lm_head.weight.dtype
+        dtype = self.head.dtype
         features = self.head.fuse(captured.to(dtype))
         ids = torch.as_tensor(token_ids[start + 1 : n], dtype=torch.long)
         positions = torch.arange(start, n - 1)

@@ -82,7 +82,7 @@ class MedusaSequence(DrafterBase):
             if self._state is None:
                 raise ValueError("no target state yet: the prompt needs at least 2 tokens")
             head = self.drafter.head
-            logits = head(self._state.to(head.lm_head.weight.dtype))[0]
+            logits = head(self._state.to(head.dtype))[0]
             self._logits = self.drafter.full_logits(logits)
         return self._logits
 

@@ -385,7 +385,18 @@ class LookaheadOptions:
         _check_int("candidates", self.candidates, 1, 64)
 
 
-def _check_head_options(drafter: str, head: str, confidence: float) -> None:
+#: ``quantization`` values of the head drafters: ``auto`` is ``q8_0`` for a head on the CPU
+#: when the native runtime's kernels are available, else ``none`` (see
+#: :func:`specdec.heads.modules.quantize_head`).
+HEAD_QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_1")
+
+
+def _check_head_options(drafter: str, head: str, confidence: float, quantization="auto") -> None:
+    if quantization not in HEAD_QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"quantization must be one of {', '.join(HEAD_QUANTIZATION_CHOICES)}, got "
+            f"{quantization!r}"
+        )
     ok = isinstance(confidence, (int, float)) and not isinstance(confidence, bool)
     if not ok or not 0.0 <= confidence < 1.0:
         raise ValueError(f"confidence must be a number in [0, 1), got {confidence!r}")
@@ -412,13 +423,21 @@ class EagleOptions:
         confidence: stop a chain draft before a token whose draft probability is below
             this, in [0, 1) (``0``, the default, never stops early; EAGLE-2's trees use
             the head's confidences instead).
+        quantization: the head's weights at inference: ``auto`` (default: ``q8_0`` on
+            the CPU, where a draft step's time is its weights' bytes), ``none`` (the
+            trained float weights), ``q8_0`` or ``q4_1`` (GGUF blocks run by the native
+            runtime's kernel; CPU only). Lossless whatever the choice: drafts are only
+            proposals.
     """
 
     head: str = option("", "head folder from specdec train-head; empty: the shipped head")
     confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
+    quantization: str = option(
+        "auto", "head weights: auto (q8_0 on the CPU), none (float), q8_0 or q4_1"
+    )
 
     def __post_init__(self) -> None:
-        _check_head_options("eagle", self.head, self.confidence)
+        _check_head_options("eagle", self.head, self.confidence, self.quantization)
 
 
 @dataclass(frozen=True)
@@ -431,13 +450,17 @@ class ParallelOptions:
             parallel``; ``""`` (default) uses the head shipped for the embedded model.
         confidence: stop a chain draft before a token whose draft probability is below
             this, in [0, 1) (``0``: never).
+        quantization: the head's weights at inference (see :class:`EagleOptions`).
     """
 
     head: str = option("", "head folder from specdec train-head; empty: the shipped head")
     confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
+    quantization: str = option(
+        "auto", "head weights: auto (q8_0 on the CPU), none (float), q8_0 or q4_1"
+    )
 
     def __post_init__(self) -> None:
-        _check_head_options("parallel", self.head, self.confidence)
+        _check_head_options("parallel", self.head, self.confidence, self.quantization)
 
 
 @dataclass(frozen=True)
@@ -450,10 +473,14 @@ class MedusaOptions:
             medusa``; ``""`` (default) uses the heads shipped for the embedded model.
         confidence: stop a chain draft before a token whose draft probability is below
             this, in [0, 1) (``0``: never).
+        quantization: the head's weights at inference (see :class:`EagleOptions`).
     """
 
     head: str = option("", "head folder from specdec train-head; empty: the shipped head")
     confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
+    quantization: str = option(
+        "auto", "head weights: auto (q8_0 on the CPU), none (float), q8_0 or q4_1"
+    )
 
     def __post_init__(self) -> None:
-        _check_head_options("medusa", self.head, self.confidence)
+        _check_head_options("medusa", self.head, self.confidence, self.quantization)

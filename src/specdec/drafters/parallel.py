@@ -90,7 +90,7 @@ class ParallelSequence(EagleSequence):
                 f"the head knows the target's states of {self._known} tokens; the sequence "
                 f"has {n} (every token but the pending one is needed)"
             )
-        dtype = self.head.lm_head.weight.dtype
+        dtype = self.head.dtype
         if self._features:
             captured = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
             self._features = []

@@ -48,6 +48,9 @@ MAGPIE_SYSTEMS = (
     "You are a role-play partner. Users ask you to act as a character and stay in role.",
     "You are an assistant that summarizes and extracts information from texts users give.",
     "You are a helpful assistant that explains everyday topics clearly and briefly.",
+    "You are a translator. Users give you a sentence in German, French or Spanish and ask "
+    "for its English translation.",
+    "You are a reading assistant. Users paste a short passage and ask a question about it.",
 )
 
 _LANGUAGES = {
