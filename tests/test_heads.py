@@ -562,6 +562,7 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
         (["--out", ""], "--out is empty"),
         (["--kind", "parallel", "--block-size", "1"], "--block-size must be in [2, 16]"),
         (["--init-from", "/nonexistent/head"], "does not exist"),
+        (["--backend", "hf", "--quantization", "gguf"], "runs on the native backend"),
     ],
 )
 def test_train_head_refuses_bad_options_before_loading(tmp_path, capsys, extra, message):

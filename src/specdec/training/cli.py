@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
         "--dtype", default="bfloat16", choices=("bfloat16", "float32"),
         help="the target's dtype for answers and features (default: bfloat16)",
     )  # fmt: skip
+    from specdec.cli_common import add_quantization_arg
+
+    add_quantization_arg(p)
     p.add_argument(
         "--num-prompts", type=int, default=recipe.num_prompts, metavar="N",
         help=f"prompts the target answers (default: {recipe.num_prompts})",
@@ -141,6 +144,9 @@ def recipe_from_args(args: argparse.Namespace):
     if args.draft_vocab is not None:
         _positive("--draft-vocab", args.draft_vocab)
     _positive("--max-minutes", args.max_minutes, allow_zero=True)
+    from specdec.models.loading import check_quantization
+
+    check_quantization(args.quantization, args.backend)
     _positive("--lr", args.lr)
     if not 0.0 <= args.magpie_share <= 1.0:
         raise ValueError(f"--magpie-share must be in [0, 1], got {args.magpie_share}")
@@ -188,7 +194,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from specdec.models import load
     from specdec.training.pipeline import train_head
 
-    target = load(args.model, args.dtype, "cpu", args.backend)
+    # the target users run by default (the embedded GGUF: its own Q4_1 blocks), so the
+    # head learns that model's hidden states and greedy tokens
+    target = load(args.model, args.dtype, "cpu", args.backend, quantization=args.quantization)
     if recipe.capture is not None:
         from specdec.models.base import check_capture
 

@@ -8,7 +8,8 @@ continues where it stopped with the same command):
 3. ``contamination.json``: the word 8-gram check of every prompt and answer against every
    Spec-Bench turn and HumanEval prompt; overlapping conversations are dropped before
    training (the report counts what remains: 0 shared 8-grams).
-4. ``features-LAYERS.pt``: the target's captured hidden states and greedy labels.
+4. ``features-LAYERS.pt``: the target's captured hidden states and greedy labels (computed
+   again when the target's dtype or quantization changed).
 5. ``checkpoint-KIND.pt``: training (:mod:`specdec.training.train`), saved every 100 steps.
 6. ``OUT/config.json`` + ``OUT/head.safetensors`` (the head), ``OUT/report.json`` and
    ``OUT/training.png`` (loss and acceptance per position).
@@ -143,14 +144,18 @@ def check_data(examples: list[D.Example], work: Path) -> tuple[list[D.Example], 
 def build_features(target, examples, capture, work: Path) -> Features:
     """Stage 4 (cached in ``work/features.pt`` for the same capture)."""
     path = work / f"features-{'-'.join(str(i) for i in capture)}.pt"
+    # which model computed them: another dtype or quantization is another target
+    model = f"{getattr(target, 'quantization', 'none')}/{getattr(target, 'dtype', '')}"
     if path.exists():
         saved = torch.load(path, weights_only=False)
-        if saved["capture"] == list(capture) and saved["count"] == len(examples):
+        same = saved["capture"] == list(capture) and saved["count"] == len(examples)
+        if same and saved.get("model", model) == model:
             return saved["features"]
     convs = [(e.prompt_ids, e.answer_ids) for e in examples]
     with _bar(len(convs), "target features", "conv") as bar:
         features = extract_features(target, convs, capture, progress=bar.update)
-    torch.save({"capture": list(capture), "count": len(examples), "features": features}, path)
+    torch.save({"capture": list(capture), "count": len(examples), "model": model,
+                "features": features}, path)  # fmt: skip
     return features
 
 
