@@ -158,7 +158,7 @@ train-setup: $(STAMP)
 
 train-heads: train-setup
 	$(VENV)/bin/specdec train-head --kind eagle --out out/heads/eagle --work out/heads/work \
-		--max-minutes 25
+		--num-prompts 4800 --max-minutes 30
 	$(VENV)/bin/specdec train-head --kind medusa --out out/heads/medusa --work out/heads/work \
 		--max-minutes 8 --draft-vocab 4096
 
@@ -176,8 +176,10 @@ bench-parallel: $(STAMP)
 		--out benchmarks/parallel_cpu
 
 # Draft heads on Spec-Bench beside the best training-free drafters (benchmarks/heads_cpu).
-HEAD_METHODS := eagle:k=4 eagle@dynamic:top_k=4,depth=6,budget=16 medusa:k=3 suffix:k=24 ngram:k=10
+HEAD_METHODS := eagle:k=4 eagle:k=4,quantization=none eagle:k=6+cost \
+	eagle@dynamic:top_k=3,depth=4,budget=8 eagle@dynamic:top_k=4,depth=6,budget=16 medusa:k=3 \
+	suffix:k=24 ngram:k=10
 HEADS_LIMIT ?= 10
 bench-heads: $(STAMP)
 	$(VENV)/bin/specdec bench --backend native --dtype bfloat16 --limit-per-category $(HEADS_LIMIT) \
-		--max-new-tokens 96 $(addprefix --method ,$(HEAD_METHODS)) --out benchmarks/heads_cpu
+		--max-new-tokens 96 --threads 2 $(addprefix --method ,$(HEAD_METHODS)) --out benchmarks/heads_cpu
