@@ -395,7 +395,7 @@ def test_head_folder_errors_are_one_line(tmp_path, heads, target):
     (bad / "head.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="is not a head config"):
         read_config(bad)
-    with pytest.raises(ValueError, match="is a eagle head, not medusa"):
+    with pytest.raises(ValueError, match="is an eagle head, not medusa"):
         load_head(heads["target", "eagle"], view, kind="medusa")
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -549,6 +549,32 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
     assert parallel.config.block_size == 3
     assert torch.equal(parallel.vocab_map, eagle.vocab_map)
     torch.testing.assert_close(parallel.q.weight, eagle.q.weight, atol=1e-3, rtol=1e-2)
+    # an --init-from head reading other layers is refused before any stage runs
+    recipe.capture = [0, 2]
+    with pytest.raises(ValueError, match=r"reads hidden states \[1, 2\], this parallel head"):
+        train_head(target, None, tmp_path / "other", recipe, tmp_path / "fresh-work")
+    assert not (tmp_path / "fresh-work" / "prompts.jsonl").exists()
+    # the prompts of a work folder are those of the --num-prompts they were gathered for
+    (work / "prompts.asked").write_text("40\n")
+    recipe.capture, recipe.num_prompts = [1, 2], 80
+    with pytest.raises(ValueError, match="holds the prompts of --num-prompts 40, not 80"):
+        train_head(target, None, tmp_path / "more", recipe, work)
+
+
+def test_train_head_needs_spec_bench_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """The contamination check's Spec-Bench file is checked with the other pre-flight
+    checks (the answers stage before it takes half an hour), and the error says how."""
+    from specdec.cli import main
+
+    pytest.importorskip("chitchat_dataset")
+    pytest.importorskip("chatterbot_corpus")
+    monkeypatch.setenv("SPECDEC_SPEC_BENCH", str(tmp_path / "missing.jsonl"))
+    code = main(["train-head", "--out", str(tmp_path / "h")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Spec-Bench questions not found" in err and "--spec-bench PATH" in err
+    assert "--dataset humaneval" not in err
+    assert not (tmp_path / "h").exists()
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,11 @@ def check_target(config: HeadConfig, view, where: str = "the head") -> None:
         )
 
 
+def _a(kind: str) -> str:
+    """``"an eagle"`` / ``"a medusa"``."""
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
+
+
 def load_head(
     folder: str | Path, view, kind: str | None = None, dtype: torch.dtype | None = None
 ) -> EagleHead | MedusaHead:
@@ -143,7 +148,7 @@ def load_head(
 
     config = read_config(folder)
     if kind is not None and config.kind != kind:
-        raise ValueError(f"head {folder} is a {config.kind} head, not {kind}")
+        raise ValueError(f"head {folder} is {_a(config.kind)} head, not {kind}")
     check_target(config, view, f"head {folder}")
     head = make_head(config)
     try:

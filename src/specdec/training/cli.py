@@ -107,6 +107,12 @@ def add_parser(sub) -> None:
         f"{recipe.coverage * 100:.0f}%% of the answer tokens)",
     )
     p.add_argument(
+        "--spec-bench", default=None, metavar="PATH",
+        help="Spec-Bench's question.jsonl, which the contamination check keeps out of the "
+        "training data (default: $SPECDEC_SPEC_BENCH, else shared/data/spec_bench/"
+        "question.jsonl beside the checkout); checked before anything runs",
+    )  # fmt: skip
+    p.add_argument(
         "--work", default=None, metavar="DIR",
         help="folder for data, features and checkpoints (default: OUT/work); give heads of "
         "both kinds the same one to build the data once",
@@ -189,6 +195,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     for package in ("chitchat_dataset", "chatterbot_corpus"):
         _package_dir(package)  # a missing corpus fails before the model loads
+    from specdec.training.contamination import benchmark_items
+
+    try:  # the contamination check's test sets, needed after the answers stage
+        benchmark_items(args.spec_bench)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(
+            f"{str(error).split(';')[0]}; train-head keeps Spec-Bench's questions out of its "
+            "training data, so it needs them: get question.jsonl from Spec-Bench "
+            "(data/spec_bench/question.jsonl) and pass --spec-bench PATH or set "
+            "SPECDEC_SPEC_BENCH"
+        ) from None
+    recipe.spec_bench = args.spec_bench
     choose_threads(args, adapt=False)
     from specdec import LLM
     from specdec.models import load

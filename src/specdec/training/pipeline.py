@@ -61,6 +61,8 @@ class HeadRecipe:
         held_out: share of conversations kept out of training for the report.
         seed: of every random choice.
         train: the optimizer settings.
+        spec_bench: Spec-Bench's ``question.jsonl`` for the contamination check
+            (``None``: :func:`specdec.bench.datasets.default_spec_bench_path`).
     """
 
     kind: str = "eagle"
@@ -76,6 +78,7 @@ class HeadRecipe:
     held_out: float = 0.05
     seed: int = 0
     train: TrainConfig = field(default_factory=TrainConfig)
+    spec_bench: str | None = None
 
 
 def _say(message: str) -> None:
@@ -95,7 +98,14 @@ def _bar(total: int, desc: str, unit: str):
 def build_data(llm, work: Path, recipe: HeadRecipe) -> list[D.Example]:
     """Stages 1-2: prompts and the target's answers (resumed from ``work``)."""
     prompts_path, data_path = work / "prompts.jsonl", work / "data.jsonl"
+    asked_path = work / "prompts.asked"  # the --num-prompts the prompts were gathered for
     if prompts_path.exists():
+        asked = int(asked_path.read_text()) if asked_path.exists() else None
+        if asked is not None and recipe.num_prompts > asked:
+            raise ValueError(
+                f"{work} holds the prompts of --num-prompts {asked}, not {recipe.num_prompts}: "
+                "give a new --work folder to gather more (or the same number to resume)"
+            )
         prompts = D.read_jsonl(prompts_path)[: recipe.num_prompts]
     else:
         _say(f"gathering {recipe.num_prompts} prompts ({recipe.magpie_share:.0%} Magpie)")
@@ -104,6 +114,7 @@ def build_data(llm, work: Path, recipe: HeadRecipe) -> list[D.Example]:
                 llm, recipe.num_prompts, recipe.seed, recipe.magpie_share, progress=bar.update
             )
         D.write_jsonl(prompts_path, prompts)
+        asked_path.write_text(f"{recipe.num_prompts}\n")
     done = D.read_jsonl(data_path) if data_path.exists() else []
     if len(done) < len(prompts):
         D.write_jsonl(data_path, done)  # drop a torn last line
@@ -119,12 +130,14 @@ def build_data(llm, work: Path, recipe: HeadRecipe) -> list[D.Example]:
     return done
 
 
-def check_data(examples: list[D.Example], work: Path) -> tuple[list[D.Example], dict]:
+def check_data(
+    examples: list[D.Example], work: Path, spec_bench: str | None = None
+) -> tuple[list[D.Example], dict]:
     """Stage 3: drop conversations sharing a word 8-gram with the test sets, then prove
     the rest shares none (the report written to ``work/contamination.json``)."""
     from specdec.training.contamination import benchmark_items, check_contamination
 
-    items = benchmark_items()
+    items = benchmark_items(spec_bench)
     kept, dropped = D.filter_contaminated(examples, items)
     report = check_contamination((f"{e.prompt}\n{e.answer}" for e in kept), items)
     result = {
@@ -157,6 +170,26 @@ def build_features(target, examples, capture, work: Path) -> Features:
     torch.save({"capture": list(capture), "count": len(examples), "model": model,
                 "features": features}, path)  # fmt: skip
     return features
+
+
+def check_init_from(recipe: HeadRecipe, view) -> None:
+    """Refuse ``recipe.init_from`` before any stage runs: a head for another target, or
+    one reading other hidden states than this head will (:func:`warm_start` needs both).
+
+    Raises:
+        ValueError: either mismatch, with the flag to change.
+    """
+    from specdec.heads.format import check_target, read_config
+
+    config = read_config(recipe.init_from)
+    check_target(config, view, f"--init-from {recipe.init_from}")
+    capture = recipe.capture or default_capture(recipe.kind, view.num_layers)
+    if list(config.capture) != list(capture):
+        raise ValueError(
+            f"--init-from {recipe.init_from} reads hidden states {config.capture}, this "
+            f"{recipe.kind} head {list(capture)}; pass --layers "
+            f"{','.join(str(i) for i in config.capture)} to match"
+        )
 
 
 def warm_start(head, folder: str | Path, view) -> int:
@@ -247,10 +280,12 @@ def train_head(
     timings: dict[str, float] = {}
     view = target.head_view()
     capture = recipe.capture or default_capture(recipe.kind, view.num_layers)
+    if recipe.init_from:  # another target's head or other layers: refused now, not in an hour
+        check_init_from(recipe, view)
 
     examples = build_data(llm, work, recipe)
     timings["data_s"] = time.perf_counter() - t0
-    examples, contamination = check_data(examples, work)
+    examples, contamination = check_data(examples, work, recipe.spec_bench)
     if not examples:
         raise ValueError("no training conversations left")
     t1 = time.perf_counter()
