@@ -471,13 +471,11 @@ def _sparse_kv(context: DrafterContext, options: opts.SparseKVOptions):
 
 def _head(context: DrafterContext, kind: str, options):
     """The head of ``options.head`` (or the shipped one), with ``options.quantization``."""
-    import torch
-
     from specdec.heads.format import load_head, shipped_head_path
     from specdec.heads.modules import quantize_head
 
     view = context.target.head_view()
-    path, quantization = options.head, options.quantization
+    path = options.head
     if not path:
         shipped = shipped_head_path(view, kind)
         if shipped is None:
@@ -487,12 +485,7 @@ def _head(context: DrafterContext, kind: str, options):
             )
         path = str(shipped)
     head = load_head(path, view, kind)
-    if quantization == "auto":
-        from specdec.runtime.kernels import kernel_available
-
-        on_cpu = head.norm.weight.device.type == "cpu" and head.dtype == torch.float32
-        quantization = "q8_0" if on_cpu and kernel_available("cpu") else "none"
-    quantize_head(head, quantization)
+    quantize_head(head, options.quantization)
     return head
 
 

@@ -385,9 +385,9 @@ class LookaheadOptions:
         _check_int("candidates", self.candidates, 1, 64)
 
 
-#: ``quantization`` values of the head drafters: ``auto`` is ``q8_0`` for a head on the CPU
-#: when the native runtime's kernels are available, else ``none`` (see
-#: :func:`specdec.heads.modules.quantize_head`).
+#: ``quantization`` values of the head drafters (``specdec.heads.modules.HEAD_QUANTIZATIONS``,
+#: here without importing torch): ``auto`` is ``q8_0`` for a head on the CPU when the
+#: native runtime's kernels are available, else ``none``.
 HEAD_QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_1")
 
 

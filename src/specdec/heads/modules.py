@@ -397,8 +397,10 @@ def make_head(config: HeadConfig) -> EagleHead | MedusaHead | ParallelHead:
     raise ValueError(f"unknown head kind {config.kind!r}; known: {', '.join(KINDS)}")
 
 
-#: ``quantization`` values of :func:`quantize_head`: ``none`` keeps the float weights.
-HEAD_QUANTIZATIONS = ("none", "q8_0", "q4_1")
+#: ``quantization`` values of :func:`quantize_head` (the head drafters' option,
+#: :data:`specdec.drafters.options.HEAD_QUANTIZATION_CHOICES`): ``none`` keeps the float
+#: weights, ``auto`` is ``q8_0`` for a float32 CPU head where the kernels build, else ``none``.
+HEAD_QUANTIZATIONS = ("auto", "none", "q8_0", "q4_1")
 
 
 class QuantizedLinear(nn.Module):
@@ -427,8 +429,8 @@ class QuantizedLinear(nn.Module):
         from specdec.runtime.quant import BLOCK, QuantLinear, quantize
 
         super().__init__()
-        if kind not in HEAD_QUANTIZATIONS[1:]:
-            raise ValueError(f"unknown head quantization {kind!r}; known: {HEAD_QUANTIZATIONS}")
+        if kind not in HEAD_QUANTIZATIONS[2:]:
+            raise ValueError(f"unknown head quantization {kind!r}; known: {HEAD_QUANTIZATIONS[2:]}")
         if linear.in_features % BLOCK:
             raise ValueError(f"input width {linear.in_features} is not a multiple of {BLOCK}")
         self.in_features, self.out_features, self.kind = (
@@ -448,19 +450,26 @@ class QuantizedLinear(nn.Module):
 def quantize_head(head: EagleHead | MedusaHead, kind: str) -> int:
     """Replace, in place, every ``nn.Linear`` of an inference head whose input width is a
     multiple of 32 by a :class:`QuantizedLinear` of ``kind`` (CPU only; the others stay
-    float). The head must be a float32 CPU head in eval mode (not for training).
+    float; ``auto``: see :data:`HEAD_QUANTIZATIONS`). For inference heads only (not for
+    training).
 
     Returns:
         the number of layers replaced.
 
     Raises:
-        ValueError: an unknown kind, or a head that is not a float32 CPU head.
+        ValueError: an unknown kind, or an explicit kind for a head that is not a float32
+            CPU head.
     """
     if kind not in HEAD_QUANTIZATIONS:
         raise ValueError(f"unknown head quantization {kind!r}; known: {HEAD_QUANTIZATIONS}")
+    on_cpu = head.norm.weight.device.type == "cpu" and head.dtype == torch.float32
+    if kind == "auto":
+        from specdec.runtime.kernels import kernel_available
+
+        kind = "q8_0" if on_cpu and kernel_available("cpu") else "none"
     if kind == "none":
         return 0
-    if head.norm.weight.device.type != "cpu" or head.norm.weight.dtype != torch.float32:
+    if not on_cpu:
         raise ValueError(
             f"head quantization {kind} runs on the CPU in float32; this head is "
             f"{head.norm.weight.dtype} on {head.norm.weight.device} (use quantization=none)"
