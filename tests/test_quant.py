@@ -229,7 +229,13 @@ def test_quantized_model_equals_the_dense_model_on_the_same_kernel(embedded_fp32
 
 @pytest.mark.parametrize(
     ("dtype", "kernel"),
-    [("float32", "fma"), ("bfloat16", "fma"), ("bfloat16", "amx"), ("float32", "q8")],
+    [
+        ("float32", "fma"),
+        ("bfloat16", "fma"),
+        ("bfloat16", "amx"),
+        ("bfloat16", "dpbf16"),
+        ("float32", "q8"),
+    ],
 )  # fmt: skip (q8 in bfloat16: its conversions are checked bit for bit on the kernel)
 def test_quantized_greedy_speculation_equals_plain_decoding(dtype, kernel, monkeypatch):
     """Exact mode on the GGUF's own blocks, with each quantized kernel: a batch of prompts
@@ -299,55 +305,83 @@ def test_quantized_at_load_is_lossless_under_speculation(kind):
     assert llm.generate(prompt, params).token_ids == plain.token_ids
 
 
-needs_amx = pytest.mark.skipif(
-    "amx" not in available_quant_kernels(torch.bfloat16), reason="no AMX-BF16 here"
-)
+#: The kernels that read the tile layout (amx_layout), each where this CPU runs it.
+TILE_KERNELS = [
+    pytest.param(
+        kernel,
+        marks=pytest.mark.skipif(
+            kernel not in available_quant_kernels(torch.bfloat16),
+            reason=f"no {'AMX-BF16' if kernel == 'amx' else 'AVX512-BF16 with VBMI'} here",
+        ),
+    )
+    for kernel in ("amx", "dpbf16")
+]
 
 
-@needs_amx
+def _tile_gemm(kernel: str):
+    from specdec.runtime import kernels
+
+    return kernels.amx_quant_gemm if kernel == "amx" else kernels.dpbf16_quant_gemm
+
+
+@pytest.mark.parametrize("kernel", TILE_KERNELS)
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (576, 1536)])
-def test_amx_quantized_product_is_the_weights_product_and_row_invariant(kind, n, k):
-    """The AMX kernel (integer weights on tiles, the file's weights exactly, float32
-    accumulation): within bfloat16 rounding of the float64 product on the dequantized
-    matrix, including a block of zeros (d = 0); every row bit-identical alone and at every
-    place of every row count up to 80 (one row tile, and groups of up to four)."""
-    from specdec.runtime.kernels import amx_quant_gemm
-
+def test_tile_quantized_product_is_the_weights_product_and_row_invariant(kernel, kind, n, k):
+    """The tile kernels (integer weights, the file's weights exactly, float32
+    accumulation: amx on AMX tiles, dpbf16 on AVX512-BF16 pair dot products): within
+    bfloat16 rounding of the float64 product on the dequantized matrix, including a block
+    of zeros (d = 0) and N not a multiple of 16; every row bit-identical alone and at every
+    place of every row count up to 80 (every pass size of rows, and several passes)."""
+    gemm = _tile_gemm(kernel)
     matrix = _matrix(kind, n, k, seed=7)
     tiles, code = amx_layout(matrix)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(90, k, generator=gen).bfloat16()
-    y = amx_quant_gemm(x, tiles, code, n)
+    y = gemm(x, tiles, code, n)
     ref = x.double() @ reference_dequantize(matrix).double().t()
     assert ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-4 * ref.abs().max()).all()
-    alone = torch.cat([amx_quant_gemm(x[i : i + 1], tiles, code, n) for i in range(90)])
+    alone = torch.cat([gemm(x[i : i + 1], tiles, code, n) for i in range(90)])
     assert torch.equal(alone, y)
     for m in range(2, 81):
         for start in (0, 9):
-            assert torch.equal(
-                amx_quant_gemm(x[start : start + m], tiles, code, n), y[start : start + m]
-            )
+            assert torch.equal(gemm(x[start : start + m], tiles, code, n), y[start : start + m])
 
 
-@needs_amx
-def test_amx_quant_linear_and_its_refusals():
+def test_dpbf16_planted_bug_is_caught():
+    """The oracle above catches a kernel that drops the Q4_1 minimum (m S(x)): its products
+    leave bfloat16 rounding of the weights' product."""
+    matrix = _matrix("q4_1", 40, 64, seed=7)
+    raw = matrix.blocks.reshape(40, 2, 20).clone()
+    raw[..., 2:4] = 0  # m = 0 in every block: what a kernel without the m S(x) term computes
+    dropped = QuantizedMatrix("q4_1", raw.reshape(40, 40), (40, 64))
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    ref = x.double() @ reference_dequantize(matrix).double().t()
+    wrong = x.double() @ reference_dequantize(dropped).double().t()
+    assert not ((wrong - ref).abs() <= 2**-8 * ref.abs() + 1e-4 * ref.abs().max()).all()
+
+
+@pytest.mark.parametrize("kernel", TILE_KERNELS)
+def test_tile_quant_linear_and_its_refusals(kernel):
+    gemm = _tile_gemm(kernel)
     matrix = _matrix("q4_1", 48, 64)
     bias = torch.randn(48).bfloat16()
-    linear = QuantLinear(matrix, bias, torch.bfloat16, kernel="amx")
-    assert linear.tile == 64 and linear.kernel == "amx"
+    linear = QuantLinear(matrix, bias, torch.bfloat16, kernel=kernel)
+    assert linear.tile == 64 and linear.kernel == kernel
     x = torch.randn(20, 64).bfloat16()
     ref = x.float() @ reference_dequantize(matrix).t() + bias.float()
     torch.testing.assert_close(linear(x, exact=True).float(), ref, rtol=0.02, atol=0.02)
     assert torch.equal(linear(x[:1], exact=True), linear(x, exact=True)[:1])
     with pytest.raises(ValueError, match="computes in bfloat16"):
-        QuantLinear(matrix, None, torch.float32, kernel="amx")
+        QuantLinear(matrix, None, torch.float32, kernel=kernel)
     with pytest.raises(ValueError, match="unknown quantized kernel"):
         QuantLinear(matrix, None, torch.bfloat16, kernel="int8")
     with pytest.raises(RuntimeError, match="tiles hold 64"):
-        from specdec.runtime.kernels import amx_quant_gemm
-
-        amx_quant_gemm(torch.zeros(1, 96).bfloat16(), *amx_layout(matrix), 48)
+        gemm(torch.zeros(1, 96).bfloat16(), *amx_layout(matrix), 48)
+    with pytest.raises(RuntimeError, match="x must be a bfloat16"):
+        gemm(torch.zeros(1, 64), *amx_layout(matrix), 48)
+    with pytest.raises(RuntimeError, match="matching the tiles' N"):
+        gemm(torch.zeros(1, 64).bfloat16(), *amx_layout(matrix), 64)
 
 
 def test_the_quantized_kernel_is_chosen_by_its_exact_mode_score():
@@ -374,7 +408,7 @@ def test_quant_kernel_choices_measure_once_and_obey_the_override(tmp_path, monke
     first = quant_kernel_choices(products, torch.bfloat16)
     assert first["o"] in available_quant_kernels(torch.bfloat16)
     measured = [k for k in available_quant_kernels(torch.bfloat16) if k in MEASURED_QUANT_KERNELS]
-    if len(measured) == 2:  # measured, then read back
+    if len(measured) >= 2:  # measured, then read back
         assert (tmp_path / "kernels.json").exists()
         assert quant_kernel_choices(products, torch.bfloat16) == first
 
@@ -529,9 +563,13 @@ def test_q8_runs_only_when_asked_for(tmp_path, monkeypatch):
     assert torch.equal(linear.dense(torch.float32), reference_dequantize(products["o"][0]))
 
 
-@pytest.mark.parametrize("kernel", ["fma", "q8"])
+@pytest.mark.parametrize(
+    ("kernel", "dtype"),
+    [("fma", "float32"), ("q8", "float32"),
+     *[pytest.param(k.values[0], "bfloat16", marks=k.marks) for k in TILE_KERNELS[1:]]],
+)  # fmt: skip
 def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
-    kernel, embedded_fp32, monkeypatch
+    kernel, dtype, embedded_fp32, monkeypatch
 ):
     """``decode_layers`` (every layer of a forward in one call into the extension) and
     ``decode_layer`` (one call per layer, where hidden states are captured) against the
@@ -545,8 +583,14 @@ def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
     from specdec.trees import ROOT, TokenTree
 
     monkeypatch.setenv("SPECDEC_QUANT_KERNEL", kernel)
-    model = NativeModel(embedded_fp32, quantization="gguf")
+    if dtype == "float32":
+        model = NativeModel(embedded_fp32, quantization="gguf")
+    else:
+        from specdec.models.loading import load
+
+        model = NativeModel(load("smollm2-135m-instruct", dtype, backend="hf"), quantization="gguf")
     decoder = model.decoder
+    assert decoder.layers[0]["qkv"].kernel == kernel
     n_layers = len(decoder.layers)
     assert all(spec is not None for spec in decoder._decode_specs)
     calls = []

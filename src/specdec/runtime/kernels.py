@@ -36,8 +36,11 @@ _SOURCES = (
     _CSRC / "layer_ops.cpp",
     _CSRC / "gemm.cpp",
     _CSRC / "amx.cpp",
+    _CSRC / "dpbf16.cpp",
     _CSRC / "q8.cpp",
 )
+#: Headers the sources include (part of the build's name too).
+_HEADERS = (_CSRC / "common.h", _CSRC / "quant_tiles.h")
 #: Compiler flags (part of the build's name). No FMA contraction: the fused ops round like
 #: PyTorch's separate operations.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
@@ -58,7 +61,7 @@ def _load():
         from torch.utils.cpp_extension import load
 
         digest = hashlib.sha256(
-            b"".join(p.read_bytes() for p in (*_SOURCES, _CSRC / "common.h"))
+            b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
             + " ".join([*_CFLAGS, *_LDFLAGS, torch.__version__]).encode()
             + cpu_flags().encode()
         ).hexdigest()[:10]
@@ -366,7 +369,7 @@ def decode_layer(
     heads: int,
     blocks: list[torch.Tensor],
     codes: list[int],
-    q8: list[int],
+    kernels: list[int],
     mlp_norm: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,8 +384,9 @@ def decode_layer(
         cos, sin, caches, layer, store_seq, store_slot: as :func:`rotary_kv` takes them.
         row_seq, row_n, row_off, slots, scale: as :func:`ragged_attention` takes them.
         heads: query heads H.
-        blocks, codes, q8: per product (qkv, o, gate_up, down) its blocks, their kind and
-            1 for :func:`q8_gemm`, 0 for :func:`quant_gemm`.
+        blocks, codes, kernels: per product (qkv, o, gate_up, down) its blocks, their kind
+            and its kernel: 0 for :func:`quant_gemm`, 1 for :func:`q8_gemm`, 2 for
+            :func:`dpbf16_quant_gemm` (whose tiles then hold N, a multiple of 16, outputs).
         mlp_norm, eps: the MLP norm's weight and epsilon.
 
     Returns:
@@ -394,7 +398,7 @@ def decode_layer(
     """
     out = _module_or_raise().decode_layer(
         x, normed, cos, sin, caches, layer, store_seq, store_slot, row_seq, row_n, row_off,
-        slots, float(scale), heads, blocks, codes, q8, mlp_norm, float(eps),
+        slots, float(scale), heads, blocks, codes, kernels, mlp_norm, float(eps),
     )  # fmt: skip
     return out[0], out[1]
 
@@ -415,7 +419,7 @@ def decode_layers(
     heads: int,
     blocks: list[torch.Tensor],
     codes: list[int],
-    q8: list[int],
+    kernels: list[int],
     attn_norms: list[torch.Tensor],
     mlp_norms: list[torch.Tensor],
     eps: float,
@@ -428,7 +432,8 @@ def decode_layers(
     Args:
         x: ``[T, D]`` the embeddings (contiguous).
         layers: the layer indices (into the caches), in order.
-        blocks, codes, q8: four per layer (qkv, o, gate_up, down), as :func:`decode_layer`.
+        blocks, codes, kernels: four per layer (qkv, o, gate_up, down), as
+            :func:`decode_layer`.
         attn_norms, mlp_norms: one per layer.
         the rest: as :func:`decode_layer`.
 
@@ -442,7 +447,7 @@ def decode_layers(
     """
     out = _module_or_raise().decode_layers(
         x, cos, sin, caches, layers, store_seq, store_slot, row_seq, row_n, row_off, slots,
-        float(scale), heads, blocks, codes, q8, attn_norms, mlp_norms, float(eps),
+        float(scale), heads, blocks, codes, kernels, attn_norms, mlp_norms, float(eps),
     )  # fmt: skip
     return out[0], out[1]
 
@@ -582,6 +587,46 @@ def amx_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -> t
         x = x.contiguous()
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     _module_or_raise().amx_quant_gemm(x, tiles, kind, out)
+    return out
+
+
+def dpbf16_available() -> bool:
+    """Whether :func:`dpbf16_quant_gemm` runs here: the extension builds for a CPU with
+    AVX512-BF16 and AVX512-VBMI (AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids
+    and later)."""
+    module = _load()
+    return module is not None and bool(module.dpbf16_available())
+
+
+def dpbf16_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -> torch.Tensor:
+    """``y = x W^T`` with ``x`` bfloat16 and ``W`` in GGUF blocks laid out as tiles
+    (:func:`specdec.runtime.quant.amx_layout`), on AVX512-BF16's pair dot products
+    (``csrc/dpbf16.cpp``): :func:`amx_quant_gemm`'s arithmetic without AMX. Per output,
+    block by block in increasing order, ``acc = fma(x_b . q_b, d_b, acc)`` then (Q4_1)
+    ``acc = fma(S_b(x), m_b, acc)``, with ``x_b . q_b`` the exact integers of the file's
+    block dotted with the row's 32 activations (16 VDPBF16PS pair steps in order, float32;
+    Intel SDM vol. 2, VDPBF16PS) and ``S_b`` their float32 sum; then one rounding to
+    bfloat16. Each output reads its own row and weights only: row-invariant for any M.
+    A lane of the instruction is an output, so a tile row of integers expands once for all
+    rows: verifying several tokens costs little more than one.
+
+    Args:
+        x: ``[M, K]`` bfloat16 with contiguous rows.
+        tiles: ``[ceil(N / 16), K / 32, 384]`` (Q4_1) or ``[.., .., 576]`` (Q8_0) uint8.
+        kind: 0 = Q4_1, 1 = Q8_0.
+        n: N.
+
+    Returns:
+        ``[M, N]`` bfloat16, contiguous.
+
+    Raises:
+        RuntimeError: the CPU has no AVX512-BF16, or shapes, kinds, layouts or dtypes
+            differ.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    _module_or_raise().dpbf16_quant_gemm(x, tiles, kind, out)
     return out
 
 

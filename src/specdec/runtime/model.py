@@ -46,7 +46,7 @@ KERNEL_ROWS = 64
 
 #: Run a layer of decoding / verification rows as one call into the extension
 #: (:func:`~specdec.runtime.kernels.decode_layer`) where its products are quantized
-#: (``fma`` or ``q8`` kernel, no bias, no query/key norms), and all the layers of such a
+#: (``fma``, ``q8`` or ``dpbf16`` kernel, no bias, no query/key norms), and all the layers of such a
 #: forward in one call (:func:`~specdec.runtime.kernels.decode_layers`) where every layer
 #: qualifies and no hidden state is captured: the same functions in the same order as
 #: :meth:`NativeDecoder._fused_layer`, so the same bits (tested), without about a dozen
@@ -320,27 +320,30 @@ class NativeDecoder:
         return x + _product(layer["down"], F.silu(gate) * up, plans, exact, upcast)
 
     def _decode_spec(self, index: int):
-        """``(blocks, codes, q8 flags, rows)`` of layer ``index``'s four products for
-        :func:`decode_layer` (``rows``: the most rows one call of each computes with the
-        bits it has alone), or ``None`` where a product is dense, ``amx``, or has a bias,
-        or the layer has query/key norms."""
+        """``(blocks, codes, kernels, rows)`` of layer ``index``'s four products for
+        :func:`decode_layer` (``kernels``: 0 ``fma``, 1 ``q8``, 2 ``dpbf16``; ``rows``: the
+        most rows one call of each computes with the bits it has alone), or ``None`` where
+        a product is dense, ``amx``, ``dpbf16`` with N not a multiple of 16, or has a
+        bias, or the layer has query/key norms."""
         layer = self.layers[index]
         parts = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
+        codes = {"fma": 0, "q8": 1, "dpbf16": 2}
         if self.weights.layers[index].q_norm is not None or not all(
-            isinstance(p, QuantLinear) and p.kernel in ("fma", "q8") and p.bias is None
+            isinstance(p, QuantLinear) and p.kernel in codes and p.bias is None
+            and (p.kernel != "dpbf16" or p.matrix.shape[0] % 16 == 0)
             for p in parts
-        ):
+        ):  # fmt: skip
             return None
         return (
             [p.layout[0] for p in parts],
             [int(p.layout[1]) for p in parts],
-            [int(p.kernel == "q8") for p in parts],
+            [codes[p.kernel] for p in parts],
             min(p.tile for p in parts),
         )
 
     def _fused_layers(self, order, kernel, rows: int):
         """The per-layer lists :func:`decode_layers` takes for the layers ``order``
-        (``blocks, codes, q8, attn_norms, mlp_norms``; built once per order), or ``None``
+        (``blocks, codes, kernels, attn_norms, mlp_norms``; built once per order), or ``None``
         where the forward cannot run them in one call: fused layers off, a layer without
         a :meth:`_decode_spec`, a row outside the attention kernel (a prompt chunk), or
         more rows than a product computes at once with the bits of one row."""

@@ -26,11 +26,15 @@ With bfloat16 activations on a CPU with AMX-BF16 there is a second kernel, ``amx
 m S(x)`` with the integers ``q`` on AMX tiles (exact in bfloat16: still the file's weights
 exactly), float32 accumulation. It reads the same bytes, costs about 1.1-1.4x the float32
 kernel for one row but about the same from 4 rows and 2.3x / 2.8x less for 16 / 64 rows
-(measured on a 2-core Xeon), so verification and batches get cheap. The two round
-differently, so a model runs one of them per product, for every row count:
-:func:`quant_kernel_choices` measures both once per machine and model and keeps the
-better exact-mode score (one row, plus a quarter of 16 and of 64 rows, as for dense
-products); ``SPECDEC_QUANT_KERNEL=fma|amx`` forces one.
+(measured on a 2-core Xeon), so verification and batches get cheap. On a CPU with
+AVX512-BF16 but no AMX (AMD Zen 4) the same arithmetic runs as ``dpbf16``
+(:func:`~specdec.runtime.kernels.dpbf16_quant_gemm`): one VDPBF16PS lane per output, so a
+tile row's integers expand once for every row and no horizontal sums remain; measured on
+a 2-core Zen 4 over SmolLM2's products it is 1.3-1.7x faster than ``fma`` for one row and
+2-2.6x for five. The kernels round differently, so a model runs one of them per product,
+for every row count: :func:`quant_kernel_choices` measures those available once per
+machine and model and keeps the best exact-mode score (one row, plus a quarter of 16 and
+of 64 rows, as for dense products); ``SPECDEC_QUANT_KERNEL=fma|amx|dpbf16`` forces one.
 
 Sources of quantized matrices:
 
@@ -284,14 +288,17 @@ def amx_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
 #: The quantized product kernels: ``fma`` (:func:`~specdec.runtime.kernels.quant_gemm`,
 #: float32 FMAs on the dequantized weights, any dtype), ``amx`` (:func:`~specdec.
 #: runtime.kernels.amx_quant_gemm`, integer weights on AMX tiles, bfloat16 on CPUs with
-#: AMX-BF16) and ``q8`` (:func:`~specdec.runtime.kernels.q8_gemm`, activations rounded to
-#: 8 bits per block of 32 and integer dot products: llama.cpp's arithmetic, any dtype).
+#: AMX-BF16), ``dpbf16`` (:func:`~specdec.runtime.kernels.dpbf16_quant_gemm`, the amx
+#: kernel's arithmetic on AVX512-BF16's pair dot products, bfloat16 on CPUs with
+#: AVX512-BF16 such as AMD Zen 4) and ``q8`` (:func:`~specdec.runtime.kernels.q8_gemm`,
+#: activations rounded to 8 bits per block of 32 and integer dot products: llama.cpp's
+#: arithmetic, any dtype).
 #: All are row-invariant for any M; they round differently, so one model runs one kernel
 #: per product. ``q8`` changes the activations, so it runs only when asked for
 #: (``SPECDEC_QUANT_KERNEL=q8``), never by measurement (:data:`MEASURED_QUANT_KERNELS`).
-QUANT_KERNELS = ("fma", "amx", "q8")
-#: The kernels :func:`quant_kernel_choices` times and picks from (both keep the activations).
-MEASURED_QUANT_KERNELS = ("fma", "amx")
+QUANT_KERNELS = ("fma", "amx", "dpbf16", "q8")
+#: The kernels :func:`quant_kernel_choices` times and picks from (all keep the activations).
+MEASURED_QUANT_KERNELS = ("fma", "amx", "dpbf16")
 
 _INVARIANT: dict[tuple[str, str, int, torch.dtype], bool] = {}
 
@@ -304,6 +311,8 @@ def _quant_runner(kernel: str, matrix: QuantizedMatrix):
     n = matrix.shape[0]
     if kernel == "amx":
         return amx_layout(matrix), lambda x, t: kernels.amx_quant_gemm(x, t[0], t[1], n)
+    if kernel == "dpbf16":
+        return amx_layout(matrix), lambda x, t: kernels.dpbf16_quant_gemm(x, t[0], t[1], n)
     if kernel == "q8":
         return q8_layout(matrix), lambda x, t: kernels.q8_gemm(x, t[0], t[1])
     return kernel_layout(matrix), lambda x, t: kernels.quant_gemm(x, t[0], t[1])
@@ -338,7 +347,7 @@ def check_row_invariance(
 
 
 def forced_quant_kernel() -> str | None:
-    """The kernel ``SPECDEC_QUANT_KERNEL`` forces (``fma``, ``amx`` or ``q8``), or ``None``
+    """The kernel ``SPECDEC_QUANT_KERNEL`` forces (one of :data:`QUANT_KERNELS`), or ``None``
     when it is unset or empty.
 
     Raises:
@@ -351,7 +360,7 @@ def forced_quant_kernel() -> str | None:
     if forced and forced not in QUANT_KERNELS:
         raise ValueError(
             f"SPECDEC_QUANT_KERNEL={forced!r}: expected one of {', '.join(QUANT_KERNELS)} "
-            "(or unset, to measure fma and amx)"
+            "(or unset, to measure the others)"
         )
     return forced or None
 
@@ -359,11 +368,13 @@ def forced_quant_kernel() -> str | None:
 def available_quant_kernels(dtype: torch.dtype) -> list[str]:
     """The quantized product kernels usable for activations of ``dtype`` here (``q8``
     included: see :data:`QUANT_KERNELS`)."""
-    from specdec.runtime.kernels import amx_available, kernel_available
+    from specdec.runtime.kernels import amx_available, dpbf16_available, kernel_available
 
     if not kernel_available():
         return []
-    return ["fma", "amx", "q8"] if dtype == torch.bfloat16 and amx_available() else ["fma", "q8"]
+    if dtype != torch.bfloat16:
+        return ["fma", "q8"]
+    return ["fma", *["amx"] * amx_available(), *["dpbf16"] * dpbf16_available(), "q8"]
 
 
 #: Row counts a quantized kernel is timed at: a decoding step, a verification, a batch.
@@ -387,11 +398,11 @@ def quant_kernel_choices(
     """The kernel each quantized product runs: measured once per machine, dtype and model
     (all layers' matrices, one pass per kernel and row count, the fastest of ``repeats``
     passes kept) and cached in the kernel table beside the dense choices
-    (:func:`specdec.runtime.linear.kernel_table_path`); ``SPECDEC_QUANT_KERNEL=fma|amx|q8``
+    (:func:`specdec.runtime.linear.kernel_table_path`); ``SPECDEC_QUANT_KERNEL=fma|amx|dpbf16|q8``
     forces one where it is available (``q8`` runs only so).
 
     Returns:
-        ``{product: "fma" | "amx" | "q8"}``.
+        ``{product: "fma" | "amx" | "dpbf16" | "q8"}``.
     """
     import time
 
@@ -404,10 +415,11 @@ def quant_kernel_choices(
     usable = [k for k in available if k in MEASURED_QUANT_KERNELS]
     if forced:
         why = (
-            "this CPU has no AMX-BF16 (or the OS refuses its tile state)"
+            ("this CPU has no AMX-BF16 (or the OS refuses its tile state)"
+             if forced == "amx" else "this CPU has no AVX512-BF16 with VBMI")
             if dtype == torch.bfloat16
-            else f"{str(dtype).replace('torch.', '')} activations; amx computes in bfloat16"
-        )
+            else f"{str(dtype).replace('torch.', '')} activations; {forced} computes in bfloat16"
+        )  # fmt: skip
         logger.warning(
             "SPECDEC_QUANT_KERNEL=%s is not available here (%s): the fma kernel runs", forced, why
         )
@@ -461,11 +473,12 @@ class QuantLinear:
         matrix: the quantized ``[N, K]`` weight.
         bias: ``[N]`` or ``None``.
         dtype: the compute dtype (activations and outputs).
-        kernel: ``"fma"``, ``"amx"`` (bfloat16 only) or ``"q8"`` (see
+        kernel: ``"fma"``, ``"amx"`` or ``"dpbf16"`` (bfloat16 only) or ``"q8"`` (see
             :func:`quant_kernel_choices`).
 
     Raises:
-        ValueError: an unknown kernel, or ``amx`` for another dtype than bfloat16.
+        ValueError: an unknown kernel, or ``amx`` / ``dpbf16`` for another dtype than
+            bfloat16.
     """
 
     def __init__(
@@ -477,8 +490,8 @@ class QuantLinear:
     ):
         if kernel not in QUANT_KERNELS:
             raise ValueError(f"unknown quantized kernel {kernel!r}; known: {QUANT_KERNELS}")
-        if kernel == "amx" and dtype != torch.bfloat16:
-            raise ValueError(f"the amx quantized kernel computes in bfloat16, not {dtype}")
+        if kernel in ("amx", "dpbf16") and dtype != torch.bfloat16:
+            raise ValueError(f"the {kernel} quantized kernel computes in bfloat16, not {dtype}")
         self.matrix = matrix
         self.bias = bias
         self.kernel = kernel

@@ -27,6 +27,7 @@
 // (AMX-BF16), LDTILECFG / TILELOADD / TILESTORED (AMX-TILE); Linux's arch_prctl
 // ARCH_REQ_XCOMP_PERM for the tile data state.
 #include "common.h"
+#include "quant_tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -260,79 +261,17 @@ void run_amx(const c10::BFloat16* ap, int64_t M, int64_t kblocks, const c10::BFl
 // block's integers costs a few instructions per 32 weights (a table lookup), once per
 // call and group of 64 rows: verifying 16 rows costs about what one row costs.
 //
-// Tile layout (specdec.runtime.quant.amx_layout), per 16 outputs j x 32 k:
-//   Q4_1: float32 d[16], float32 m[16], then 16 rows p of 16 bytes: output j's byte
-//         holds q_j[2p] (low nibble) and q_j[2p + 1] (high), at position pos(j) below
-//                                                                    (384 bytes)
-//   Q8_0: float32 d[16], then 16 rows p of 32 int8: q_j[2p], q_j[2p + 1] for each j
-//                                                                    (576 bytes)
-// so row p of the B tile (the pairs of k 2p, 2p + 1 for the 16 outputs) expands from
-// one 16- or 32-byte load.
-enum TileKind : int64_t { kTileQ4_1 = 0, kTileQ8_0 = 1 };
-constexpr int64_t tile_bytes(int64_t kind) { return kind == kTileQ4_1 ? 384 : 576; }
+// The tile layout and its row expansions: quant_tiles.h.
 constexpr int64_t kGroupTiles = 4;  // row tiles per pass over a column block (C tiles 0-3)
-
-// The bfloat16 bits of 0..15 (a Q4_1 q), for a 16-bit table lookup.
-inline __m512i small_int_table() {
-  alignas(64) uint16_t bits[32];
-  for (int i = 0; i < 32; ++i) {
-    const float f = static_cast<float>(i & 15);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    bits[i] = static_cast<uint16_t>(u >> 16);  // exact: small integers fit bfloat16
-  }
-  return _mm512_load_si512(bits);
-}
-
-// Row p's 16 bytes are stored with output j's byte at position pos(j): j = 0, 1, 4, 5, 8,
-// 9, 12, 13 first, then 2, 3, 6, 7, 10, 11, 14, 15 (amx_layout), so that, broadcast to the
-// four 128-bit lanes, the 64-bit lane L of the row holds the bytes of outputs 2L and
-// 2L + 1: one VPMULTISHIFTQB then moves each nibble to its own 16-bit word, in the order
-// the B tile wants (output j's q[2p], q[2p + 1] at words 2j, 2j + 1).
-inline __m512i nibble_shifts() {
-  alignas(64) uint8_t control[64];
-  for (int lane = 0; lane < 8; ++lane) {
-    const int first = 2 * (lane / 2);  // byte position of output 2L within the lane
-    for (int w = 0; w < 4; ++w) {      // words: (2L, e0), (2L, e1), (2L+1, e0), (2L+1, e1)
-      control[8 * lane + 2 * w] = static_cast<uint8_t>(8 * (first + w / 2) + 4 * (w % 2));
-      control[8 * lane + 2 * w + 1] = 0;  // masked off below
-    }
-  }
-  return _mm512_load_si512(control);
-}
 
 inline void expand_q4_1(const uint8_t* t, __m512i table, __m512i shifts,
                         c10::BFloat16* tile) {
-  const uint8_t* nibbles = t + 128;
-  const __m512i low = _mm512_set1_epi16(0x000F);
-  for (int64_t p = 0; p < kTileRows; ++p) {
-    const __m512i row = _mm512_broadcast_i32x4(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + 16 * p)));
-    const __m512i q = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, row), low);
-    _mm512_storeu_si512(tile + p * kTileK, _mm512_permutexvar_epi16(q, table));
-  }
+  for (int64_t p = 0; p < kTileRows; ++p)
+    _mm512_storeu_si512(tile + p * kTileK, q4_1_tile_row(t, p, table, shifts));
 }
 
 inline void expand_q8_0(const uint8_t* t, c10::BFloat16* tile) {
-  const uint8_t* q = t + 64;
-  for (int64_t p = 0; p < kTileRows; ++p) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-    // exact: |q| <= 128 fits bfloat16
-    _mm512_storeu_si512(tile + p * kTileK,
-                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-  }
-}
-
-// S[m, b]: each row's sum over each block of 32 values, float32, k in increasing order.
-void block_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t kblocks, float* s) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < kblocks; ++b) {
-      float sum = 0.f;
-      for (int64_t i = 0; i < kTileK; ++i) sum += to_float(x[m * xs + b * kTileK + i]);
-      s[m * kblocks + b] = sum;
-    }
+  for (int64_t p = 0; p < kTileRows; ++p) _mm512_storeu_si512(tile + p * kTileK, q8_0_tile_row(t, p));
 }
 
 // One block's scaling into the float32 accumulators of `rows` rows: acc = fma(C, d, acc),

@@ -626,11 +626,18 @@ void dequantize(torch::Tensor q, int64_t kind, torch::Tensor out);
 bool amx_available();
 void amx_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor y);
 void amx_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y);
+// dpbf16.cpp
+bool dpbf16_available();
+void dpbf16_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y);
 // q8.cpp
 void q8_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y);
 
+// Per product of decode_layer, its kernel: quant_gemm, q8_gemm or dpbf16_quant_gemm.
+enum LayerKernel : int64_t { kLayerFma = 0, kLayerQ8 = 1, kLayerDpbf16 = 2 };
+
 // One decoder layer of decoding / verification rows whose four products are quantized
-// (fma or q8 kernel), after the attention norm: the calls _fused_layer makes in Python
+// (fma, q8 or dpbf16 kernel: `kernels`, LayerKernel; dpbf16's tiles hold whole tiles of
+// 16 outputs), after the attention norm: the calls _fused_layer makes in Python
 // (specdec.runtime.model), in the same order on the same functions, so the same bits,
 // without a dozen Python calls and allocations per layer. Returns {x + attention output,
 // MLP output} (the sum left to the next layer's add_rms_norm).
@@ -639,13 +646,16 @@ std::vector<torch::Tensor> decode_layer(
     std::vector<torch::Tensor> kv, int64_t layer, torch::Tensor store_seq,
     torch::Tensor store_slot, torch::Tensor row_seq, torch::Tensor row_n, torch::Tensor row_off,
     torch::Tensor slots, double scale, int64_t heads, std::vector<torch::Tensor> blocks,
-    std::vector<int64_t> codes, std::vector<int64_t> q8, torch::Tensor mlp_norm, double eps) {
-  TORCH_CHECK(blocks.size() == 4 && codes.size() == 4 && q8.size() == 4,
+    std::vector<int64_t> codes, std::vector<int64_t> kernels, torch::Tensor mlp_norm, double eps) {
+  TORCH_CHECK(blocks.size() == 4 && codes.size() == 4 && kernels.size() == 4,
               "four products: qkv, o, gate_up, down");
   TORCH_CHECK(!kv.empty(), "no KV caches");
   auto product = [&](const torch::Tensor& in, int i) {
-    auto y = at::empty({in.size(0), blocks[i].size(0)}, in.options());
-    if (q8[i]) {
+    const bool tiles = kernels[i] == kLayerDpbf16;
+    auto y = at::empty({in.size(0), blocks[i].size(0) * (tiles ? 16 : 1)}, in.options());
+    if (tiles) {
+      dpbf16_quant_gemm(in, blocks[i], codes[i], y);
+    } else if (kernels[i] == kLayerQ8) {
       q8_gemm(in, blocks[i], codes[i], y);
     } else {
       quant_gemm(in, blocks[i], codes[i], y);
@@ -670,17 +680,17 @@ std::vector<torch::Tensor> decode_layer(
 // decode_layer over the layers `layers` in order, each after its attention norm (the
 // first one's rms_norm of x, then add_rms_norm of the residual and the previous layer's
 // MLP output, as NativeDecoder.forward_full calls them). Per layer i (the position in
-// `layers`): blocks / codes / q8 [4 i .. 4 i + 3], attn_norms[i], mlp_norms[i].
+// `layers`): blocks / codes / kernels [4 i .. 4 i + 3], attn_norms[i], mlp_norms[i].
 // Returns {x, MLP output of the last layer}.
 std::vector<torch::Tensor> decode_layers(
     torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv,
     std::vector<int64_t> layers, torch::Tensor store_seq, torch::Tensor store_slot,
     torch::Tensor row_seq, torch::Tensor row_n, torch::Tensor row_off, torch::Tensor slots,
     double scale, int64_t heads, std::vector<torch::Tensor> blocks, std::vector<int64_t> codes,
-    std::vector<int64_t> q8, std::vector<torch::Tensor> attn_norms,
+    std::vector<int64_t> kernels, std::vector<torch::Tensor> attn_norms,
     std::vector<torch::Tensor> mlp_norms, double eps) {
   const size_t L = layers.size();
-  TORCH_CHECK(L > 0 && blocks.size() == 4 * L && codes.size() == 4 * L && q8.size() == 4 * L &&
+  TORCH_CHECK(L > 0 && blocks.size() == 4 * L && codes.size() == 4 * L && kernels.size() == 4 * L &&
                   attn_norms.size() == L && mlp_norms.size() == L,
               "per layer: four products and two norms");
   torch::Tensor pending;
@@ -697,7 +707,7 @@ std::vector<torch::Tensor> decode_layers(
         x, normed, cos, sin, kv, layers[i], store_seq, store_slot, row_seq, row_n, row_off,
         slots, scale, heads, {blocks.begin() + 4 * i, blocks.begin() + 4 * i + 4},
         {codes.begin() + 4 * i, codes.begin() + 4 * i + 4},
-        {q8.begin() + 4 * i, q8.begin() + 4 * i + 4}, mlp_norms[i], eps);
+        {kernels.begin() + 4 * i, kernels.begin() + 4 * i + 4}, mlp_norms[i], eps);
     x = out[0];
     pending = out[1];
   }
@@ -727,6 +737,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether amx_gemm runs here (AMX-BF16 and the tile state)");
   m.def("amx_gemm", &amx_gemm, "bfloat16 x W^T on AMX tiles, W packed; row-invariant for any M");
   m.def("amx_quant_gemm", &amx_quant_gemm, "bfloat16 x W^T on AMX tiles, W in Q4_1 / Q8_0 tiles");
+  m.def("dpbf16_available", &dpbf16_available, "whether dpbf16_quant_gemm runs here (AVX512-BF16)");
+  m.def("dpbf16_quant_gemm", &dpbf16_quant_gemm,
+        "bfloat16 x W^T with AVX512-BF16 pair dot products, W in Q4_1 / Q8_0 tiles");
   m.def("q8_gemm", &q8_gemm, "x W^T with x quantized to 8 bits per block of 32, W in Q4_1 / Q8_0");
   m.def("decode_layer", &decode_layer, "one decoder layer of decoding rows, quantized products");
   m.def("decode_layers", &decode_layers, "decode_layer over several layers, with their norms");

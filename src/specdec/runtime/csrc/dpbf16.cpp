@@ -1,0 +1,215 @@
+// Quantized products (GGUF Q4_1, Q8_0) with bfloat16 activations on AVX512-BF16's pair dot
+// products (specdec native runtime; see specdec/runtime/quant.py, kernel "dpbf16").
+//
+// What is computed is the amx kernel's arithmetic (amx.cpp), on CPUs with AVX512-BF16 but
+// no AMX (AMD Zen 4 and later, Intel Cooper Lake):
+//   y[m, n] = sum over blocks b, in increasing order, of
+//             acc = fma(C, d[n, b], acc), then (Q4_1) acc = fma(S[m, b], m[n, b], acc)
+// with C = x[m, b] . q[n, b] the exact integers of the file's block (quant_tiles.h) dotted
+// with the row's 32 bfloat16 activations: a float32 sum of 16 pair steps, p = 0..15 in
+// order, each one VDPBF16PS lane (Intel SDM vol. 2, VDPBF16PS: lane j adds the products
+// of its two bfloat16 pairs to its float32 accumulator), then one rounding of acc to
+// bfloat16. Every step of output (m, n) reads row m and output n only, in a fixed order,
+// so a row gets the same bits alone or in any batch, at any place, on any thread
+// (row-invariant by construction; checked again before exact mode uses it, as every
+// kernel is).
+//
+// Why: the fma kernel (gemm.cpp) computes each output as 16 float32 lanes along k and
+// expands each block of weights to float32, so a verification of M rows costs M FMAs per
+// 16 weights: on a 2-core Zen 4 its Q4_1 product over 5 rows took 2.9x one row's time, and
+// verifying 5 draft tokens 2.3x a decoding step. Here a lane is an output: one VDPBF16PS
+// (one instruction per cycle, as an FMA, measured on that Zen 4) does 32 multiply-adds, the
+// row's pair of activations broadcast to the 16 outputs of a tile, and a tile row's
+// integers expand once (3-5 instructions) for every row of x that passes; no horizontal
+// sums. The weights stream in the amx kernel's tile layout (6 bits per Q4_1 weight).
+#include "quant_tiles.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using namespace specdec;
+
+#if defined(SPECDEC_QUANT_TILES)
+
+constexpr int kMaxRows = 12;          // rows of x per pass over a tile's blocks
+constexpr int kMaxAccumulators = 12;  // rows x tiles per pass (two registers each)
+constexpr int64_t kGroup = 8;         // tiles whose blocks stay in cache while all rows pass
+
+// Tiles per pass for MB rows: as many as the registers hold (a tile row's integers are
+// expanded once per pass, so more rows per pass expand less often), up to 8 for one row.
+constexpr int tiles_per_pass(int rows) {
+  return rows == 1 ? 8 : std::max(1, std::min(4, kMaxAccumulators / rows));
+}
+// Bytes ahead in a tile's stream that each block asks the cache for.
+constexpr int64_t kPrefetchBytes = 8192;
+
+template <int64_t kind>
+inline __m512bh tile_row(const uint8_t* tile, int64_t p, __m512i table, __m512i shifts) {
+  if constexpr (kind == kTileQ4_1) {
+    return reinterpret_cast<__m512bh>(q4_1_tile_row(tile, p, table, shifts));
+  } else {
+    return reinterpret_cast<__m512bh>(q8_0_tile_row(tile, p));
+  }
+}
+
+// x[k], x[k + 1] in every 32-bit lane.
+inline __m512bh pair(const c10::BFloat16* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(v));
+}
+
+// MB rows of x against NB tiles of 16 outputs (col_bytes apart), over all K blocks; the
+// outputs n0 .. n0 + 16 NB - 1 of y (those below N).
+template <int64_t kind, int MB, int NB>
+void tile_block(const c10::BFloat16* x, int64_t xs, const float* sums, int64_t kblocks,
+                const uint8_t* q, int64_t col_bytes, __m512i table, __m512i shifts,
+                c10::BFloat16* y, int64_t N, int64_t n0) {
+  static_assert(MB * NB <= kMaxAccumulators, "accumulators must stay in registers");
+  constexpr int64_t bytes = tile_bytes(kind);
+  __m512 acc[MB][NB];
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    const c10::BFloat16* xb = x + kb * kTileQuantK;
+    const uint8_t* tiles = q + kb * bytes;
+    for (int j = 0; j < NB; ++j)
+      for (int64_t line = 0; line < bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(tiles + j * col_bytes) + kPrefetchBytes + line,
+                     _MM_HINT_T0);
+    __m512 dot[MB][NB];
+    for (int r = 0; r < MB; ++r)
+      for (int j = 0; j < NB; ++j) dot[r][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kTileQuantRows; ++p) {
+      for (int j = 0; j < NB; ++j) {
+        const __m512bh w = tile_row<kind>(tiles + j * col_bytes, p, table, shifts);
+        for (int r = 0; r < MB; ++r) dot[r][j] = _mm512_dpbf16_ps(dot[r][j], pair(xb + r * xs + 2 * p), w);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const float* scales = reinterpret_cast<const float*>(tiles + j * col_bytes);
+      const __m512 d = _mm512_loadu_ps(scales);
+      for (int r = 0; r < MB; ++r) acc[r][j] = _mm512_fmadd_ps(dot[r][j], d, acc[r][j]);
+      if constexpr (kind == kTileQ4_1) {
+        const __m512 mins = _mm512_loadu_ps(scales + 16);
+        for (int r = 0; r < MB; ++r)
+          acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * kblocks + kb]), mins, acc[r][j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n = n0 + 16 * j, valid = std::min<int64_t>(16, N - n);
+    for (int r = 0; r < MB; ++r) {
+      if (valid == 16) {
+        store16(y + r * N + n, acc[r][j]);
+      } else if (valid > 0) {
+        alignas(64) c10::BFloat16 tmp[16];
+        store16(tmp, acc[r][j]);
+        std::copy(tmp, tmp + valid, y + r * N + n);
+      }
+    }
+  }
+}
+
+// MB rows against the tiles [t0, t1) (at most kGroup), NB tiles at a time.
+template <int64_t kind, int MB>
+void rows_against(const c10::BFloat16* x, int64_t xs, const float* sums, int64_t kblocks,
+                  const uint8_t* qp, int64_t t0, int64_t t1, __m512i table, __m512i shifts,
+                  c10::BFloat16* y, int64_t N) {
+  constexpr int NB = tiles_per_pass(MB);
+  const int64_t col_bytes = kblocks * tile_bytes(kind);
+  int64_t t = t0;
+  for (; t + NB <= t1; t += NB)
+    tile_block<kind, MB, NB>(x, xs, sums, kblocks, qp + t * col_bytes, col_bytes, table, shifts, y, N, 16 * t);
+  for (; t < t1; ++t)
+    tile_block<kind, MB, 1>(x, xs, sums, kblocks, qp + t * col_bytes, col_bytes, table, shifts, y, N, 16 * t);
+}
+
+// rows_against for 1 <= rows <= kMaxRows.
+template <int64_t kind, int MB = kMaxRows>
+inline void dispatch_rows(int64_t rows, const c10::BFloat16* x, int64_t xs, const float* sums,
+                          int64_t kblocks, const uint8_t* qp, int64_t t0, int64_t t1,
+                          __m512i table, __m512i shifts, c10::BFloat16* y, int64_t N) {
+  if constexpr (MB > 1) {
+    if (rows < MB) {
+      dispatch_rows<kind, MB - 1>(rows, x, xs, sums, kblocks, qp, t0, t1, table, shifts, y, N);
+      return;
+    }
+  }
+  rows_against<kind, MB>(x, xs, sums, kblocks, qp, t0, t1, table, shifts, y, N);
+}
+
+template <int64_t kind>
+void run_tiles(const c10::BFloat16* xp, int64_t xs, const float* sums, int64_t M,
+               int64_t kblocks, const uint8_t* qp, int64_t N, c10::BFloat16* yp) {
+  const int64_t ntiles = (N + 15) / 16;
+  // rows in passes of equal size, at most kMaxRows each (16 rows: two of 8)
+  const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
+  const int64_t chunk = (M + passes - 1) / passes;
+  // grain 1: OpenMP hands each thread an equal share of the tiles
+  at::parallel_for(0, ntiles, 1, [&](int64_t b0, int64_t b1) {
+    const __m512i table = small_int_table();
+    const __m512i shifts = nibble_shifts();
+    for (int64_t g = b0; g < b1; g += kGroup) {  // these tiles stay in cache for all rows
+      const int64_t g1 = std::min(b1, g + kGroup);
+      for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const c10::BFloat16* x = xp + m0 * xs;
+        const float* s = sums + m0 * kblocks;
+        c10::BFloat16* y = yp + m0 * N;
+        dispatch_rows<kind>(std::min(chunk, M - m0), x, xs, s, kblocks, qp, g, g1, table,
+                            shifts, y, N);
+      }
+    }
+  });
+}
+
+#endif  // SPECDEC_QUANT_TILES
+
+}  // namespace
+
+// Whether dpbf16_quant_gemm runs here (built for a CPU with AVX512-BF16 and VBMI).
+bool dpbf16_available() {
+#if defined(SPECDEC_QUANT_TILES)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x: [M, K] bfloat16 rows contiguous; tiles: [N_blocks, K_blocks, tile bytes] uint8
+// (quant_tiles.h); kind: 0 = Q4_1, 1 = Q8_0; y: [M, N] bfloat16 contiguous.
+void dpbf16_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y) {
+  TORCH_CHECK(dpbf16_available(), "AVX512-BF16 pair dot products are not available here");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kBFloat16,
+              "x must be a bfloat16 [M, K] tensor with contiguous rows");
+  TORCH_CHECK(kind == 0 || kind == 1, "unknown tile kind ", kind, " (0 = Q4_1, 1 = Q8_0)");
+  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == torch::kUInt8 &&
+                  tiles.size(2) == (kind == 0 ? 384 : 576),
+              "tiles must be a contiguous uint8 [N/16, K/32, ", kind == 0 ? 384 : 576,
+              "] tensor");
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.size(0) == x.size(0) &&
+                  y.scalar_type() == torch::kBFloat16 && y.size(1) <= tiles.size(0) * 16 &&
+                  y.size(1) > (tiles.size(0) - 1) * 16,
+              "y must be a contiguous bfloat16 [M, N] tensor matching the tiles' N");
+  TORCH_CHECK(x.size(1) == tiles.size(1) * 32,
+              "x has K = ", x.size(1), " but the tiles hold ", tiles.size(1) * 32);
+#if defined(SPECDEC_QUANT_TILES)
+  const int64_t M = x.size(0), kblocks = tiles.size(1);
+  if (M == 0) return;
+  static thread_local std::vector<float> sums;
+  if (static_cast<int64_t>(sums.size()) < M * kblocks) sums.resize(M * kblocks);
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  block_sums(xp, x.stride(0), M, kblocks, sums.data());
+  const auto* qp = tiles.data_ptr<uint8_t>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  if (kind == kTileQ4_1) {
+    run_tiles<kTileQ4_1>(xp, x.stride(0), sums.data(), M, kblocks, qp, y.size(1), yp);
+  } else {
+    run_tiles<kTileQ8_0>(xp, x.stride(0), sums.data(), M, kblocks, qp, y.size(1), yp);
+  }
+#endif
+}
