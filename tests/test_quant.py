@@ -319,23 +319,27 @@ TILE_KERNELS = [
 
 
 def _tile_gemm(kernel: str):
+    """``(product, layout)`` of a tile kernel."""
     from specdec.runtime import kernels
+    from specdec.runtime.quant import dpbf16_layout
 
-    return kernels.amx_quant_gemm if kernel == "amx" else kernels.dpbf16_quant_gemm
+    if kernel == "amx":
+        return kernels.amx_quant_gemm, amx_layout
+    return kernels.dpbf16_quant_gemm, dpbf16_layout
 
 
 @pytest.mark.parametrize("kernel", TILE_KERNELS)
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize(("n", "k"), [(40, 64), (576, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (576, 1536), (300, 96)])
 def test_tile_quantized_product_is_the_weights_product_and_row_invariant(kernel, kind, n, k):
     """The tile kernels (integer weights, the file's weights exactly, float32
     accumulation: amx on AMX tiles, dpbf16 on AVX512-BF16 pair dot products): within
     bfloat16 rounding of the float64 product on the dequantized matrix, including a block
     of zeros (d = 0) and N not a multiple of 16; every row bit-identical alone and at every
     place of every row count up to 80 (every pass size of rows, and several passes)."""
-    gemm = _tile_gemm(kernel)
+    gemm, layout = _tile_gemm(kernel)
     matrix = _matrix(kind, n, k, seed=7)
-    tiles, code = amx_layout(matrix)
+    tiles, code = layout(matrix)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(90, k, generator=gen).bfloat16()
     y = gemm(x, tiles, code, n)
@@ -363,7 +367,7 @@ def test_dpbf16_planted_bug_is_caught():
 
 @pytest.mark.parametrize("kernel", TILE_KERNELS)
 def test_tile_quant_linear_and_its_refusals(kernel):
-    gemm = _tile_gemm(kernel)
+    gemm, layout = _tile_gemm(kernel)
     matrix = _matrix("q4_1", 48, 64)
     bias = torch.randn(48).bfloat16()
     linear = QuantLinear(matrix, bias, torch.bfloat16, kernel=kernel)
@@ -377,11 +381,14 @@ def test_tile_quant_linear_and_its_refusals(kernel):
     with pytest.raises(ValueError, match="unknown quantized kernel"):
         QuantLinear(matrix, None, torch.bfloat16, kernel="int8")
     with pytest.raises(RuntimeError, match="tiles hold 64"):
-        gemm(torch.zeros(1, 96).bfloat16(), *amx_layout(matrix), 48)
+        gemm(torch.zeros(1, 96).bfloat16(), *layout(matrix), 48)
     with pytest.raises(RuntimeError, match="x must be a bfloat16"):
-        gemm(torch.zeros(1, 64), *amx_layout(matrix), 48)
+        gemm(torch.zeros(1, 64), *layout(matrix), 48)
     with pytest.raises(RuntimeError, match="matching the tiles' N"):
-        gemm(torch.zeros(1, 64).bfloat16(), *amx_layout(matrix), 64)
+        gemm(torch.zeros(1, 64).bfloat16(), *layout(matrix), 64)
+    with pytest.raises(RuntimeError, match="tiles must be a contiguous"):
+        other = amx_layout if kernel == "dpbf16" else _tile_gemm("dpbf16")[1]
+        gemm(torch.zeros(1, 64).bfloat16(), *other(matrix), 48)
 
 
 def test_the_quantized_kernel_is_chosen_by_its_exact_mode_score():

@@ -15,10 +15,12 @@ exact mode, activations in the dtype ``auto`` picks (bfloat16 on CPUs with bfloa
 matrix hardware where calibration finds it faster, else float32; the report says which),
 plain and with its lossless drafters, with each of its
 quantized kernels (``fma``: float32 FMAs, fastest for one row; ``amx``: integer weights on
-AMX tiles, about as fast from 4 rows and far cheaper for verification; ``q8``:
+AMX tiles, about as fast from 4 rows and far cheaper for verification; ``dpbf16``: the
+same arithmetic on AVX512-BF16's pair dot products, for CPUs without AMX; ``q8``:
 activations rounded to 8 bits per block and integer dot products, llama.cpp's own
 arithmetic, opt-in; see ``specdec.runtime.quant``; forced with ``SPECDEC_QUANT_KERNEL``,
-the ``amx`` rows only where the CPU has AMX-BF16); the dense copy is the reference line.
+the ``amx`` rows only where the CPU has AMX-BF16, the ``dpbf16`` ones where it has
+AVX512-BF16); the dense copy is the reference line.
 
 Methods are interleaved: every method decodes prompt 1, then every method prompt 2, and so
 on (llama.cpp in a worker process that keeps both of its configurations loaded), so a
@@ -56,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 
 #: specdec configurations: (label, target, method, k, controller); target: "dense" (the
 #: dense copy in the activations' dtype) or the quantized kernel on the GGUF's blocks
-#: ("fma", "amx", "q8").
+#: ("fma", "amx", "dpbf16", "q8").
 SPECDEC_METHODS = (
     ("specdec plain (dense)", "dense", "none", 0, "fixed"),
     ("specdec plain, fma kernel", "fma", "none", 0, "fixed"),
@@ -67,6 +69,10 @@ SPECDEC_METHODS = (
     ("specdec prompt lookup k=10, amx kernel", "amx", "ngram", 10, "fixed"),
     ("specdec prompt lookup, cost controller, amx kernel", "amx", "ngram", 10, "cost"),
     ("specdec suffix, cost controller, amx kernel", "amx", "suffix", 10, "cost"),
+    ("specdec plain, dpbf16 kernel", "dpbf16", "none", 0, "fixed"),
+    ("specdec prompt lookup k=10, dpbf16 kernel", "dpbf16", "ngram", 10, "fixed"),
+    ("specdec prompt lookup, cost controller, dpbf16 kernel", "dpbf16", "ngram", 10, "cost"),
+    ("specdec suffix, cost controller, dpbf16 kernel", "dpbf16", "suffix", 10, "cost"),
     ("specdec plain, q8 kernel", "q8", "none", 0, "fixed"),
     ("specdec prompt lookup k=10, q8 kernel", "q8", "ngram", 10, "fixed"),
     ("specdec prompt lookup, cost controller, q8 kernel", "q8", "ngram", 10, "cost"),

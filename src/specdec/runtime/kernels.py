@@ -600,7 +600,7 @@ def dpbf16_available() -> bool:
 
 def dpbf16_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -> torch.Tensor:
     """``y = x W^T`` with ``x`` bfloat16 and ``W`` in GGUF blocks laid out as tiles
-    (:func:`specdec.runtime.quant.amx_layout`), on AVX512-BF16's pair dot products
+    (:func:`specdec.runtime.quant.dpbf16_layout`), on AVX512-BF16's pair dot products
     (``csrc/dpbf16.cpp``): :func:`amx_quant_gemm`'s arithmetic without AMX. Per output,
     block by block in increasing order, ``acc = fma(x_b . q_b, d_b, acc)`` then (Q4_1)
     ``acc = fma(S_b(x), m_b, acc)``, with ``x_b . q_b`` the exact integers of the file's
@@ -612,7 +612,7 @@ def dpbf16_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -
 
     Args:
         x: ``[M, K]`` bfloat16 with contiguous rows.
-        tiles: ``[ceil(N / 16), K / 32, 384]`` (Q4_1) or ``[.., .., 576]`` (Q8_0) uint8.
+        tiles: ``[ceil(N / 16), K / 32, 320]`` (Q4_1) or ``[.., .., 544]`` (Q8_0) uint8.
         kind: 0 = Q4_1, 1 = Q8_0.
         n: N.
 

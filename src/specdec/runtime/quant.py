@@ -285,6 +285,24 @@ def amx_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
     return torch.cat(parts, dim=-1).contiguous(), code
 
 
+def dpbf16_layout(matrix: QuantizedMatrix) -> tuple[torch.Tensor, int]:
+    """The blocks as the ``dpbf16`` kernel reads them (:func:`~specdec.runtime.kernels.
+    dpbf16_quant_gemm`): :func:`amx_layout`'s tiles of 16 outputs x 32 k with the scales
+    kept in float16, as in the file (Q4_1: ``d[16]``, ``m[16]``, then the 16 nibble rows,
+    320 bytes per tile: 5 bits per weight; Q8_0: ``d[16]`` then the 16 int8 rows, 544
+    bytes). The same weights; made once per matrix at load.
+
+    Returns:
+        ``(tiles, kind)``: ``[ceil(N / 16), K / 32, bytes per tile]`` uint8 and the kind
+        (0 = Q4_1, 1 = Q8_0).
+    """
+    tiles, code = amx_layout(matrix)
+    n_scales = 2 if matrix.kind == "q4_1" else 1
+    scales = tiles[..., : 64 * n_scales].contiguous().view(torch.float32)
+    half = scales.to(torch.float16).view(torch.uint8)  # exact: they were float16
+    return torch.cat([half, tiles[..., 64 * n_scales :]], dim=-1).contiguous(), code
+
+
 #: The quantized product kernels: ``fma`` (:func:`~specdec.runtime.kernels.quant_gemm`,
 #: float32 FMAs on the dequantized weights, any dtype), ``amx`` (:func:`~specdec.
 #: runtime.kernels.amx_quant_gemm`, integer weights on AMX tiles, bfloat16 on CPUs with
@@ -312,7 +330,7 @@ def _quant_runner(kernel: str, matrix: QuantizedMatrix):
     if kernel == "amx":
         return amx_layout(matrix), lambda x, t: kernels.amx_quant_gemm(x, t[0], t[1], n)
     if kernel == "dpbf16":
-        return amx_layout(matrix), lambda x, t: kernels.dpbf16_quant_gemm(x, t[0], t[1], n)
+        return dpbf16_layout(matrix), lambda x, t: kernels.dpbf16_quant_gemm(x, t[0], t[1], n)
     if kernel == "q8":
         return q8_layout(matrix), lambda x, t: kernels.q8_gemm(x, t[0], t[1])
     return kernel_layout(matrix), lambda x, t: kernels.quant_gemm(x, t[0], t[1])

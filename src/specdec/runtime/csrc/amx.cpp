@@ -267,11 +267,11 @@ constexpr int64_t kGroupTiles = 4;  // row tiles per pass over a column block (C
 inline void expand_q4_1(const uint8_t* t, __m512i table, __m512i shifts,
                         c10::BFloat16* tile) {
   for (int64_t p = 0; p < kTileRows; ++p)
-    _mm512_storeu_si512(tile + p * kTileK, q4_1_tile_row(t, p, table, shifts));
+    _mm512_storeu_si512(tile + p * kTileK, q4_1_tile_row(t + 128, p, table, shifts));
 }
 
 inline void expand_q8_0(const uint8_t* t, c10::BFloat16* tile) {
-  for (int64_t p = 0; p < kTileRows; ++p) _mm512_storeu_si512(tile + p * kTileK, q8_0_tile_row(t, p));
+  for (int64_t p = 0; p < kTileRows; ++p) _mm512_storeu_si512(tile + p * kTileK, q8_0_tile_row(t + 64, p));
 }
 
 // One block's scaling into the float32 accumulators of `rows` rows: acc = fma(C, d, acc),

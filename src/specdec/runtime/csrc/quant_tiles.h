@@ -9,14 +9,15 @@
 // bfloat16, so bfloat16 pair dot products compute x . q from the file's weights exactly
 // (no rounding of w), float32 accumulation.
 //
-// Tile layout, per 16 outputs j x 32 k:
+// Tile layout (amx_layout), per 16 outputs j x 32 k:
 //   Q4_1: float32 d[16], float32 m[16], then 16 rows p of 16 bytes: output j's byte
 //         holds q_j[2p] (low nibble) and q_j[2p + 1] (high), at position pos(j) below
 //                                                                    (384 bytes)
 //   Q8_0: float32 d[16], then 16 rows p of 32 int8: q_j[2p], q_j[2p + 1] for each j
 //                                                                    (576 bytes)
 // so row p (the pairs of k 2p, 2p + 1 for the 16 outputs) expands from one 16- or 32-byte
-// load into one register of 32 bfloat16: output j's pair at words 2j, 2j + 1.
+// load into one register of 32 bfloat16: output j's pair at words 2j, 2j + 1. (dpbf16.cpp
+// reads the same rows with the scales in float16, see there.)
 #pragma once
 
 #include "common.h"
@@ -64,17 +65,20 @@ inline __m512i nibble_shifts() {
 }
 
 // Row p of a Q4_1 tile as 32 bfloat16 integers (output j's q[2p], q[2p + 1] at words 2j,
-// 2j + 1): a broadcast load, the nibble shuffle and the table lookup (which reads bits 0-4
-// of each word: the nibble, and a bit of its neighbour that the doubled table ignores).
-inline __m512i q4_1_tile_row(const uint8_t* tile, int64_t p, __m512i table, __m512i shifts) {
+// 2j + 1), from the tile's 16 rows of 16 nibble bytes at `nibbles`: a broadcast load, the
+// nibble shuffle and the table lookup (which reads bits 0-4 of each word: the nibble, and a
+// bit of its neighbour that the doubled table ignores).
+inline __m512i q4_1_tile_row(const uint8_t* nibbles, int64_t p, __m512i table,
+                             __m512i shifts) {
   const __m512i row = _mm512_broadcast_i32x4(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 128 + 16 * p)));
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + 16 * p)));
   return _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(shifts, row), table);
 }
 
-// Row p of a Q8_0 tile as 32 bfloat16 integers (exact: |q| <= 128 fits bfloat16).
-inline __m512i q8_0_tile_row(const uint8_t* tile, int64_t p) {
-  const uint8_t* q = tile + 64 + 32 * p;
+// Row p of a Q8_0 tile as 32 bfloat16 integers, from its 16 rows of 32 int8 at `ints`
+// (exact: |q| <= 128 fits bfloat16).
+inline __m512i q8_0_tile_row(const uint8_t* ints, int64_t p) {
+  const uint8_t* q = ints + 32 * p;
   const __m512 lo = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
   const __m512 hi = _mm512_cvtepi32_ps(
