@@ -166,3 +166,14 @@ def test_shipped_heads_are_lossless_and_accepted(dtype):
         out = llm.generate(prompt, params, speculative=spec)
         assert out.token_ids == plain, spec.method
         assert out.metrics.num_accepted_tokens > 0, spec.method
+        # what `specdec generate` reports: the head that ran and its weights' format
+        from specdec.cli import head_meta
+        from specdec.runtime.kernels import kernel_available
+
+        head = llm.drafter(spec).head
+        meta = head_meta(llm.drafter(spec))
+        assert spec.method in meta["head"]
+        float_name = str(head.dtype).replace("torch.", "")
+        quantized = kernel_available() and head.dtype == torch.float32  # auto: q8_0 there
+        assert meta["head_weights"] == ("q8_0" if quantized else float_name)
+    assert head_meta(llm.drafter(SpeculativeConfig(method="ngram"))) == {}

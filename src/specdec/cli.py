@@ -264,6 +264,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "drafter": speculative.method,
         "draft_model": llm.loaded_draft.name if llm.loaded_draft is not None else None,
         "tree": str(speculative.tree) if speculative.tree else None,
+        **head_meta(llm.drafter(speculative)),
         **target_meta(llm.target, threads.num_threads),
     }
     run = _Run()
@@ -383,6 +384,17 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
+def head_meta(drafter) -> dict:
+    """A head drafter's head and the format its weights run in (``head``: its folder,
+    ``head_weights``: ``float32`` / ``q8_0`` / ``q4_1``); ``{}`` for other drafters."""
+    head = getattr(drafter, "head", None)
+    if head is None:
+        return {}
+    quantization = getattr(head, "quantization", "none")
+    weights = str(head.dtype).replace("torch.", "") if quantization == "none" else quantization
+    return {"head": str(getattr(head, "source", "")), "head_weights": weights}
+
+
 def _json_record(output: GenerationOutput, baseline: GenerationOutput | None) -> dict:
     record = output.to_dict()
     if baseline is not None:
@@ -419,6 +431,8 @@ def _print_metrics(
     print("-" * 60)
     if meta:  # what ran: the defaults (backend auto, dtype auto) resolve per machine
         print(f"ran on                   {describe_target(meta)}")
+        if meta.get("head"):
+            print(f"draft head               {meta['head']} ({meta['head_weights']} weights)")
     print(f"finish reason            {output.finish_reason}")
     if m.lossy:
         print(f"verifier                 {m.verifier}: LOSSY, the output does not follow the "

@@ -486,6 +486,7 @@ def _head(context: DrafterContext, kind: str, options):
         path = str(shipped)
     head = load_head(path, view, kind)
     quantize_head(head, options.quantization)
+    head.source = path  # what `specdec generate` reports
     return head
 
 

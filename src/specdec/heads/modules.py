@@ -453,6 +453,9 @@ def quantize_head(head: EagleHead | MedusaHead, kind: str) -> int:
     float; ``auto``: see :data:`HEAD_QUANTIZATIONS`). For inference heads only (not for
     training).
 
+    Sets ``head.quantization`` to the format that runs (``"none"``, ``"q8_0"`` or
+    ``"q4_1"``; ``auto`` resolved), which ``specdec generate`` reports.
+
     Returns:
         the number of layers replaced.
 
@@ -468,6 +471,7 @@ def quantize_head(head: EagleHead | MedusaHead, kind: str) -> int:
 
         kind = "q8_0" if on_cpu and kernel_available("cpu") else "none"
     if kind == "none":
+        head.quantization = "none"
         return 0
     if not on_cpu:
         raise ValueError(
@@ -482,6 +486,7 @@ def quantize_head(head: EagleHead | MedusaHead, kind: str) -> int:
             if isinstance(child, nn.Linear) and child.in_features % BLOCK == 0:
                 setattr(module, name, QuantizedLinear(child, kind))
                 replaced += 1
+    head.quantization = kind
     return replaced
 
 
