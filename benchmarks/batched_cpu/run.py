@@ -252,7 +252,7 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,4,16,64", help="levels (default: %(default)s)")
     p.add_argument("--kernels", default="auto,q8",
                    help="specdec's quantized kernels, one run each: auto (measured), fma, amx, "
-                   "q8 (default: %(default)s)")  # fmt: skip
+                   "dpbf16, q8 (default: %(default)s)")  # fmt: skip
     p.add_argument("--out", type=Path, default=HERE)
     p.add_argument("--report-only", action="store_true",
                    help="rewrite report.md from --out's results.json")  # fmt: skip

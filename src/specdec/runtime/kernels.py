@@ -601,7 +601,7 @@ def dpbf16_available() -> bool:
 def dpbf16_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -> torch.Tensor:
     """``y = x W^T`` with ``x`` bfloat16 and ``W`` in GGUF blocks laid out as tiles
     (:func:`specdec.runtime.quant.dpbf16_layout`), on AVX512-BF16's pair dot products
-    (``csrc/dpbf16.cpp``): :func:`amx_quant_gemm`'s arithmetic without AMX. Per output,
+    (``csrc/dpbf16.cpp``): :func:`amx_quant_gemm`'s formula without AMX. Per output,
     block by block in increasing order, ``acc = fma(x_b . q_b, d_b, acc)`` then (Q4_1)
     ``acc = fma(S_b(x), m_b, acc)``, with ``x_b . q_b`` the exact integers of the file's
     block dotted with the row's 32 activations (16 VDPBF16PS pair steps in order, float32;

@@ -1,8 +1,9 @@
 // Quantized products (GGUF Q4_1, Q8_0) with bfloat16 activations on AVX512-BF16's pair dot
 // products (specdec native runtime; see specdec/runtime/quant.py, kernel "dpbf16").
 //
-// What is computed is the amx kernel's arithmetic (amx.cpp), on CPUs with AVX512-BF16 but
-// no AMX (AMD Zen 4 and later, Intel Cooper Lake):
+// What is computed is the amx kernel's formula (amx.cpp; the two instructions may round
+// their pair sums differently, so the kernels are not claimed to agree bit for bit), on
+// CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and later, Intel Cooper Lake):
 //   y[m, n] = sum over blocks b, in increasing order, of
 //             acc = fma(C, d[n, b], acc), then (Q4_1) acc = fma(S[m, b], m[n, b], acc)
 // with C = x[m, b] . q[n, b] the exact integers of the file's block (quant_tiles.h) dotted
@@ -52,7 +53,7 @@ constexpr int64_t kGroup = 8;         // tiles in cache while all rows pass
 constexpr int tiles_per_pass(int rows) {
   return rows == 1 ? 8 : std::max(1, std::min(4, kMaxAccumulators / rows));
 }
-// Bytes ahead in a group's stream that each block asks the cache for (measured on the 2-core
+// Bytes ahead in a tile's stream that each block asks the cache for (measured on the 2-core
 // Zen 4, one-row products over 30 layers' distinct Q4_1 matrices: 4 KB ahead 3.9 ms, 16 KB
 // 3.6, 32 KB 4.1, no prefetch 4.4).
 #ifndef SPECDEC_DPBF16_PREFETCH
