@@ -200,23 +200,10 @@ bool dpbf16_available() {
 }
 
 // x: [M, K] bfloat16 rows contiguous; tiles: [N_blocks, K_blocks, tile bytes] uint8 in the
-// layout above (the shape of the tiles; their order is the groups'); kind: 0 = Q4_1,
-// 1 = Q8_0; y: [M, N] bfloat16 contiguous.
+// layout above; kind: 0 = Q4_1, 1 = Q8_0; y: [M, N] bfloat16 contiguous.
 void dpbf16_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y) {
   TORCH_CHECK(dpbf16_available(), "AVX512-BF16 pair dot products are not available here");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kBFloat16,
-              "x must be a bfloat16 [M, K] tensor with contiguous rows");
-  TORCH_CHECK(kind == 0 || kind == 1, "unknown tile kind ", kind, " (0 = Q4_1, 1 = Q8_0)");
-  const int64_t bytes = kind == 0 ? 320 : 544;
-  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == torch::kUInt8 &&
-                  tiles.size(2) == bytes,
-              "tiles must be a contiguous uint8 [N/16, K/32, ", bytes, "] tensor");
-  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.size(0) == x.size(0) &&
-                  y.scalar_type() == torch::kBFloat16 && y.size(1) <= tiles.size(0) * 16 &&
-                  y.size(1) > (tiles.size(0) - 1) * 16,
-              "y must be a contiguous bfloat16 [M, N] tensor matching the tiles' N");
-  TORCH_CHECK(x.size(1) == tiles.size(1) * 32,
-              "x has K = ", x.size(1), " but the tiles hold ", tiles.size(1) * 32);
+  specdec::check_tile_product(x, tiles, kind, y, 320, 544);
 #if defined(SPECDEC_QUANT_TILES)
   const int64_t M = x.size(0), kblocks = tiles.size(1);
   if (M == 0) return;

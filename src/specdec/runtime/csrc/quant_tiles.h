@@ -22,6 +22,30 @@
 
 #include "common.h"
 
+namespace specdec {
+
+// The arguments of a tile product (amx_quant_gemm, dpbf16_quant_gemm): x [M, K] bfloat16
+// rows contiguous; tiles [N/16, K/32, bytes] uint8 contiguous, bytes = q4_bytes (kind 0,
+// Q4_1) or q8_bytes (kind 1, Q8_0); y [M, N] bfloat16 contiguous.
+inline void check_tile_product(const torch::Tensor& x, const torch::Tensor& tiles, int64_t kind,
+                               const torch::Tensor& y, int64_t q4_bytes, int64_t q8_bytes) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kBFloat16,
+              "x must be a bfloat16 [M, K] tensor with contiguous rows");
+  TORCH_CHECK(kind == 0 || kind == 1, "unknown tile kind ", kind, " (0 = Q4_1, 1 = Q8_0)");
+  const int64_t bytes = kind == 0 ? q4_bytes : q8_bytes;
+  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == torch::kUInt8 &&
+                  tiles.size(2) == bytes,
+              "tiles must be a contiguous uint8 [N/16, K/32, ", bytes, "] tensor");
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.size(0) == x.size(0) &&
+                  y.scalar_type() == torch::kBFloat16 && y.size(1) <= tiles.size(0) * 16 &&
+                  y.size(1) > (tiles.size(0) - 1) * 16,
+              "y must be a contiguous bfloat16 [M, N] tensor matching the tiles' N");
+  TORCH_CHECK(x.size(1) == tiles.size(1) * 32,
+              "x has K = ", x.size(1), " but the tiles hold ", tiles.size(1) * 32);
+}
+
+}  // namespace specdec
+
 // AVX512-BF16 (pair dot products, rounding to bfloat16) and VBMI (the nibble shuffle)
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define SPECDEC_QUANT_TILES 1
