@@ -405,6 +405,15 @@ def test_head_folder_errors_are_one_line(tmp_path, heads, target):
         load_head(broken, view)
     with pytest.raises(ValueError, match="not found"):
         SpeculativeConfig(method=f"eagle:head={tmp_path / 'nope'}")
+    # refused when the drafter is configured, before any model loads
+    with pytest.raises(ValueError, match="is an eagle head, not medusa .use --drafter eagle"):
+        SpeculativeConfig(method=f"medusa:head={heads['target', 'eagle']}")
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    (weightless / "config.json").write_text(config_text := (broken / "config.json").read_text())
+    with pytest.raises(ValueError, match="has no head.safetensors"):
+        SpeculativeConfig(method=f"eagle:head={weightless}")
+    assert json.loads(config_text)["kind"] == "eagle"
     with pytest.raises(ValueError, match="no eagle head is shipped for tiny-target"):
         LLM(target, speculative=SpeculativeConfig(method="eagle"))
     config = json.loads((heads["target", "eagle"] / "config.json").read_text())

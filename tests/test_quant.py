@@ -410,6 +410,17 @@ def test_quant_kernel_choices_measure_once_and_obey_the_override(tmp_path, monke
     with caplog.at_level("WARNING", logger="specdec.runtime.quant"):
         assert quant_kernel_choices(products, torch.float32) == {"o": "fma"}
     assert "SPECDEC_QUANT_KERNEL=amx is not available here" in caplog.text
+    assert "the kernel measurement picks runs instead (fma)" in caplog.text
+    if "amx" not in available_quant_kernels(torch.bfloat16):  # bfloat16: the measured choice
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="specdec.runtime.quant"):
+            chosen = quant_kernel_choices(products, torch.bfloat16)["o"]
+        assert "the kernel measurement picks runs instead" in caplog.text
+        assert chosen in MEASURED_QUANT_KERNELS and chosen != "amx"
+    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "Auto")  # the default, said explicitly
+    from specdec.runtime.quant import forced_quant_kernel
+
+    assert forced_quant_kernel() is None
     monkeypatch.delenv("SPECDEC_QUANT_KERNEL")
     assert quant_kernel_choices(products, torch.float32) == {"o": "fma"}  # amx: bf16 only
     first = quant_kernel_choices(products, torch.bfloat16)

@@ -274,9 +274,11 @@ def add_quantization_arg(
         "auto = a GGUF model (like the embedded one) runs its own Q4_1 / Q8_0 blocks, others "
         "run dense; none = dense; gguf = the GGUF's own blocks; q8_0 / q4_1 = quantize the "
         "loaded (for a GGUF: dequantized) weights again at load. Products use the quantized "
-        "weights exactly, in float32 arithmetic; exact mode holds. SPECDEC_QUANT_KERNEL=q8 "
-        "(opt-in) rounds the activations to 8 bits instead, as llama.cpp does: faster on "
-        "CPUs, a slightly different model, still lossless speculation on it",
+        "weights exactly (kernel fma, amx or dpbf16, measured per machine; "
+        "SPECDEC_QUANT_KERNEL=fma|amx|dpbf16 forces one); exact mode holds. "
+        "SPECDEC_QUANT_KERNEL=q8 (opt-in) rounds the activations to 8 bits instead, as "
+        "llama.cpp does: faster on CPUs, a slightly different model, still lossless "
+        "speculation on it",
     )
 
 

@@ -410,6 +410,22 @@ def _check_head_options(drafter: str, head: str, confidence: float, quantization
                 f"{drafter} head {path}: {what}; a head is a folder written by `specdec "
                 f"train-head --kind {drafter}`"
             )
+        if not (path / "head.safetensors").is_file():
+            raise ValueError(
+                f"{drafter} head {path} has no head.safetensors (`specdec train-head` writes one)"
+            )
+        import json  # the kind, before any model loads (load_head checks the rest)
+
+        try:
+            kind = json.loads((path / "config.json").read_text("utf-8")).get("kind")
+        except (OSError, ValueError, AttributeError):
+            kind = None  # malformed: load_head says how
+        if isinstance(kind, str) and kind != drafter:
+            article = "an" if kind[:1] in "aeiou" else "a"
+            raise ValueError(
+                f"{drafter} head {path} is {article} {kind} head, not {drafter} (use "
+                f"--drafter {kind})"
+            )
 
 
 @dataclass(frozen=True)

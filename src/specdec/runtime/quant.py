@@ -365,8 +365,8 @@ def check_row_invariance(
 
 
 def forced_quant_kernel() -> str | None:
-    """The kernel ``SPECDEC_QUANT_KERNEL`` forces (one of :data:`QUANT_KERNELS`), or ``None``
-    when it is unset or empty.
+    """The kernel ``SPECDEC_QUANT_KERNEL`` forces (one of :data:`QUANT_KERNELS`, any case),
+    or ``None`` when it is unset, empty or ``auto``.
 
     Raises:
         ValueError: another value (checked before any model loads: see
@@ -375,10 +375,13 @@ def forced_quant_kernel() -> str | None:
     import os
 
     forced = os.environ.get("SPECDEC_QUANT_KERNEL", "").strip().lower()
+    if forced == "auto":
+        return None
     if forced and forced not in QUANT_KERNELS:
         raise ValueError(
             f"SPECDEC_QUANT_KERNEL={forced!r}: expected one of {', '.join(QUANT_KERNELS)} "
-            "(or unset, to measure the others)"
+            f"or auto (the default: measure {', '.join(MEASURED_QUANT_KERNELS)} where "
+            "available and keep the fastest)"
         )
     return forced or None
 
@@ -439,8 +442,10 @@ def quant_kernel_choices(
             else f"{str(dtype).replace('torch.', '')} activations; {forced} computes in bfloat16"
         )  # fmt: skip
         logger.warning(
-            "SPECDEC_QUANT_KERNEL=%s is not available here (%s): the fma kernel runs", forced, why
-        )
+            "SPECDEC_QUANT_KERNEL=%s is not available here (%s): the kernel measurement "
+            "picks runs instead (%s)",
+            forced, why, " or ".join(usable) if len(usable) > 1 else "fma",
+        )  # fmt: skip
     if len(usable) < 2:
         return dict.fromkeys(quantized, "fma")
     key = f"quant|{linear.machine_key(dtype, torch.device('cpu'))}|{','.join(usable)}"
