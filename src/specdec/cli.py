@@ -292,7 +292,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         _print_metrics(output, baseline, params, speculative.tree, meta)
     if baseline is not None:
-        warn_if_busy(share, threads.num_threads)
+        warn_if_busy(
+            share,
+            threads.num_threads,
+            "the speedup in the JSON record" if args.json else "the speedup above",
+        )
     if interrupted:
         print("specdec: interrupted during the plain-decoding baseline", file=sys.stderr)
         return EXIT_INTERRUPTED

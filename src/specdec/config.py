@@ -244,7 +244,7 @@ class SamplingParams:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
+            raise ValueError(f"seed must be an integer in [0, 2**63) (or unset), got {self.seed!r}")
         self._check_stops()
         self._check_transforms()
 
