@@ -496,10 +496,8 @@ void amx_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::T
 #if defined(SPECDEC_AMX)
   const int64_t M = x.size(0), kblocks = tiles.size(1);
   if (M == 0) return;
-  static thread_local std::vector<float> sums;
-  if (static_cast<int64_t>(sums.size()) < M * kblocks) sums.resize(M * kblocks);
-  block_sums(x.data_ptr<c10::BFloat16>(), x.stride(0), M, kblocks, sums.data());
-  run_amx_quant(packed_rows(x, kblocks), sums.data(), M, kblocks, tiles.data_ptr<uint8_t>(),
+  const float* sums = block_sums(x, kblocks);
+  run_amx_quant(packed_rows(x, kblocks), sums, M, kblocks, tiles.data_ptr<uint8_t>(),
                 kind, y.size(1), y.data_ptr<c10::BFloat16>());
 #endif
 }

@@ -207,16 +207,14 @@ void dpbf16_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch
 #if defined(SPECDEC_QUANT_TILES)
   const int64_t M = x.size(0), kblocks = tiles.size(1);
   if (M == 0) return;
-  static thread_local std::vector<float> sums;
-  if (static_cast<int64_t>(sums.size()) < M * kblocks) sums.resize(M * kblocks);
+  const float* sums = block_sums(x, kblocks);
   const auto* xp = x.data_ptr<c10::BFloat16>();
-  block_sums(xp, x.stride(0), M, kblocks, sums.data());
   const auto* qp = tiles.data_ptr<uint8_t>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   if (kind == kHalfQ4_1) {
-    run_tiles<kHalfQ4_1>(xp, x.stride(0), sums.data(), M, kblocks, qp, y.size(1), yp);
+    run_tiles<kHalfQ4_1>(xp, x.stride(0), sums, M, kblocks, qp, y.size(1), yp);
   } else {
-    run_tiles<kHalfQ8_0>(xp, x.stride(0), sums.data(), M, kblocks, qp, y.size(1), yp);
+    run_tiles<kHalfQ8_0>(xp, x.stride(0), sums, M, kblocks, qp, y.size(1), yp);
   }
 #endif
 }

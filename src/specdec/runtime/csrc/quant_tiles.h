@@ -22,6 +22,8 @@
 
 #include "common.h"
 
+#include <vector>
+
 namespace specdec {
 
 // The arguments of a tile product (amx_quant_gemm, dpbf16_quant_gemm): x [M, K] bfloat16
@@ -110,15 +112,21 @@ inline __m512i q8_0_tile_row(const uint8_t* ints, int64_t p) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
 }
 
-// S[m, b]: each row's sum over each block of 32 values, float32, k in increasing order.
-inline void block_sums(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t kblocks,
-                       float* s) {
+// S[m, b]: each row's sum over each block of 32 values of x [M, K] (bfloat16, rows
+// contiguous), float32, k in increasing order; in a buffer of the calling thread kept
+// between calls (no allocation per product).
+inline const float* block_sums(const torch::Tensor& x, int64_t kblocks) {
+  static thread_local std::vector<float> sums;
+  const int64_t M = x.size(0), xs = x.stride(0);
+  if (static_cast<int64_t>(sums.size()) < M * kblocks) sums.resize(M * kblocks);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < kblocks; ++b) {
       float sum = 0.f;
-      for (int64_t i = 0; i < kTileQuantK; ++i) sum += to_float(x[m * xs + b * kTileQuantK + i]);
-      s[m * kblocks + b] = sum;
+      for (int64_t i = 0; i < kTileQuantK; ++i) sum += to_float(xp[m * xs + b * kTileQuantK + i]);
+      sums[m * kblocks + b] = sum;
     }
+  return sums.data();
 }
 
 }  // namespace specdec
