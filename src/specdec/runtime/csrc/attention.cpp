@@ -13,6 +13,16 @@
 // With AVX2 and no AVX-512 the group kernel runs the same steps on V16 (common.h): the
 // same bits, one score's lane tree at a time instead of 16 keys at once.
 //
+// Over a bfloat16 cache on a CPU with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids)
+// the scores are pair dot products instead (scores_bf16): <q, k_j> as 16 lanes, lane l
+// summing the exact products of d = 2l, 2l + 1 of each 32 values (VDPBF16PS), then the same
+// lane tree. The queries and keys are bfloat16 numbers either way, so no input is rounded
+// that the float32 steps keep; only the order of the float32 additions differs (and
+// VDPBF16PS flushes subnormals), so these bits differ from the AVX2 path's. Measured on a
+// 2-core Zen 4, SmolLM2-135M with 8,000 cached tokens: 1 / 3 / 5 rows 15.6 / 27.9 / 38.2
+// ms a forward before, 12.9 / 21.7 / 29.9 ms after (the keys are read without conversion
+// and a register does 32 multiply-adds instead of 16).
+//
 // A row that sees at least 2 kChunk keys (AVX-512 or AVX2 path) is computed in chunks of kChunk
 // positions (the last one running to the row's end: kChunk to 2 kChunk - 1 keys), each its
 // own task (flash-decoding's split of the keys, Dao et al. 2023), and the chunks are
@@ -157,12 +167,62 @@ inline int64_t group_start(const GroupRow<scalar_t>* rows, int64_t nrows, int64_
   return longest;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The scores of a group's rows over bfloat16 keys with AVX512-BF16: s_j = scale * <q, k_j>
+// as 16 lanes of pair dot products read straight from the cache (VDPBF16PS, Intel SDM
+// vol. 2: lane l adds q[2l + 1] k[2l + 1], then q[2l] k[2l], to its float32 sum; the
+// products of two bfloat16 numbers are exact in float32), registers of 32 values in order
+// of d, then reduce16's tree. The queries are bfloat16 already (the rows of the forward), so
+// nothing is rounded that the float32 path keeps; the keys need no conversion, and a
+// register does 32 multiply-adds instead of 16. Blocks of kKeyBlock positions serve every
+// row of the group before the next block is read, as each_block does.
+template <int nv>
+void scores_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat16* K,
+                 int64_t R, float scale, int64_t kb, int64_t longest) {
+  constexpr int64_t D = nv * kLanes;
+  constexpr int np = nv / 2;  // registers of 32 bfloat16 per row of D
+  __m512bh qv[kMaxVec / 2];
+  __m512 part[kLanes];
+  for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
+    for (int64_t i = 0; i < nrows; ++i) {
+      const GroupRow<c10::BFloat16>& row = rows[i];
+      const int64_t end = kb + row.len;
+      const int64_t je = end < jb + kKeyBlock ? end : jb + kKeyBlock;
+      for (int64_t r = 0; jb < je && r < R; ++r) {
+        for (int c = 0; c < np; ++c)
+          qv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row.q + r * D + 32 * c));
+        float* out = row.scores + r * row.len - kb;  // indexed by position
+        for (int64_t j0 = jb; j0 < je; j0 += kLanes) {
+          const int64_t cnt = je - j0 < kLanes ? je - j0 : kLanes;
+          for (int64_t u = 0; u < kLanes; ++u) {
+            if (u >= cnt) {
+              part[u] = _mm512_setzero_ps();
+              continue;
+            }
+            const c10::BFloat16* k = K + (row.sl ? row.sl[j0 + u] : j0 + u) * D;
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
+                                        reinterpret_cast<__m512bh>(_mm512_loadu_si512(k)));
+            for (int c = 1; c < np; ++c)
+              a = _mm512_dpbf16_ps(a, qv[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + 32 * c)));
+            part[u] = a;
+          }
+          const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
+          _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << cnt) - 1u), sc);
+        }
+      }
+    }
+  }
+}
+
+#endif
+
 // One (group of rows of one sequence, KV head) task with AVX-512. Keys and values are
 // read in blocks of kKeyBlock positions, converted to float32 once for every row of the
 // group that sees them in order (a chain or tree verification reads the KV cache about
 // once instead of once per row). Each row's arithmetic is the same whatever its group:
 //   s_j = scale * <q, k_j>: 16 lane products over d (mul, then fma in order of d), summed
-//         in _mm512_reduce_add_ps's tree (reduce16, 16 keys at a time);
+//         in _mm512_reduce_add_ps's tree (reduce16, 16 keys at a time); over bfloat16
+//         keys with AVX512-BF16, pair dot products read from the cache (scores_bf16);
 //   softmax over its keys in position order (max, exp16, 16-lane partial sums);
 //   o = sum_j p_j v_j by fma in position order, then times 1 / sum_j p_j.
 // Positions kb .. kb + len - 1 of each row only (the task's chunk): each row's acc holds
@@ -177,6 +237,11 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
   const int64_t longest = group_start(rows, nrows, kb, reader);
   __m512 qv[kMaxVec];
   __m512 part[kLanes];
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+    scores_bf16<nv>(rows, nrows, K, R, scale, kb, longest);
+  else
+#endif
   each_block(rows, nrows, kb, longest, reader, K, [&](const GroupRow<scalar_t>& row, int64_t jb,
                                                       int64_t je, const float* block) {
     for (int64_t r = 0; r < R; ++r) {
@@ -230,21 +295,23 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
     }
     std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
   }
-  __m512 acc[kMaxGroup][kMaxVec];
+  // one query head at a time over the block, so that its nv accumulators stay in registers
+  // (R is not known at compile time: an array of R x nv accumulators went through the
+  // stack, a load and a store per FMA); each still sums over j in position order
+  __m512 acc[kMaxVec];
   each_block(rows, nrows, kb, longest, reader, V, [&](const GroupRow<scalar_t>& row, int64_t jb,
                                                       int64_t je, const float* vb) {
-    for (int64_t r = 0; r < R; ++r)
-      for (int c = 0; c < nv; ++c) acc[r][c] = _mm512_loadu_ps(row.acc + r * D + c * kLanes);
-    for (int64_t j = jb; j < je; ++j) {
-      const float* v = vb + (j - jb) * D;
-      for (int64_t r = 0; r < R; ++r) {
-        const __m512 p = _mm512_set1_ps(row.scores[r * row.len + j - kb]);
-        for (int c = 0; c < nv; ++c)
-          acc[r][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * kLanes), acc[r][c]);
+    for (int64_t r = 0; r < R; ++r) {
+      float* a = row.acc + r * D;
+      const float* pr = row.scores + r * row.len - kb;  // indexed by position
+      for (int c = 0; c < nv; ++c) acc[c] = _mm512_loadu_ps(a + c * kLanes);
+      for (int64_t j = jb; j < je; ++j) {
+        const float* v = vb + (j - jb) * D;
+        const __m512 p = _mm512_set1_ps(pr[j]);
+        for (int c = 0; c < nv; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + c * kLanes), acc[c]);
       }
+      for (int c = 0; c < nv; ++c) _mm512_storeu_ps(a + c * kLanes, acc[c]);
     }
-    for (int64_t r = 0; r < R; ++r)
-      for (int c = 0; c < nv; ++c) _mm512_storeu_ps(row.acc + r * D + c * kLanes, acc[r][c]);
   });
   if (!normalize) return;
   for (int64_t i = 0; i < nrows; ++i)
