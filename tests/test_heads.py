@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
 
 import pytest
@@ -428,6 +429,24 @@ def test_one_token_prompts_draft_nothing_on_the_first_step(target, heads):
             out = LLM(target, speculative=spec).generate([1], GREEDY)
             plain = LLM(target, speculative=SpeculativeConfig(method="none"))
             assert out.token_ids == plain.generate([1], GREEDY).token_ids
+
+
+def test_asking_more_tokens_than_medusa_has_heads_says_so(target, heads, caplog):
+    spec = SpeculativeConfig(
+        method=f"medusa:head={heads['target', 'medusa']}", num_speculative_tokens=8
+    )
+    with caplog.at_level(logging.WARNING, logger="specdec.llm"):
+        LLM(target, speculative=spec)
+    assert "medusa drafts at most 3 tokens a step (its head's number of heads), not the 8" in (
+        caplog.text
+    )
+    caplog.clear()
+    spec = SpeculativeConfig(
+        method=f"medusa:head={heads['target', 'medusa']}", num_speculative_tokens=3
+    )
+    with caplog.at_level(logging.WARNING, logger="specdec.llm"):
+        LLM(target, speculative=spec)
+    assert "drafts at most" not in caplog.text
 
 
 # ---------------------------------------------------------------- exact laws

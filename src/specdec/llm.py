@@ -313,7 +313,17 @@ class LLM:
         context = registry.DrafterContext(
             self.target, self.tokenizer, lambda: self._load_draft(config)
         )
-        return entry.factory(context, config.options)
+        drafter = entry.factory(context, config.options)
+        most = getattr(drafter, "max_draft_tokens", None)
+        if config.tree is None and most is not None and config.num_speculative_tokens > most:
+            logger.warning(
+                "%s drafts at most %d tokens a step (its head's %s), not the %d asked "
+                "(num_speculative_tokens); chains of %d run",
+                config.method, most,
+                "block size" if hasattr(drafter, "block_size") else "number of heads",
+                config.num_speculative_tokens, most,
+            )  # fmt: skip
+        return drafter
 
     @property
     def loaded_draft(self) -> Backend | None:
