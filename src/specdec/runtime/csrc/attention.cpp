@@ -100,6 +100,21 @@ inline __m512 reduce16(const __m512* a) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// One query's scores over positions jb .. je - 1, into out (indexed by position): 16 keys
+// at a time, key j's 16 lane sums from lanes(j), summed in reduce16's tree, times scale.
+template <typename Lanes>
+inline void score_keys(float* out, int64_t jb, int64_t je, float scale, Lanes&& lanes) {
+  __m512 part[kLanes];
+  for (int64_t j0 = jb; j0 < je; j0 += kLanes) {
+    const int64_t cnt = je - j0 < kLanes ? je - j0 : kLanes;
+    for (int64_t u = 0; u < kLanes; ++u) part[u] = u < cnt ? lanes(j0 + u) : _mm512_setzero_ps();
+    const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << cnt) - 1u), sc);
+  }
+}
+#endif
+
 // Keys or values jb .. je-1 of a row as float32 rows of D: the cache itself for float32
 // slots in order, else converted (once per block for the slots every row of the group
 // shares; per row for a token tree's own slots).
@@ -182,7 +197,6 @@ void scores_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat
   constexpr int64_t D = nv * kLanes;
   constexpr int np = nv / 2;  // registers of 32 bfloat16 per row of D
   __m512bh qv[kMaxVec / 2];
-  __m512 part[kLanes];
   for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
     for (int64_t i = 0; i < nrows; ++i) {
       const GroupRow<c10::BFloat16>& row = rows[i];
@@ -191,24 +205,14 @@ void scores_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat
       for (int64_t r = 0; jb < je && r < R; ++r) {
         for (int c = 0; c < np; ++c)
           qv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row.q + r * D + 32 * c));
-        float* out = row.scores + r * row.len - kb;  // indexed by position
-        for (int64_t j0 = jb; j0 < je; j0 += kLanes) {
-          const int64_t cnt = je - j0 < kLanes ? je - j0 : kLanes;
-          for (int64_t u = 0; u < kLanes; ++u) {
-            if (u >= cnt) {
-              part[u] = _mm512_setzero_ps();
-              continue;
-            }
-            const c10::BFloat16* k = K + (row.sl ? row.sl[j0 + u] : j0 + u) * D;
-            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
-                                        reinterpret_cast<__m512bh>(_mm512_loadu_si512(k)));
-            for (int c = 1; c < np; ++c)
-              a = _mm512_dpbf16_ps(a, qv[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + 32 * c)));
-            part[u] = a;
-          }
-          const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
-          _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << cnt) - 1u), sc);
-        }
+        score_keys(row.scores + r * row.len - kb, jb, je, scale, [&](int64_t j) {
+          const c10::BFloat16* k = K + (row.sl ? row.sl[j] : j) * D;
+          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
+                                      reinterpret_cast<__m512bh>(_mm512_loadu_si512(k)));
+          for (int c = 1; c < np; ++c)
+            a = _mm512_dpbf16_ps(a, qv[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + 32 * c)));
+          return a;
+        });
       }
     }
   }
@@ -236,7 +240,6 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
   BlockReader<scalar_t, D> reader;
   const int64_t longest = group_start(rows, nrows, kb, reader);
   __m512 qv[kMaxVec];
-  __m512 part[kLanes];
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
     scores_bf16<nv>(rows, nrows, K, R, scale, kb, longest);
@@ -246,22 +249,12 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
                                                       int64_t je, const float* block) {
     for (int64_t r = 0; r < R; ++r) {
       for (int c = 0; c < nv; ++c) qv[c] = load16(row.q + r * D + c * kLanes);
-      float* out = row.scores + r * row.len - kb;  // indexed by position
-      for (int64_t j0 = jb; j0 < je; j0 += kLanes) {
-        const int64_t cnt = je - j0 < kLanes ? je - j0 : kLanes;
-        for (int64_t u = 0; u < kLanes; ++u) {
-          if (u >= cnt) {
-            part[u] = _mm512_setzero_ps();
-            continue;
-          }
-          const float* k = block + (j0 + u - jb) * D;
-          __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-          for (int c = 1; c < nv; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * kLanes), a);
-          part[u] = a;
-        }
-        const __m512 sc = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << cnt) - 1u), sc);
-      }
+      score_keys(row.scores + r * row.len - kb, jb, je, scale, [&](int64_t j) {
+        const float* k = block + (j - jb) * D;
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int c = 1; c < nv; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * kLanes), a);
+        return a;
+      });
     }
   });
   float denom[kMaxRows][kMaxGroup];
