@@ -207,7 +207,26 @@ def test_ctrl_c_with_json_prints_partial_metrics(capsys, monkeypatch, shared_llm
     assert record["token_ids"] == full.token_ids[: len(record["token_ids"])]
     assert record["metrics"]["num_steps"] == 2
     assert record["metrics"]["num_output_tokens"] == len(record["token_ids"]) > 0
+    assert record["prompt_tokens"] == len(full.prompt_token_ids) > 0
     assert "interrupted after" in err
+
+
+def test_ctrl_c_before_the_first_token_still_prints_one_json_record(
+    capsys, monkeypatch, shared_llm, tiny_model_dir
+):
+    full = shared_llm.generate(PROMPT, SamplingParams(max_new_tokens=4))
+    _interrupt_after(monkeypatch, shared_llm, 0)  # during the prompt's prefill
+    argv = ["generate", PROMPT, "--model", tiny_model_dir, "--json", "--max-new-tokens", "4"]
+    code, out, err = run_cli(capsys, *argv)
+    record = json.loads(out)
+    assert code == 130 and record["interrupted"] is True and record["token_ids"] == []
+    assert record["prompt_tokens"] == len(full.prompt_token_ids)
+    assert record["metrics"]["num_steps"] == 0
+    assert err.strip() == "specdec: interrupted after 0 tokens"
+    # without --json: no metrics of a run that made nothing, the same one line
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir)
+    assert code == 130 and "tokens / steps" not in out
+    assert err.strip() == "specdec: interrupted after 0 tokens"
 
 
 def test_ctrl_c_while_loading(capsys, monkeypatch, tiny_model_dir):
@@ -385,8 +404,12 @@ def test_max_tokens_is_max_new_tokens():
     assert SamplingParams().max_new_tokens == 256
     with pytest.raises(ValueError, match="not both"):
         SamplingParams(max_tokens=7, max_new_tokens=7)
-    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
-        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="^max_tokens must be an integer >= 1, got 0"):
+        SamplingParams(max_tokens=0)  # the name the caller used
+    with pytest.raises(ValueError, match="^max_tokens must be an integer >= 1, got 2.5"):
+        SamplingParams(max_tokens=2.5)
+    with pytest.raises(ValueError, match="^max_new_tokens must be an integer >= 1, got 0"):
+        SamplingParams(max_new_tokens=0)
 
 
 @pytest.mark.parametrize(

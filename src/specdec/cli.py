@@ -24,6 +24,7 @@ from specdec.cli_common import (
 )
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.llm import LLM, GenerationOutput
+from specdec.metrics import SpecStats
 from specdec.models.loading import DEFAULT_MODEL
 from specdec.unicode import check_text, decode_utf8, printable
 
@@ -315,6 +316,7 @@ class _Run:
 
     def __init__(self) -> None:
         self.text, self.ids, self.metrics, self.streamed = [], [], None, False
+        self.prompt_ids: list[int] = []  # the prompt as the target sees it, once encoded
 
 
 def _generate(llm, prompt, params, args, speculative, run: _Run) -> GenerationOutput:
@@ -324,8 +326,10 @@ def _generate(llm, prompt, params, args, speculative, run: _Run) -> GenerationOu
         print(f"prompt:\n{DEMO_PROMPT}\n\nspeculative output ({speculative.spec}{tree}):")
     run.streamed = not args.json
     output = None
+    run.prompt_ids = llm.encode(prompt, args.chat)
+    run.metrics = SpecStats()  # a Ctrl-C before the first token reports an empty run
     try:
-        for chunk in llm.stream(prompt, params, chat=args.chat):
+        for chunk in llm.stream(run.prompt_ids, params, chat=args.chat):
             run.text.append(chunk.text)
             run.ids.extend(chunk.token_ids)
             run.metrics = chunk.metrics.snapshot()  # what these chunks hold, for Ctrl-C
@@ -349,10 +353,10 @@ def _interrupted(run: _Run, args: argparse.Namespace, meta: dict) -> int:
         sys.stdout.write("\n")
     partial = None
     if run.metrics is not None:
-        partial = GenerationOutput("".join(run.text), run.ids, [], "abort", run.metrics)
+        partial = GenerationOutput("".join(run.text), run.ids, run.prompt_ids, "abort", run.metrics)
     if partial is not None and args.json:
         print(json.dumps({**partial.to_dict(), **meta, "interrupted": True}))
-    elif partial is not None:
+    elif partial is not None and run.ids:
         _print_metrics(partial, None, SamplingParams())
     sys.stdout.flush()
     print(f"specdec: interrupted after {len(run.ids)} tokens", file=sys.stderr)

@@ -255,6 +255,8 @@ class SamplingParams:
                 "give max_new_tokens or max_tokens (its vLLM / OpenAI name), not both: got "
                 f"{self.max_new_tokens!r} and {self.max_tokens!r}"
             )
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         value = self.max_new_tokens if self.max_new_tokens is not None else self.max_tokens
         object.__setattr__(self, "max_new_tokens", 256 if value is None else value)
         object.__setattr__(self, "max_tokens", None)
