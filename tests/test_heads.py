@@ -447,6 +447,15 @@ def test_asking_more_tokens_than_medusa_has_heads_says_so(target, heads, caplog)
     with caplog.at_level(logging.WARNING, logger="specdec.llm"):
         LLM(target, speculative=spec)
     assert "drafts at most" not in caplog.text
+    for depth, warned in ((5, True), (3, False)):
+        caplog.clear()
+        spec = SpeculativeConfig(
+            method=f"medusa:head={heads['target', 'medusa']}",
+            tree=f"dynamic:top_k=2,depth={depth},budget=8",
+        )
+        with caplog.at_level(logging.WARNING, logger="specdec.llm"):
+            LLM(target, speculative=spec)
+        assert ("fills at most 3 levels of a token tree" in caplog.text) is warned
 
 
 # ---------------------------------------------------------------- exact laws

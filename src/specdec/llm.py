@@ -315,14 +315,21 @@ class LLM:
         )
         drafter = entry.factory(context, config.options)
         most = getattr(drafter, "max_draft_tokens", None)
+        cap = "block size" if hasattr(drafter, "block_size") else "number of heads"
         if config.tree is None and most is not None and config.num_speculative_tokens > most:
             logger.warning(
                 "%s drafts at most %d tokens a step (its head's %s), not the %d asked "
                 "(num_speculative_tokens); chains of %d run",
-                config.method, most,
-                "block size" if hasattr(drafter, "block_size") else "number of heads",
-                config.num_speculative_tokens, most,
+                config.method, most, cap, config.num_speculative_tokens, most,
             )  # fmt: skip
+        elif config.tree is not None and most is not None:
+            depth = make_tree_builder(config.tree).max_depth
+            if depth > most:
+                logger.warning(
+                    "%s fills at most %d levels of a token tree (its head's %s); the "
+                    "tree %s is %d deep, so its deeper levels stay empty",
+                    config.method, most, cap, config.tree, depth,
+                )  # fmt: skip
         return drafter
 
     @property
