@@ -315,10 +315,14 @@ class LLM:
         )
         drafter = entry.factory(context, config.options)
         most = getattr(drafter, "max_draft_tokens", None)
-        cap = "block size" if hasattr(drafter, "block_size") else "number of heads"
+        cap = (
+            "its head's block size" if hasattr(drafter, "block_size")
+            else "its head's number of heads" if hasattr(drafter, "num_heads")
+            else "its max_draft_tokens"
+        )  # fmt: skip
         if config.tree is None and most is not None and config.num_speculative_tokens > most:
             logger.warning(
-                "%s drafts at most %d tokens a step (its head's %s), not the %d asked "
+                "%s drafts at most %d tokens a step (%s), not the %d asked "
                 "(num_speculative_tokens); chains of %d run",
                 config.method, most, cap, config.num_speculative_tokens, most,
             )  # fmt: skip
@@ -326,7 +330,7 @@ class LLM:
             depth = make_tree_builder(config.tree).max_depth
             if depth > most:
                 logger.warning(
-                    "%s fills at most %d levels of a token tree (its head's %s); the "
+                    "%s fills at most %d levels of a token tree (%s); the "
                     "tree %s is %d deep, so its deeper levels stay empty",
                     config.method, most, cap, config.tree, depth,
                 )  # fmt: skip
