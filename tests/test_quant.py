@@ -636,7 +636,10 @@ def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
         (True, None, (), ["decode_layers"]),
         (False, None, (), ["decode_layers"]),
         (True, [0, 3, 7, 20], (), ["decode_layers"]),
-        (True, None, (5, n_layers), ["decode_layer"] * n_layers),
+        # captured layers cut the layers into one call per piece (EAGLE, Medusa)
+        (True, None, (5, n_layers), ["decode_layers"] * 2),
+        (True, None, (0, 2, 5), ["decode_layers"] * 3),
+        (False, None, (1, n_layers - 1, n_layers), ["decode_layers"] * 3),
     ]
     for exact, layers, capture, fused_calls in cases:
         outs = []
