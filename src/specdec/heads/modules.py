@@ -33,7 +33,6 @@ draft distribution, so output stays lossless.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -148,19 +147,13 @@ class _RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, weight, self.eps)
 
 
-@functools.cache
-def _kernels_built() -> bool:
-    from specdec.runtime.kernels import kernel_available
-
-    return kernel_available("cpu")
-
-
 def _runtime_norm(x: torch.Tensor) -> bool:
     """Whether the runtime's RMSNorm kernel takes ``x`` (CPU, float32 or bfloat16, the
     extension built)."""
-    return (
-        x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _kernels_built()
-    )
+    from specdec.runtime.kernels import kernel_available
+
+    cpu = x.device.type == "cpu"
+    return cpu and x.dtype in (torch.float32, torch.bfloat16) and kernel_available(x.device)
 
 
 def _one_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -214,7 +214,7 @@ class NativeDecoder:
         x = self.weights.embed.index_select(0, ids)
         kernel = self._kernel_rows(plans, exact)
         pending = None  # with the kernels: the last layer's output, not yet added to x
-        segments = _capture_segments(list(order), wanted)
+        segments = _capture_segments(list(order), wanted) if wanted else [list(order)]
         fused = [self._fused_layers(seg, kernel, x.shape[0]) for seg in segments]
         if all(f is not None for f in fused):  # every layer in one call per segment
             for seg, lists in zip(segments, fused, strict=True):
