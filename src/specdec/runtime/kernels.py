@@ -38,6 +38,7 @@ _SOURCES = (
     _CSRC / "amx.cpp",
     _CSRC / "dpbf16.cpp",
     _CSRC / "q8.cpp",
+    _CSRC / "prompt_attention.cpp",
 )
 #: Headers the sources include (part of the build's name too).
 _HEADERS = (_CSRC / "common.h", _CSRC / "quant_tiles.h")
@@ -627,6 +628,50 @@ def dpbf16_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -
         x = x.contiguous()
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     _module_or_raise().dpbf16_quant_gemm(x, tiles, kind, out)
+    return out
+
+
+def prompt_attention_available() -> bool:
+    """Whether :func:`prompt_attention` runs here: the extension builds for a CPU with
+    AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids and later)."""
+    module = _load()
+    return module is not None and bool(module.prompt_attention_available())
+
+
+def prompt_attention(
+    q: torch.Tensor, kv: torch.Tensor, layer: int, start: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of a prompt chunk over a bfloat16 KV cache, in blocks of 64 keys on
+    AVX512-BF16 pair dot products (``csrc/prompt_attention.cpp``).
+
+    Row ``i`` (position ``start + i``) sees slots ``0 .. start + i``. Per row and head:
+    FlashAttention's online softmax (Dao et al. 2022, Algorithm 1) over blocks of 64 keys
+    aligned to slot 0: scores as VDPBF16PS pair sums in float32 (Intel SDM vol. 2), times
+    ``scale``; ``exp`` by the kernels' Cephes polynomial; the probabilities rounded to
+    bfloat16 for the value sum (as PyTorch's CPU ``scaled_dot_product_attention`` does for
+    bfloat16 inputs) and summed in float32 for the normalizer. A row reads only its own
+    query and keys, in blocks fixed by its position, so its bits do not depend on the
+    chunk, the other rows or the threads.
+
+    Args:
+        q: ``[T, H, d]`` bfloat16 contiguous queries (rotary applied), d = 64 or 128.
+        kv: the sequence's ``[L, 2, G, C, d]`` bfloat16 contiguous cache
+            (:attr:`~specdec.runtime.cache.NativeKVCache.kv`), the chunk's keys and values
+            already at slots ``start .. start + T - 1``.
+        layer: the layer whose keys and values are read.
+        start: slots before the chunk (the cached prefix).
+        scale: softmax scale (``1 / sqrt(d)``).
+
+    Returns:
+        ``[T, H * d]`` bfloat16.
+
+    Raises:
+        RuntimeError: the extension or AVX512-BF16 is not available here (check
+            :func:`prompt_attention_available`), or shapes, dtypes or layouts differ
+            (``H`` not a multiple of ``G``, the chunk past the cache's capacity).
+    """
+    out = torch.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=q.dtype, device=q.device)
+    _module_or_raise().prompt_attention(q, kv, layer, start, float(scale), out)
     return out
 
 

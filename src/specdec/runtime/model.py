@@ -30,13 +30,15 @@ from specdec.runtime.kernels import (
     decode_layer,
     decode_layers,
     kernel_available,
+    prompt_attention,
+    prompt_attention_available,
     ragged_attention,
     rms_norm,
     rotary_kv,
     silu_mul,
 )
 from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
-from specdec.runtime.prefill import PrefillPlan, prefill_plan
+from specdec.runtime.prefill import BLOCKED_HEAD_DIMS, PrefillPlan, prefill_plan
 from specdec.runtime.quant import QuantLinear, quant_kernel_choices
 from specdec.runtime.weights import ModelWeights
 
@@ -112,6 +114,13 @@ class NativeDecoder:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.device = weights.embed.device
         self.use_kernel = kernel_available(self.device)
+        # the blocked prompt kernel's shapes (see runtime.prefill)
+        self._blocked_prompts = (
+            self.use_kernel
+            and self.dtype == torch.bfloat16
+            and cfg.head_dim in BLOCKED_HEAD_DIMS
+            and prompt_attention_available()
+        )
         self.prefill_plan = prefill or self._measure_prefill(quantized)
         self._cos = self._sin = torch.empty(0)
 
@@ -414,10 +423,18 @@ class NativeDecoder:
         return x, _rows(_product(layer["down"], silu_mul(gate_up), plans, exact, self.prefill_plan))
 
     def _sequence_attention(self, index: int, q: torch.Tensor, p: _Plan, exact: bool):
-        """One sequence's attention in PyTorch (its new keys already in its cache):
-        exact after its prefill, else one ``scaled_dot_product_attention`` (in float32 for
-        a prompt chunk where the prefill plan says so)."""
+        """One sequence's attention (its new keys already in its cache): a long bfloat16
+        prompt chunk on the blocked prompt kernel where the prefill plan says so; exact
+        after its prefill; else one ``scaled_dot_product_attention`` (in float32 for a
+        prompt chunk where the prefill plan says so)."""
         kv = p.item.cache.kv[index]
+        if (
+            self._blocked_prompts
+            and p.prefill
+            and p.causal
+            and self.prefill_plan.blocked_attention(p.length)
+        ):  # see runtime.prefill
+            return prompt_attention(q.contiguous(), p.item.cache.kv, index, p.start, self.scale)
         if exact and not p.prefill:
             return attention_exact(q, kv[0], kv[1], p.attention(exact), self.scale)
         filled = p.start + p.length
@@ -525,6 +542,11 @@ class _Plan:
         bits; exact mode is about rows computed in different shapes across runs (decoding
         vs verification), which all come after it."""
         return _is_prefill(self.item, self.start)
+
+    @property
+    def causal(self) -> bool:
+        """Row ``i`` sees slots ``0 .. start + i`` (no token tree, no KV window)."""
+        return self.item.tree_mask is None and self.item.kv_window is None
 
     def attention(self, exact: bool):
         """What attention needs about visibility, built once per forward for all layers."""

@@ -34,6 +34,17 @@ mask's padding, so it wins on short and medium chunks and loses on long ones (me
 the Zen 4: 0.65 against 1.07 ms at 256 rows, 9.8 against 12.6 ms at 1024, 44 against
 40 ms at 2048, bfloat16). :attr:`PrefillPlan.kernel_attention_to` is the largest measured
 size up to which it wins.
+
+A bfloat16 chunk's attention has a third candidate on CPUs with AVX512-BF16: the blocked
+prompt kernel (:func:`specdec.runtime.kernels.prompt_attention`), FlashAttention's online
+softmax over blocks of 64 keys on pair dot products, the probabilities rounded to bfloat16
+for the value sum as the library's bfloat16 attention rounds them. It wins on long chunks,
+where the others are compute-bound (measured on the Zen 4, 9 heads over 3 KV heads of 64:
+a 1024-token prompt 5.0 against 12.3 ms, a 2048-token chunk after 6144 cached tokens 135
+against 299 ms, about 250 against 115 GFLOP/s). :attr:`PrefillPlan.blocked_attention_from`
+is the smallest measured size from which it wins against the best other candidate. Its
+rows, too, read only their own keys in blocks fixed by their positions: one call per
+chunk, the same bits alone or in any batch.
 """
 
 from __future__ import annotations
@@ -52,6 +63,8 @@ logger = logging.getLogger(__name__)
 PREFILL_ROWS = (64, 256, 1024)
 #: float32 must save at least this fraction of the time to be chosen.
 UPCAST_GAIN = 0.05
+#: Head dims the blocked prompt kernel is built for.
+BLOCKED_HEAD_DIMS = (64, 128)
 #: The environment variable that forces the choice (``on`` / ``off``; unset or ``auto``:
 #: measured).
 ENV = "SPECDEC_PREFILL_FLOAT32"
@@ -82,6 +95,12 @@ class PrefillPlan:
             which, and at every smaller one, the kernel was measured faster than the
             chosen arithmetic by :data:`UPCAST_GAIN` (``None``: never; only where the
             kernels are compiled).
+        blocked_attention_from: bfloat16 chunks of at least this many rows compute their
+            causal attention on the blocked prompt kernel
+            (:func:`~specdec.runtime.kernels.prompt_attention`): the smallest
+            :data:`PREFILL_ROWS` size from which, at it and every larger one, it beat the
+            best other candidate by :data:`UPCAST_GAIN` (``None``: never; only on CPUs with
+            AVX512-BF16). Takes precedence over :attr:`kernel_attention_to`.
     """
 
     products_from: int | None = None
@@ -89,6 +108,7 @@ class PrefillPlan:
     times_ms: dict = field(default_factory=dict)
     quantized_prefill: bool = False
     kernel_attention_to: int | None = None
+    blocked_attention_from: int | None = None
 
     def products(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` rows computes its products in float32."""
@@ -100,7 +120,16 @@ class PrefillPlan:
 
     def kernel_attention(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` rows computes its attention on the runtime's kernel."""
-        return self.kernel_attention_to is not None and rows <= self.kernel_attention_to
+        return (
+            self.kernel_attention_to is not None
+            and rows <= self.kernel_attention_to
+            and not self.blocked_attention(rows)
+        )
+
+    def blocked_attention(self, rows: int) -> bool:
+        """Whether a bfloat16 chunk of ``rows`` rows with a causal view of its cache computes
+        its attention on the blocked prompt kernel."""
+        return self.blocked_attention_from is not None and rows >= self.blocked_attention_from
 
 
 #: Never upcast (float32 models, GPUs, ``SPECDEC_PREFILL_FLOAT32=off``).
@@ -203,6 +232,19 @@ def _run_attention(q: torch.Tensor, kv: torch.Tensor, upcast: bool) -> None:
         attention_fast(q, kv[0], kv[1], CAUSAL, scale)
 
 
+def _blocked_available() -> bool:
+    from specdec.runtime.kernels import prompt_attention_available
+
+    return prompt_attention_available()
+
+
+def _run_blocked_attention(q: torch.Tensor, cache: torch.Tensor) -> None:
+    """The blocked prompt kernel over a prompt from an empty cache."""
+    from specdec.runtime.kernels import prompt_attention
+
+    prompt_attention(q, cache, 0, 0, q.shape[-1] ** -0.5)
+
+
 def _run_kernel_attention(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> None:
     """The runtime's attention kernel over a prompt from an empty cache (row i sees slots
     0 .. i), as :meth:`~specdec.runtime.model.NativeDecoder.forward_full` calls it."""
@@ -229,7 +271,9 @@ def measure(
     (:func:`threshold`); with ``quantized``, also the products on the quantized kernel,
     chosen for every chunk where they beat the chosen dense arithmetic by
     :data:`UPCAST_GAIN` at every size; with ``kernel``, also the attention on the runtime's
-    kernel (:func:`kernel_threshold` against the chosen arithmetic).
+    kernel (:func:`kernel_threshold` against the chosen arithmetic) and, for bfloat16 on a
+    CPU with AVX512-BF16, on the blocked prompt kernel (:func:`threshold` against the best
+    of the others at each size).
 
     Args:
         products: ``(prefill, in_features)`` per product of one layer; ``prefill(x,
@@ -252,6 +296,9 @@ def measure(
         times["products"]["quantized"] = []
     if kernel:
         times["attention"]["kernel"] = []
+    blocked = kernel and dtype == torch.bfloat16 and d in BLOCKED_HEAD_DIMS and _blocked_available()
+    if blocked:
+        times["attention"]["blocked"] = []
     for rows in PREFILL_ROWS:
         inputs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in products]
         q = torch.randn(rows, h, d, generator=gen).to(dtype)
@@ -270,6 +317,10 @@ def measure(
             times["attention"]["kernel"].append(
                 _fastest(lambda q=q, c=cache, o=out: _run_kernel_attention(q, c, o), repeats)
             )
+            if blocked:
+                times["attention"]["blocked"].append(
+                    _fastest(lambda q=q, c=cache: _run_blocked_attention(q, c), repeats)
+                )
         if quantized:
             times["products"]["quantized"].append(
                 _fastest(
@@ -291,7 +342,15 @@ def measure(
     if kernel:
         a = times["attention"]
         kernel_attention_to = kernel_threshold(_chosen(a, attention_from), a["kernel"])
-    return PrefillPlan(products_from, attention_from, times, quantized_prefill, kernel_attention_to)
+    blocked_attention_from = None
+    if blocked:
+        a = times["attention"]
+        others = [min(x, y) for x, y in zip(_chosen(a, attention_from), a["kernel"], strict=True)]
+        blocked_attention_from = threshold(others, a["blocked"])
+    return PrefillPlan(
+        products_from, attention_from, times, quantized_prefill, kernel_attention_to,
+        blocked_attention_from,
+    )  # fmt: skip
 
 
 def prefill_plan(
@@ -329,8 +388,8 @@ def prefill_plan(
     sixteen = dtype in (torch.bfloat16, torch.float16)
     if device.type != "cpu" or not (sixteen or quantized or kernel):
         return NEVER
-    # prefill2: plans that also choose the attention kernel (measured again once)
-    key = f"prefill2|{linear.machine_key(dtype, device)}"
+    # prefill3: plans that also choose the blocked prompt kernel (measured again once)
+    key = f"prefill3|{linear.machine_key(dtype, device)}"
     path = linear.kernel_table_path()
     table = linear._read_table(path)
     entries = table.setdefault(key, {})

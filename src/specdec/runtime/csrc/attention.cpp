@@ -691,6 +691,10 @@ bool dpbf16_available();
 void dpbf16_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y);
 // q8.cpp
 void q8_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y);
+// prompt_attention.cpp
+bool prompt_attention_available();
+void prompt_attention(torch::Tensor q, torch::Tensor kv, int64_t layer, int64_t start,
+                      double scale, torch::Tensor out);
 
 // Per product of decode_layer, its kernel: quant_gemm, q8_gemm or dpbf16_quant_gemm.
 enum LayerKernel : int64_t { kLayerFma = 0, kLayerQ8 = 1, kLayerDpbf16 = 2 };
@@ -804,4 +808,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer", &decode_layer, "one decoder layer of decoding rows, quantized products");
   m.def("decode_layers", &decode_layers, "decode_layer over several layers, with their norms");
   m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
+  m.def("prompt_attention_available", &prompt_attention_available,
+        "whether prompt_attention runs here (AVX512-BF16)");
+  m.def("prompt_attention", &prompt_attention,
+        "causal attention of a prompt chunk over a bfloat16 KV cache, in blocks");
 }
