@@ -9,7 +9,14 @@ tokenizer. Each prompt is prefilled by ``LLM.generate`` with one new token, so t
 the engine's whole prompt path (chunked prefill, products, attention, LM head). Both plans
 must give the same first token.
 
+With ``--llama-python PY`` (an interpreter with ``llama-cpp-python``), llama.cpp prefills
+the same token ids from the same GGUF file in its own process, between specdec's runs
+(``Llama.eval`` of the prompt: its prompt processing, no sampling), with flash attention
+off and on (``flash_attn``), ``n_batch`` = ``n_ubatch`` = 512 (its defaults) and the same
+threads.
+
 Run: .venv/bin/python benchmarks/long_context_cpu/prefill.py [--lengths ...] [--out DIR]
+     [--llama-python /path/to/venv/bin/python]
 """
 
 from __future__ import annotations
@@ -17,16 +24,67 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import torch
-from run import DOCUMENTS, build_prompts
+#: Prefix of the llama.cpp worker's answer lines.
+ANSWER = "@@answer "
 
-from specdec import LLM, SamplingParams, SpeculativeConfig
-from specdec.models.loading import load
+
+def llama_worker(job_path: str) -> None:
+    """llama.cpp's part, in its own interpreter: loads the GGUF with flash attention off and
+    on, then answers one ``{"flash", "index"}`` request per line with the seconds its
+    prompt processing took."""
+    from llama_cpp import Llama
+
+    job = json.loads(Path(job_path).read_text())
+    n_ctx = max(len(p) for p in job["prompts"]) + 64
+    models = {
+        flash: Llama(model_path=job["gguf"], n_ctx=n_ctx, n_threads=job["threads"],
+                     n_threads_batch=job["threads"], flash_attn=flash, verbose=False)
+        for flash in (False, True)
+    }  # fmt: skip
+    for llm in models.values():
+        llm.reset()
+        llm.eval(job["prompts"][0][:64])  # warm-up
+    print(ANSWER + "ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        llm = models[request["flash"]]
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(job["prompts"][request["index"]])
+        print(ANSWER + json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+
+
+class LlamaWorker:
+    def __init__(self, python: str, job: Path, threads: int) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.process = subprocess.Popen(
+            [python, __file__, "--llama-job", str(job)], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self._answer()
+
+    def _answer(self) -> str:
+        for line in self.process.stdout:
+            if line.startswith(ANSWER):
+                return line[len(ANSWER) :]
+        raise RuntimeError(f"the llama.cpp worker exited ({self.process.wait()})")
+
+    def seconds(self, flash: bool, index: int) -> float:
+        self.process.stdin.write(json.dumps({"flash": flash, "index": index}) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._answer())["seconds"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
 
 
 def main() -> None:
@@ -37,7 +95,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--llama-python", default=None, help="an interpreter with llama-cpp-python")
+    ap.add_argument("--llama-job", default=None, help=argparse.SUPPRESS)  # the worker
     args = ap.parse_args()
+    if args.llama_job:  # in llama.cpp's interpreter: no torch, no specdec
+        llama_worker(args.llama_job)
+        return
+    import torch
+    from run import DOCUMENTS, build_prompts
+
+    from specdec import LLM, SamplingParams, SpeculativeConfig
+    from specdec.models.loading import load
+
     target = load(
         "smollm2-135m-instruct", dtype=args.dtype, backend="native",
         quantization=args.quantization,
@@ -54,11 +123,30 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=1)
     prompts = build_prompts(target.tokenizer, args.lengths, args.documents)
     llm.generate(prompts[0]["ids"][:64], params)  # warm-up
+    worker = None
+    if args.llama_python:
+        from specdec.models.loading import embedded_gguf_path
+
+        job = Path(args.out or ".") / "llama_job.json"
+        job.parent.mkdir(parents=True, exist_ok=True)
+        job.write_text(json.dumps({
+            "gguf": str(embedded_gguf_path("smollm2-135m-instruct")),
+            "prompts": [p["ids"] for p in prompts], "threads": torch.get_num_threads(),
+        }))  # fmt: skip
+        worker = LlamaWorker(args.llama_python, job, torch.get_num_threads())
+        plans = {**plans, "llama.cpp": None, "llama.cpp flash_attn": None}
     records = []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         first = {}
         for _ in range(args.repeats):
             for name, plan in plans.items():
+                if name.startswith("llama.cpp"):
+                    wall = worker.seconds(name.endswith("flash_attn"), index)
+                    records.append({"plan": name, "prompt": prompt["id"],
+                                    "prompt_tokens": len(prompt["ids"]), "seconds": wall,
+                                    "tokens_per_s": len(prompt["ids"]) / wall})  # fmt: skip
+                    print(json.dumps(records[-1]), flush=True)
+                    continue
                 decoder.prefill_plan = plan
                 t0 = time.perf_counter()
                 out = llm.generate(prompt["ids"], params)
@@ -76,6 +164,9 @@ def main() -> None:
         if not same:
             print(f"{prompt['id']}: first tokens differ {first}", flush=True)
     decoder.prefill_plan = measured
+    if worker is not None:
+        worker.close()
+        job.unlink()
     summary = {}
     for length in args.lengths:
         key = f"{round(length / 1024)}k"
@@ -85,7 +176,11 @@ def main() -> None:
         }
         med = {name: statistics.median(r["seconds"] for r in rs) for name, rs in rows.items()}
         tokens = statistics.mean(r["prompt_tokens"] for r in rows["blocked"])
+        peers = {
+            f"{name}_s": med[name] for name in plans if name.startswith("llama.cpp")
+        }  # fmt: skip
         summary[key] = {
+            **peers,
             "prompt_tokens": tokens,
             "before_s": med["before"],
             "blocked_s": med["blocked"],
