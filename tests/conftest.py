@@ -180,6 +180,17 @@ def _keep_torch_threads(monkeypatch):
         torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """PyTorch on ``n`` threads inside the block (the kernels' bits must not depend on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 #: A chat template for the tiny word-level tokenizer: the messages' contents, then "w28".
 SERVER_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['content'] }} {% endfor %}"

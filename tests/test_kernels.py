@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from conftest import torch_threads
 from specdec.runtime import kernels
 from specdec.runtime.attention import attention_exact, key_groups
 
@@ -398,16 +399,6 @@ def test_bad_inputs_are_clear_errors():
         )
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
     """The kernels split their work into tasks over PyTorch's threads (output blocks,
@@ -442,9 +433,9 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
             kernels.silu_mul(gate_up),
         ]  # fmt: skip
 
-    with _threads(1):
+    with torch_threads(1):
         one = run()
     for threads in (2, 3):
-        with _threads(threads):
+        with torch_threads(threads):
             for i, (a, b) in enumerate(zip(one, run(), strict=True)):
                 assert torch.equal(a, b), (threads, i)

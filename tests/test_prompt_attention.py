@@ -6,13 +6,11 @@ prompt chunks run on it, and greedy speculation still equals plain decoding."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_model, make_tokenizer
+from conftest import make_model, make_tokenizer, torch_threads
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.models.base import BatchItem
 from specdec.models.hf import HFModel
@@ -83,7 +81,7 @@ def test_a_row_gets_the_same_bits_in_any_chunking_and_on_any_threads():
         alone = kernels.prompt_attention(q[row : row + 1].contiguous(), kv, 0, row, 0.125)
         assert torch.equal(alone, whole[row : row + 1])
     for threads in (1, 3):
-        with _threads(threads):
+        with torch_threads(threads):
             assert torch.equal(kernels.prompt_attention(q, kv, 0, 0, 0.125), whole)
 
 
@@ -189,13 +187,3 @@ def test_greedy_speculation_equals_plain_decoding_with_blocked_prompts():
     for prompt in (PROMPT, "w5 w6 w7 w5 w6 w7 w5 w6"):
         plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
         assert llm.generate(prompt, params).token_ids == plain.token_ids
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
