@@ -26,6 +26,8 @@ METRIC_KEYS = {
     "per_position_acceptance_rate",
     "elapsed_s",
     "tokens_per_s",
+    "decode_tokens_per_s",
+    "prefill_s",
 }
 
 
@@ -81,6 +83,11 @@ def test_json_compare_ngram(capsys, model_dir):
     } <= record.keys()
     assert record["metrics"].keys() >= METRIC_KEYS
     assert {"text", "token_ids", "elapsed_s", "tokens_per_s"} <= record["baseline"].keys()
+    # the speed after the prompt (its prefill left out), for long prompts
+    assert {"prefill_s", "decode_tokens_per_s"} <= record["baseline"].keys()
+    assert record["decode_speedup"] == pytest.approx(
+        record["metrics"]["decode_tokens_per_s"] / record["baseline"]["decode_tokens_per_s"]
+    )
 
     ids = record["token_ids"]
     assert 1 <= len(ids) <= 20
@@ -403,17 +410,18 @@ def test_sampling_transform_flags_apply_and_stay_lossless(capsys, model_dir):
     assert block["token_ids"] == shaped["token_ids"]
 
 
-def _fake_output(tokens: list[int], seconds: float, steps_off: int = 0):
+def _fake_output(tokens: list[int], seconds: float, steps_off: int = 0, prefill: float = 0.0):
     from types import SimpleNamespace
 
-    metrics = SimpleNamespace(
-        lossy=False, verifier="rejection", num_output_tokens=len(tokens), num_steps=len(tokens),
-        mean_acceptance_length=1.0, num_draft_tokens=0, acceptance_rate=0.0,
-        num_accepted_tokens=0, num_drafts=0, per_position_acceptance_rate=[],
-        accepted_length_counts=[], chosen_k_counts=[3, 1], num_steps_off=steps_off,
-        elapsed_s=seconds, tokens_per_s=len(tokens) / seconds,
+    from specdec.metrics import SpecStats
+
+    metrics = SpecStats(
+        verifier="rejection", num_output_tokens=len(tokens), num_steps=len(tokens),
+        chosen_k_counts=[3, 1], num_steps_off=steps_off, elapsed_s=seconds, prefill_s=prefill,
     )  # fmt: skip
-    return SimpleNamespace(metrics=metrics, finish_reason="length", token_ids=tokens)
+    return SimpleNamespace(
+        metrics=metrics, finish_reason="length", token_ids=tokens, prompt_token_ids=[5] * 700
+    )
 
 
 def test_compare_says_what_a_short_run_or_a_differing_output_means(capsys):
@@ -438,3 +446,21 @@ def test_compare_says_what_a_short_run_or_a_differing_output_means(capsys):
     assert "speedup                  1.00x\n" in out and "timing noise" not in out
     assert "identical to baseline    yes" in out and "`--backend native`" not in out
     assert "speculation off          1 of 4 steps" in out
+    assert "speedup after the prompt" not in out  # no prefill in these runs
+
+
+def test_compare_on_a_long_prompt_says_the_speedup_after_the_prompt(capsys):
+    """When the prompt's prefill takes a good share of the time (a long prompt), the text
+    output says how long it took and the speedup of what follows it."""
+    from specdec import SamplingParams
+    from specdec.cli import _print_metrics
+
+    long = list(range(64))
+    spec = _fake_output(long, 1.2, prefill=1.0)  # 64 tokens in 0.2 s after the prompt
+    plain = _fake_output(long, 1.4, prefill=1.0)  # in 0.4 s
+    _print_metrics(spec, plain, SamplingParams())
+    out = capsys.readouterr().out
+    assert "prompt                   700 tokens, first token after 1.00 s" in out
+    assert "after the prompt         320.0 tokens/s" in out
+    assert "speedup                  1.17x\n" in out
+    assert "speedup after the prompt 2.00x (the prompt's prefill took 83% of the time)" in out

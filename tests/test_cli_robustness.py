@@ -223,6 +223,8 @@ def test_ctrl_c_before_the_first_token_still_prints_one_json_record(
     assert code == 130 and record["interrupted"] is True and record["token_ids"] == []
     assert record["prompt_tokens"] == len(full.prompt_token_ids)
     assert record["metrics"]["num_steps"] == 0
+    # the time before Ctrl-C went to the prompt: reported, not 0
+    assert record["metrics"]["elapsed_s"] == record["metrics"]["prefill_s"] > 0
     assert err.strip() == "specdec: interrupted after 0 tokens"
     # without --json: no metrics of a run that made nothing, the same one line
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir)

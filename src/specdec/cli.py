@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 from specdec import __version__
 from specdec.cli_common import (
@@ -317,6 +318,7 @@ class _Run:
     def __init__(self) -> None:
         self.text, self.ids, self.metrics, self.streamed = [], [], None, False
         self.prompt_ids: list[int] = []  # the prompt as the target sees it, once encoded
+        self.started: float | None = None  # perf_counter() when the generation began
 
 
 def _generate(llm, prompt, params, args, speculative, run: _Run) -> GenerationOutput:
@@ -328,6 +330,7 @@ def _generate(llm, prompt, params, args, speculative, run: _Run) -> GenerationOu
     output = None
     run.prompt_ids = llm.encode(prompt, args.chat)
     run.metrics = SpecStats()  # a Ctrl-C before the first token reports an empty run
+    run.started = time.perf_counter()
     try:
         for chunk in llm.stream(run.prompt_ids, params, chat=args.chat):
             run.text.append(chunk.text)
@@ -352,6 +355,9 @@ def _interrupted(run: _Run, args: argparse.Namespace, meta: dict) -> int:
     if run.streamed:
         sys.stdout.write("\n")
     partial = None
+    if run.metrics is not None and not run.ids and run.started is not None:
+        # nothing came back yet: the time so far went to the prompt's prefill
+        run.metrics.elapsed_s = run.metrics.prefill_s = time.perf_counter() - run.started
     if run.metrics is not None:
         partial = GenerationOutput("".join(run.text), run.ids, run.prompt_ids, "abort", run.metrics)
     if partial is not None and args.json:
@@ -410,21 +416,31 @@ def _json_record(output: GenerationOutput, baseline: GenerationOutput | None) ->
             "text": baseline.text,
             "token_ids": baseline.token_ids,
             "elapsed_s": baseline.metrics.elapsed_s,
+            "prefill_s": baseline.metrics.prefill_s,
             "tokens_per_s": baseline.metrics.tokens_per_s,
+            "decode_tokens_per_s": baseline.metrics.decode_tokens_per_s,
         }
         record["speedup"] = _speedup(output, baseline)
+        record["decode_speedup"] = _speedup(output, baseline, decode=True)
         record["identical"] = output.token_ids == baseline.token_ids
     return record
 
 
-def _speedup(output: GenerationOutput, baseline: GenerationOutput) -> float:
-    """Speculative tokens/s over baseline tokens/s, measured in this run.
+def _speedup(output: GenerationOutput, baseline: GenerationOutput, decode: bool = False) -> float:
+    """Speculative tokens/s over baseline tokens/s, measured in this run (``decode``: after
+    the prompt, its prefill left out of both).
 
     Equal to the ratio of wall times when both produced the same tokens (greedy); with
     sampling the two outputs differ in length, so throughput is what compares.
     """
-    base = baseline.metrics.tokens_per_s
-    return output.metrics.tokens_per_s / base if base else 0.0
+    rate = "decode_tokens_per_s" if decode else "tokens_per_s"
+    base = getattr(baseline.metrics, rate)
+    return getattr(output.metrics, rate) / base if base else 0.0
+
+
+#: From this share of the wall time in the prompt's prefill (either run), ``generate
+#: --compare`` also prints the speedup after the prompt.
+PREFILL_SHARE = 0.2
 
 
 #: Below this many generated tokens, ``generate --compare`` says its speedup is timing noise.
@@ -472,6 +488,11 @@ def _print_metrics(
             "steps with none left to draft are not counted; a drafter may propose fewer)"
         )
     print(f"time                     {m.elapsed_s:.2f} s ({m.tokens_per_s:.1f} tokens/s)")
+    if m.prefill_s > 0:
+        prompt = len(getattr(output, "prompt_token_ids", None) or [])
+        what = f"{prompt} tokens, " if prompt else ""
+        print(f"prompt                   {what}first token after {m.prefill_s:.2f} s")
+        print(f"after the prompt         {m.decode_tokens_per_s:.1f} tokens/s")
     if baseline is None:
         return
     b = baseline.metrics
@@ -481,6 +502,12 @@ def _print_metrics(
     if min(m.num_output_tokens, b.num_output_tokens) < NOISY_TOKENS:
         note = f" (only {min(m.num_output_tokens, b.num_output_tokens)} tokens: timing noise)"
     print(f"speedup                  {_speedup(output, baseline):.2f}x{note}")
+    share = max(x.prefill_s / x.elapsed_s if x.elapsed_s > 0 else 0.0 for x in (m, b))
+    if share >= PREFILL_SHARE:
+        print(
+            f"speedup after the prompt {_speedup(output, baseline, decode=True):.2f}x "
+            f"(the prompt's prefill took {share:.0%} of the time)"
+        )
     if params.greedy:
         print(f"identical to baseline    {'yes' if identical else 'NO'}")
         if not identical and meta and not meta.get("exact"):

@@ -136,8 +136,15 @@ class SpecStats:
 
     @property
     def tokens_per_s(self) -> float:
-        """Output tokens per wall-clock second."""
+        """Output tokens per wall-clock second (the prompt's prefill included)."""
         return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Output tokens per second after the prompt: over ``elapsed_s - prefill_s`` (what
+        speculation speeds up; on a long prompt the prefill can be most of the wall time)."""
+        decode_s = self.elapsed_s - self.prefill_s
+        return self.num_output_tokens / decode_s if decode_s > 0 else 0.0
 
     def to_dict(self) -> dict:
         """JSON-ready dict: the counters, timings and derived rates (``acceptance_rate``
@@ -157,6 +164,7 @@ class SpecStats:
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
             "chosen_k_counts": list(self.chosen_k_counts),
             "num_steps_off": self.num_steps_off,
             "verifier": self.verifier,
