@@ -236,4 +236,16 @@ def test_bad_choice_counts_are_refused(kwargs, message):
 def test_stream_refuses_several_choices(target):
     llm = LLM(target, speculative=SpeculativeConfig("none"))
     with pytest.raises(ValueError, match="stream returns one output"):
-        next(llm.stream(PROMPTS[0], SamplingParams(n=2)))
+        llm.stream(PROMPTS[0], SamplingParams(n=2))  # at the call, not at the first next
+
+
+def test_stream_refuses_bad_prompts_at_the_call(target):
+    """An empty or over-long prompt raises when ``stream`` is called, as ``generate``
+    does, not later at the first ``next``; a good one streams as before."""
+    llm = LLM(target, speculative=SpeculativeConfig("none"))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.stream([])
+    with pytest.raises(ValueError, match="holds at most"):
+        llm.stream([5] * target.max_context)
+    chunks = list(llm.stream(PROMPTS[0], SamplingParams(max_new_tokens=4)))
+    assert chunks and chunks[-1].output is not None

@@ -14,7 +14,7 @@ from specdec.control.base import SpeculationController
 from specdec.control.cost import CostModel
 from specdec.drafters.base import Drafter, check_drafter
 from specdec.drafters.prediction import PredictionDrafter
-from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.engine import Engine, EngineConfig, check_prompt_fits
 from specdec.engine.generate import generate_steps
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
@@ -613,13 +613,22 @@ class LLM:
 
         Text that could still become part of a stop string, or an incomplete UTF-8
         character, is held back until it is settled, so nothing after a stop is ever
-        yielded.
+        yielded. Bad input (an empty or over-long prompt, invalid sampling values, ``n >
+        1``) raises here, at the call, as :meth:`generate` does; generation itself starts at
+        the first ``next``.
+
+        Raises:
+            ValueError: as :meth:`generate`, and for ``n > 1`` or ``best_of``.
         """
         params = self.resolve_params(sampling_params or SamplingParams())
         if params.n > 1 or params.best_of is not None:
             raise ValueError("stream returns one output: use generate for n > 1 or best_of")
         drafter = self.prediction_drafter(prediction, speculative or self.speculative)
         prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
+        check_prompt_fits(self.target, prompt_ids)
+        return self._chunks(prompt_ids, steps, params, drafter)
+
+    def _chunks(self, prompt_ids, steps, params, drafter) -> Iterator[GenerationChunk]:
         for chunk in _stream_text(self.tokenizer, prompt_ids, steps, params):
             if chunk.output is not None:
                 chunk.output._with_prediction(drafter)

@@ -81,6 +81,21 @@ KV_BLOCK = 16
 INITIAL_HEADROOM = 512
 
 
+def check_prompt_fits(target, prompt_ids: list[int]) -> None:
+    """Refuse a prompt that the target cannot generate after.
+
+    Raises:
+        ValueError: an empty prompt, or one of at least ``target.max_context`` tokens.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    if len(prompt_ids) >= target.max_context:
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens; {target.name} holds at most "
+            f"{target.max_context} tokens in total, so nothing could be generated"
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Scheduler limits.
@@ -208,14 +223,8 @@ class Engine:
         cfg = self.config
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already running")
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
         target = self.target
-        if len(prompt_ids) >= target.max_context:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; {target.name} holds at most "
-                f"{target.max_context} tokens in total, so nothing could be generated"
-            )
+        check_prompt_fits(target, prompt_ids)
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         outside = [t for t, _ in params.logit_bias if t >= target.vocab_size]
