@@ -181,40 +181,46 @@ def test_greedy_speculation_equals_plain_decoding_with_upcast_prompts(quantizati
         assert llm.generate(prompt, params).token_ids == plain.token_ids
 
 
-def test_the_quantized_kernel_computes_prompts_where_it_wins_at_every_size():
-    """``measure`` with a q8 model's products: the kernel is chosen for every prompt chunk
-    only where it beats the chosen dense arithmetic (by the 5% margin) at every size."""
+def test_the_quantized_kernel_computes_prompts_up_to_the_largest_size_where_it_wins():
+    """``measure`` with a quantized model's products: the kernel computes chunks up to the
+    largest size at which, and at every smaller one, it beats the chosen dense arithmetic
+    by the 5% margin; winning at the largest size means every chunk."""
     import time
 
     def dense(x, upcast):
-        time.sleep(0.003)
+        time.sleep(0.003 if x.shape[0] < 512 else 0.001)
 
-    def timed(seconds):
-        return [lambda x: time.sleep(seconds)]
+    def timed(small, large):
+        return [lambda x: time.sleep(small if x.shape[0] < 512 else large)]
 
     for dtype in (torch.float32, torch.bfloat16):
-        plan = prefill.measure([(dense, 8)], (2, 1, 4), dtype, 1, quantized=timed(0.0))
-        assert plan.quantized_prefill
+        plan = prefill.measure([(dense, 8)], (2, 1, 4), dtype, 1, quantized=timed(0.0, 0.0))
+        assert plan.quantized_to == prefill.PREFILL_ROWS[-1]
+        assert plan.quantized(prefill.PREFILL_ROWS[-1] * 4)  # every chunk
         assert set(plan.times_ms["products"]) == (
             {"native", "float32", "quantized"} if dtype == torch.bfloat16 else
             {"native", "quantized"}
         )  # fmt: skip
         assert plan.products_from is None or dtype == torch.bfloat16
-        slower = prefill.measure([(dense, 8)], (2, 1, 4), dtype, 1, quantized=timed(0.006))
-        assert not slower.quantized_prefill
-    assert not prefill.measure([(dense, 8)], (2, 1, 4), torch.float32, 1).quantized_prefill
+        if dtype == torch.float32:  # the dense product wins from 512 rows on
+            up_to = prefill.measure([(dense, 8)], (2, 1, 4), dtype, 1, quantized=timed(0.0, 0.006))
+            assert up_to.quantized_to == 256
+            assert up_to.quantized(256) and up_to.quantized(20) and not up_to.quantized(257)
+        slower = prefill.measure([(dense, 8)], (2, 1, 4), dtype, 1, quantized=timed(0.006, 0.006))
+        assert slower.quantized_to is None and not slower.quantized(64)
+    assert prefill.measure([(dense, 8)], (2, 1, 4), torch.float32, 1).quantized_to is None
 
 
 def _q8_model(monkeypatch) -> NativeModel:
     monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "q8")
     model = _bf16_model(quantization="q4_1")
     assert model.decoder.layers[0]["qkv"].kernel == "q8"
-    model.decoder.prefill_plan = PrefillPlan(quantized_prefill=True)
+    model.decoder.prefill_plan = PrefillPlan(quantized_to=prefill.PREFILL_ROWS[-1])
     return model
 
 
 def test_q8_prompt_chunks_on_the_kernel_are_its_product_alone_or_in_a_batch(monkeypatch):
-    """With the plan's ``quantized_prefill``, a prompt chunk's products are the q8 kernel's
+    """With the plan's ``quantized_to``, a prompt chunk's products are the q8 kernel's
     (8-bit activations), not the dense product; a chunk gets the same bits alone or next
     to other sequences; greedy speculation still equals plain decoding."""
     model = _q8_model(monkeypatch)
@@ -222,11 +228,11 @@ def test_q8_prompt_chunks_on_the_kernel_are_its_product_alone_or_in_a_batch(monk
     x = torch.randn(PREFILL_DENSE_ROWS + 5, 32).bfloat16()
     assert torch.equal(linear.prefill(x, quantized=True), linear(x))
     assert not torch.equal(linear.prefill(x), linear(x))  # the dense product differs
-    on = _forward_prompt(model, PrefillPlan(quantized_prefill=True), PROMPT)
+    on = _forward_prompt(model, PrefillPlan(quantized_to=prefill.PREFILL_ROWS[-1]), PROMPT)
     off = _forward_prompt(model, NEVER, PROMPT)
     assert not torch.equal(on, off)
     torch.testing.assert_close(on, off, atol=0.3, rtol=0.1)
-    model.decoder.prefill_plan = PrefillPlan(quantized_prefill=True)
+    model.decoder.prefill_plan = PrefillPlan(quantized_to=prefill.PREFILL_ROWS[-1])
     caches = [model.new_cache(128) for _ in range(2)]
     model.decoder.forward([BatchItem(PROMPT[:8], caches[1])])
     batch = [BatchItem(PROMPT[:50], caches[0], num_logits=1), BatchItem([3, 4, 5], caches[1])]
@@ -308,3 +314,40 @@ def test_prompt_attention_on_the_kernel_is_close_and_the_same_alone_or_in_a_batc
     for prompt in ([1, *[(3 * i) % 11 + 3 for i in range(40)]], "w5 w6 w7 w5 w6 w7 w5 w6"):
         plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
         assert llm.generate(prompt, params).token_ids == plain.token_ids
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_short_prompt_chunks_of_a_quantized_model_run_on_its_kernel(dtype):
+    """Measured choice for every quantized kernel (not only q8): a chunk up to the plan's
+    ``quantized_to`` rows computes its products on the kernel of decoding rows, a longer
+    one as the dense product; either way a chunk gets the same bits alone or beside other
+    sequences, and greedy speculation equals plain decoding."""
+    hf = make_model(make_tokenizer(), seed=0)
+    model = NativeModel(HFModel(hf.model.to(dtype), hf.tokenizer), exact=True,
+                        quantization="q4_1")  # fmt: skip
+    linear = model.decoder.layers[0]["gate_up"]
+    assert linear.kernel != "q8"
+    plan = PrefillPlan(quantized_to=64)
+    assert plan.quantized(64) and not plan.quantized(65)
+    on = _forward_prompt(model, plan, PROMPT[:40])  # on the kernel
+    off = _forward_prompt(model, NEVER, PROMPT[:40])  # dense
+    assert not torch.equal(on, off)  # the kernel reads the weights unrounded
+    torch.testing.assert_close(on, off, atol=0.3, rtol=0.1)
+    long = [1, *[(7 * i) % 29 + 3 for i in range(90)]]  # 91 rows: dense either way
+    assert torch.equal(_forward_prompt(model, plan, long), _forward_prompt(model, NEVER, long))
+    model.decoder.prefill_plan = plan
+    for prompt in (PROMPT[:40], long):  # on the kernel, dense
+        caches = [model.new_cache(128) for _ in range(2)]
+        model.decoder.forward([BatchItem(PROMPT[:8], caches[1])])
+        batch = [BatchItem(prompt, caches[0], num_logits=1), BatchItem([3, 4, 5], caches[1])]
+        together = model.decoder.forward_full(batch)
+        (alone,) = model.decoder.forward_full(
+            [BatchItem(prompt, model.new_cache(128), num_logits=1)]
+        )
+        assert torch.equal(together[0].logits, alone.logits)
+    llm = LLM(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompt = [1, *[(3 * i) % 11 + 3 for i in range(40)]]
+    plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
+    assert llm.generate(prompt, params).token_ids == plain.token_ids

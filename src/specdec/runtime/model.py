@@ -141,12 +141,11 @@ class NativeDecoder:
             + [f"kernel={'/'.join(sorted(set(kernels.values())))}"] * bool(kernels)
         )
         present = [name for name in width if name in first]
-        # only the q8 kernel computes a prompt differently from its dense form
-        q8 = [first[name] for name in present] if kernels and all(
-            kernels.get(name) == "q8" for name in present
+        on_kernel = [first[name] for name in present] if present and all(
+            name in kernels for name in present
         ) else None  # fmt: skip
         return prefill_plan(
-            products, heads, self.dtype, self.device, model_key, q8, kernel=self.use_kernel
+            products, heads, self.dtype, self.device, model_key, on_kernel, self.use_kernel
         )
 
     def new_cache(self, capacity: int) -> NativeKVCache:
@@ -654,9 +653,9 @@ def _product(
     mode's tiles."""
     if not any(p.prefill for p in plans):
         return linear(x, exact)
-    quantized = upcast.quantized_prefill and isinstance(linear, QuantLinear)
+    quantized = isinstance(linear, QuantLinear)
     if not exact:
-        if upcast.products(x.shape[0]) and not quantized:
+        if upcast.products(x.shape[0]) and not (quantized and upcast.quantized(x.shape[0])):
             return linear.prefill(x, True)
         return linear(x, False)
     outputs, row, run = [], 0, 0  # run: rows of other sequences not yet computed
@@ -666,7 +665,7 @@ def _product(
                 outputs.append(linear(x[row - run : row], True))
                 run = 0
             chunk = x[row : row + p.length]
-            if quantized:
+            if quantized and upcast.quantized(p.length):
                 outputs.append(linear.prefill(chunk, quantized=True))
             else:
                 outputs.append(linear.prefill(chunk, upcast.products(p.length)))

@@ -18,13 +18,19 @@ are only ever computed as that chunk (see :func:`specdec.runtime.model._product`
 sequence gets the same bits alone or in any batch, and greedy speculative decoding still
 equals plain decoding token for token (both prefill the same way).
 
-A model on the opt-in ``q8`` kernel (8-bit activations, llama.cpp's arithmetic) has one
-more choice: its prompt chunks as one dense product on the dequantized weights, or on the
-``q8`` kernel itself, as llama.cpp computes a prompt (measured on a 2-core AMD EPYC Zen 4
-with AVX-512 VNNI: the kernel at about 170-190 GMAC/s from 8 rows on, against about 165
-for oneDNN's bfloat16 product, before expanding the blocks). It is measured the same way
-(:attr:`PrefillPlan.quantized_prefill`) and is again one call per chunk: the same bits
-alone or in any batch.
+A model on quantized weights (a GGUF's own blocks) has one more choice: its prompt
+chunks as one dense product on the weights expanded to the model's dtype, or on the
+quantized kernel itself, the product its decoding rows use. The kernel's speed is flat in
+the rows (tiles of a few rows), the dense product's rises with them, and expanding the
+weights costs a pass over them per chunk: measured on a 2-core AMD EPYC Zen 4, one
+SmolLM2-135M layer's four products on the ``dpbf16`` kernel against the dense bfloat16
+product, 0.83 against 1.51 ms at 32 rows, 3.3 against 4.4 at 128, even at 256, 24.4
+against 20.8 at 1024. The kernel also reads the file's weights exactly where the dense
+product rounds them to the model's dtype (``q8``, the opt-in kernel, rounds the
+activations to 8 bits instead, as llama.cpp computes a prompt). So it is measured
+(:attr:`PrefillPlan.quantized_to`): chunks up to the largest size where the kernel wins
+run on it. Either way it is one call per chunk, chosen by the chunk's length: the same
+bits alone or in any batch.
 
 A chunk's attention has one more candidate, in every dtype: the runtime's own attention
 kernel (:func:`specdec.runtime.kernels.ragged_attention`, the arithmetic of decoding rows:
@@ -59,8 +65,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: Chunk sizes (rows) the two arithmetics are timed at.
-PREFILL_ROWS = (64, 256, 1024)
+#: Chunk sizes (rows) the candidates are timed at.
+PREFILL_ROWS = (64, 128, 256, 512, 1024)
 #: float32 must save at least this fraction of the time to be chosen.
 UPCAST_GAIN = 0.05
 #: Head dims the blocked prompt kernel is built for.
@@ -72,19 +78,22 @@ ENV = "SPECDEC_PREFILL_FLOAT32"
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """When a prompt chunk of a 16-bit model runs in float32, and whether a model on the
-    ``q8`` kernel runs its prompt chunks on that kernel.
+    """When a prompt chunk of a 16-bit model runs in float32, when a model on quantized
+    weights runs a prompt chunk's products on its quantized kernel, and which kernel
+    computes a chunk's attention.
 
     Attributes:
         products_from: chunks of at least this many rows compute their matrix products
             in float32 (``None``: never).
         attention_from: the same for the chunk's attention.
-        quantized_prefill: every prompt chunk's products run on the quantized kernel (the
-            8-bit activations of :mod:`specdec.runtime.quant`'s ``q8`` kernel, as
-            llama.cpp computes a prompt), not as one dense product on the dequantized
-            weights: measured faster than the dense product at every
-            :data:`PREFILL_ROWS` size, on ``q8`` models only (``False``: the dense product
-            from :data:`~specdec.runtime.quant.PREFILL_DENSE_ROWS` rows on).
+        quantized_to: a quantized model's chunks of at most this many rows compute their
+            products on the quantized kernel (the product of decoding rows), not as one
+            dense product on the expanded weights: the largest :data:`PREFILL_ROWS` size at
+            which, and at every smaller one, the kernel was measured faster than the chosen
+            dense arithmetic by :data:`UPCAST_GAIN`; the largest size itself means every
+            chunk (the kernel's speed is flat in the rows, the dense product's rises with
+            them). ``None``: only chunks below
+            :data:`~specdec.runtime.quant.PREFILL_DENSE_ROWS` rows.
         times_ms: what was measured, ``{"products" | "attention": {"native" | "float32"
             (| "quantized" | "kernel"): [ms per PREFILL_ROWS entry]}}`` (for reports;
             empty when forced).
@@ -106,7 +115,7 @@ class PrefillPlan:
     products_from: int | None = None
     attention_from: int | None = None
     times_ms: dict = field(default_factory=dict)
-    quantized_prefill: bool = False
+    quantized_to: int | None = None
     kernel_attention_to: int | None = None
     blocked_attention_from: int | None = None
 
@@ -117,6 +126,12 @@ class PrefillPlan:
     def attention(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` rows computes its attention in float32."""
         return self.attention_from is not None and rows >= self.attention_from
+
+    def quantized(self, rows: int) -> bool:
+        """Whether a quantized model's chunk of ``rows`` rows computes its products on the
+        quantized kernel (below ``PREFILL_DENSE_ROWS`` rows it always does)."""
+        q = self.quantized_to
+        return q is not None and (rows <= q or q >= PREFILL_ROWS[-1])
 
     def kernel_attention(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` rows computes its attention on the runtime's kernel."""
@@ -173,12 +188,13 @@ def _chosen(times: dict[str, list[float]], upcast_from: int | None) -> list[floa
 
 def kernel_threshold(library: list[float], kernel: list[float], rows=PREFILL_ROWS) -> int | None:
     """The largest measured row count at which, and at every smaller measured count, the
-    kernel's attention beats the library's by at least :data:`UPCAST_GAIN` (``None``: not
-    even at the smallest).
+    kernel beats the library by at least :data:`UPCAST_GAIN` (``None``: not even at the
+    smallest): the runtime's attention kernel against ``scaled_dot_product_attention``, or
+    a quantized kernel's products against the dense product.
 
     Args:
-        library: milliseconds of ``scaled_dot_product_attention`` in the arithmetic the
-            plan chose for that size, one per ``rows`` entry.
+        library: milliseconds of the library's call in the arithmetic the plan chose for
+            that size, one per ``rows`` entry.
         kernel: milliseconds of the kernel, one per ``rows`` entry.
     """
     return _winning_run(zip(rows, library, kernel, strict=True))
@@ -269,9 +285,10 @@ def measure(
     """Time one layer's products and a causal attention at :data:`PREFILL_ROWS` rows, in
     ``dtype`` and in float32 (16-bit models), and choose the thresholds
     (:func:`threshold`); with ``quantized``, also the products on the quantized kernel,
-    chosen for every chunk where they beat the chosen dense arithmetic by
-    :data:`UPCAST_GAIN` at every size; with ``kernel``, also the attention on the runtime's
-    kernel (:func:`kernel_threshold` against the chosen arithmetic) and, for bfloat16 on a
+    chosen up to the largest size at which, and at every smaller one, they beat the chosen
+    dense arithmetic by :data:`UPCAST_GAIN` (:attr:`PrefillPlan.quantized_to`); with
+    ``kernel``, also the attention on the runtime's kernel (:func:`kernel_threshold`
+    against the chosen arithmetic) and, for bfloat16 on a
     CPU with AVX512-BF16, on the blocked prompt kernel (:func:`threshold` against the best
     of the others at each size).
 
@@ -332,12 +349,9 @@ def measure(
     attention_from = (
         threshold(times["attention"]["native"], times["attention"]["float32"]) if sixteen else None
     )
-    quantized_prefill = False
+    quantized_to = None
     if quantized:
-        dense = _chosen(t, products_from)
-        quantized_prefill = all(
-            qt < (1.0 - UPCAST_GAIN) * dt for qt, dt in zip(t["quantized"], dense, strict=True)
-        )
+        quantized_to = kernel_threshold(_chosen(t, products_from), t["quantized"])
     kernel_attention_to = None
     if kernel:
         a = times["attention"]
@@ -348,7 +362,7 @@ def measure(
         others = [min(x, y) for x, y in zip(_chosen(a, attention_from), a["kernel"], strict=True)]
         blocked_attention_from = threshold(others, a["blocked"])
     return PrefillPlan(
-        products_from, attention_from, times, quantized_prefill, kernel_attention_to,
+        products_from, attention_from, times, quantized_to, kernel_attention_to,
         blocked_attention_from,
     )  # fmt: skip
 
@@ -374,7 +388,7 @@ def prefill_plan(
         dtype: the model's dtype.
         device: where it runs.
         model_key: names the model's shapes (and kernels) in the table.
-        quantized: as for :func:`measure` (a ``q8`` model's products), or ``None``.
+        quantized: as for :func:`measure` (a quantized model's products), or ``None``.
         kernel: as for :func:`measure`.
 
     Raises:
@@ -388,8 +402,9 @@ def prefill_plan(
     sixteen = dtype in (torch.bfloat16, torch.float16)
     if device.type != "cpu" or not (sixteen or quantized or kernel):
         return NEVER
-    # prefill3: plans that also choose the blocked prompt kernel (measured again once)
-    key = f"prefill3|{linear.machine_key(dtype, device)}"
+    # prefill4: plans that choose the quantized kernel up to a size, for every quantized
+    # kernel, at five sizes (measured again once)
+    key = f"prefill4|{linear.machine_key(dtype, device)}"
     path = linear.kernel_table_path()
     table = linear._read_table(path)
     entries = table.setdefault(key, {})

@@ -63,9 +63,10 @@ BLOCK = 32
 #: ``quantization`` values of the loader: ``none`` (dense), ``gguf`` (the file's own
 #: blocks), or a format to quantize dense weights to.
 QUANTIZATIONS = ("none", "gguf", "q8_0", "q4_1")
-#: A prefill chunk of at least this many rows expands the whole matrix once and runs
-#: PyTorch's (oneDNN's) dense product on it: prefill is compute-bound, where the
-#: few-row kernel is not the right tool.
+#: A prefill chunk below this many rows always runs on the quantized kernel; from it on,
+#: the prefill plan (:attr:`specdec.runtime.prefill.PrefillPlan.quantized_to`, measured)
+#: chooses between the kernel and expanding the whole matrix for PyTorch's (oneDNN's)
+#: dense product, which wins on long, compute-bound chunks.
 PREFILL_DENSE_ROWS = 16
 
 
@@ -489,8 +490,8 @@ class QuantLinear:
     :class:`specdec.runtime.linear.Linear`).
 
     Decoding and verification rows run the chosen kernel (:data:`QUANT_KERNELS`) in both
-    modes; :meth:`prefill` runs a prompt chunk of at least :data:`PREFILL_DENSE_ROWS` rows
-    as one dense product on the expanded matrix.
+    modes; :meth:`prefill` runs a prompt chunk on the kernel too or, where the prefill plan
+    measured that faster for its length, as one dense product on the expanded matrix.
 
     Args:
         matrix: the quantized ``[N, K]`` weight.
@@ -543,7 +544,7 @@ class QuantLinear:
     ) -> torch.Tensor:
         """A prompt chunk's product (the same call for the same chunk, so the same bits):
         below :data:`PREFILL_DENSE_ROWS` rows, or with ``quantized`` (the prefill plan's
-        choice for the ``q8`` kernel), the quantized kernel; else one dense product on
+        choice for a chunk of this length), the quantized kernel; else one dense product on
         the dequantized matrix, in ``x``'s dtype or, with ``upcast``, in float32 (the
         dequantized values unrounded, the result rounded once to ``x``'s dtype; see
         :mod:`specdec.runtime.prefill`)."""
