@@ -194,6 +194,34 @@ def test_aborts_free_everything_and_leave_others_unchanged(native, near_draft):
     assert drafter.started == drafter.closed and engine.num_kv_tokens_used == 0
 
 
+def test_a_prefilled_prompt_gets_its_first_token_before_more_prompts_run(native):
+    """The step after a prompt's prefill verifies its pending token without prompt chunks
+    of later arrivals (they would delay its first token by their whole prefill); the next
+    step prefills them; outputs are unchanged."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = Engine(native, EngineConfig())
+    engine.add_request("a", _prompt(0, 20), params)
+    assert engine.step() == []  # a's prompt
+    engine.add_request("b", _prompt(1, 30), params)
+    b = engine.waiting[0]
+    (out,) = engine.step()  # a's first token, b still waits
+    assert out[0].request_id == "a" and len(out[1].new_token_ids) == 1
+    assert b.num_prefilled == 0
+    (out,) = engine.step()  # a's second token beside b's prompt
+    assert out[0].request_id == "a" and b.num_prefilled == len(b.prompt_ids) - 1
+    (first, second) = engine.step()  # b's first token, and a goes on
+    assert {first[0].request_id, second[0].request_id} == {"a", "b"}
+    while engine.has_unfinished():
+        engine.step()
+    for seq in (out[0], b):
+        alone = Engine(native, EngineConfig())
+        alone.add_request("x", seq.prompt_ids, params)
+        steps = []
+        while alone.has_unfinished():
+            steps += alone.step()
+        assert seq.output_ids == [t for _, step in steps for t in step.new_token_ids]
+
+
 def test_preempted_request_is_recomputed_and_counted(native):
     cfg = EngineConfig(max_num_batched_tokens=16, max_kv_tokens=64, prefill_chunk=8)
     reqs = [Request(_prompt(i, 12), "ngram", k=3, max_new_tokens=24) for i in range(3)]

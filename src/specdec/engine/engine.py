@@ -5,7 +5,10 @@ One :meth:`Engine.step`:
 1. **schedule** (continuous batching, vLLM-style): running sequences first, in arrival
    order, each costing its largest verification (pending token + draft or tree) against a
    per-step token budget that counts draft tokens; then prompt chunks of admitted
-   sequences; then new admissions while KV slots are free. KV is accounted per sequence
+   sequences; then new admissions while KV slots are free. A step that verifies a
+   sequence for the first time (its prompt just prefilled) runs no prompt chunk: the
+   pending token of a prefilled prompt gives its first token, and sharing that step with
+   the next wave's prompts would wait for them. KV is accounted per sequence
    in 16-slot blocks as it grows; when the running sequences' next step does not fit, the
    latest arrival is *preempted*: its cache and drafter state are dropped and it waits
    again, to be recomputed from its tokens (prompt + output) when readmitted.
@@ -362,7 +365,8 @@ class Engine:
         budget = self.config.max_num_batched_tokens
         verified = self._schedule_running(budget)
         budget -= sum(s.max_step_tokens for s in verified)
-        chunks = self._schedule_prefill(budget)
+        first = any(len(s.tokens) == len(s.prompt_ids) for s in verified)
+        chunks = [] if first else self._schedule_prefill(budget)  # first tokens first
         if not verified and not chunks:
             return []
         plans = self._plan(verified)
