@@ -37,6 +37,21 @@ def test_serve_options_carry_the_controller_quantization_and_threads():
     assert _value(options, "--controller") == "cost"
 
 
+def test_serve_defaults_to_dense_weights_only_on_cpus_with_amx(monkeypatch):
+    """``specdec serve --quantization``'s default follows the CPU: dense weights where AMX's
+    matrix units batch them faster, the GGUF's own blocks (``auto``) elsewhere."""
+    from specdec import cli_common
+    from specdec.runtime import kernels
+
+    assert cli_common.serve_quantization_default("avx512f amx_bf16 amx_tile") == "none"
+    assert cli_common.serve_quantization_default("avx512f avx512_bf16 avx512_vnni") == "auto"
+    assert cli_common.serve_quantization_default("") == "auto"
+    for flags, default in (("amx_bf16 amx_tile", "none"), ("avx2 fma", "auto")):
+        monkeypatch.setattr(kernels, "cpu_flags", lambda cpuinfo=None, f=flags: f)
+        args = _build_parser().parse_args(["serve"])
+        assert args.quantization == default
+
+
 def _level(server: str, speculative: bool, c: int, rate: float, outputs: list[str]) -> Level:
     return Level(speculative, c, len(outputs), int(rate * 10), 10.0, rate, 100.0, 150.0, 20.0,
                  500.0, outputs, server)  # fmt: skip

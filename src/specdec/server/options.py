@@ -12,6 +12,7 @@ from specdec.cli_common import (
     add_quantization_arg,
     add_threads_arg,
     check_model_args,
+    serve_quantization_default,
     speculative_config,
 )
 from specdec.models.loading import (
@@ -46,7 +47,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
                    help="native backend: batch-invariant forwards (default: on)")  # fmt: skip
-    add_quantization_arg(p, default="none")
+    quantization = serve_quantization_default()
+    add_quantization_arg(p, quantization, why=(
+        " on this CPU with AMX: a batch of many sequences runs faster on dense weights, "
+        "whose products use its matrix units" if quantization == "none" else
+        " on this CPU without AMX; none on CPUs with AMX, whose matrix units run a batch "
+        "of many sequences faster on dense weights"
+    ))  # fmt: skip
     add_threads_arg(p, adapt=False)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
