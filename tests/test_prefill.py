@@ -233,14 +233,21 @@ def test_q8_prompt_chunks_on_the_kernel_are_its_product_alone_or_in_a_batch(monk
     assert not torch.equal(on, off)
     torch.testing.assert_close(on, off, atol=0.3, rtol=0.1)
     model.decoder.prefill_plan = PrefillPlan(quantized_to=prefill.PREFILL_ROWS[-1])
+    _assert_alone_equals_batched(model, PROMPT[:50])
+    _assert_speculation_equals_plain(model)
+
+
+def _assert_alone_equals_batched(model: NativeModel, prompt: list[int]) -> None:
+    """A prompt chunk's logits alone equal its logits beside another sequence's rows."""
     caches = [model.new_cache(128) for _ in range(2)]
     model.decoder.forward([BatchItem(PROMPT[:8], caches[1])])
-    batch = [BatchItem(PROMPT[:50], caches[0], num_logits=1), BatchItem([3, 4, 5], caches[1])]
+    batch = [BatchItem(prompt, caches[0], num_logits=1), BatchItem([3, 4, 5], caches[1])]
     together = model.decoder.forward_full(batch)
-    (alone,) = model.decoder.forward_full(
-        [BatchItem(PROMPT[:50], model.new_cache(128), num_logits=1)]
-    )
+    (alone,) = model.decoder.forward_full([BatchItem(prompt, model.new_cache(128), num_logits=1)])
     assert torch.equal(together[0].logits, alone.logits)
+
+
+def _assert_speculation_equals_plain(model: NativeModel) -> None:
     llm = LLM(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     prompt = [1, *[(3 * i) % 11 + 3 for i in range(40)]]
@@ -338,16 +345,5 @@ def test_short_prompt_chunks_of_a_quantized_model_run_on_its_kernel(dtype):
     assert torch.equal(_forward_prompt(model, plan, long), _forward_prompt(model, NEVER, long))
     model.decoder.prefill_plan = plan
     for prompt in (PROMPT[:40], long):  # on the kernel, dense
-        caches = [model.new_cache(128) for _ in range(2)]
-        model.decoder.forward([BatchItem(PROMPT[:8], caches[1])])
-        batch = [BatchItem(prompt, caches[0], num_logits=1), BatchItem([3, 4, 5], caches[1])]
-        together = model.decoder.forward_full(batch)
-        (alone,) = model.decoder.forward_full(
-            [BatchItem(prompt, model.new_cache(128), num_logits=1)]
-        )
-        assert torch.equal(together[0].logits, alone.logits)
-    llm = LLM(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    prompt = [1, *[(3 * i) % 11 + 3 for i in range(40)]]
-    plain = llm.generate(prompt, params, speculative=SpeculativeConfig(method="none"))
-    assert llm.generate(prompt, params).token_ids == plain.token_ids
+        _assert_alone_equals_batched(model, prompt)
+    _assert_speculation_equals_plain(model)
