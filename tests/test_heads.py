@@ -538,6 +538,7 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
     the shared Spec-Bench file checks contamination against a one-question stand-in.)"""
     from specdec.bench.datasets import default_spec_bench_path
     from specdec.training import data as D
+    from specdec.training.contamination import OUTSIDE_PROMPTS
     from specdec.training.pipeline import HeadRecipe, train_head
 
     if not default_spec_bench_path().is_file():
@@ -567,7 +568,7 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
     assert report["training"]["steps"] == 6
     assert len(report["held_out"]["acceptance"]) == 3
     outside = report["outside"]  # the target's answers to prompts of no training source
-    assert outside["prompts"] == len(D.OUTSIDE_PROMPTS) and outside["answer_tokens"] > 0
+    assert outside["prompts"] == len(OUTSIDE_PROMPTS) and outside["answer_tokens"] > 0
     assert len(outside["acceptance"]) == 3 and all(0 <= a <= 1 for a in outside["acceptance"])
     assert report["vocabulary"]["size"] in (16, 32)
     assert (tmp_path / "head" / "training.png").stat().st_size > 1000

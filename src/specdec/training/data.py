@@ -53,35 +53,6 @@ MAGPIE_SYSTEMS = (
     "You are a reading assistant. Users paste a short passage and ask a question about it.",
 )
 
-#: Everyday questions written for this project, from none of the training sources: the
-#: training report's *outside* evaluation (a head on prompts unlike its training data),
-#: beside the held-out share of its own sources, which resembles what it trained on (the
-#: shipped EAGLE head: 0.53 at the first draft position held out, 0.35 on these and 0.32
-#: on Spec-Bench). The contamination check drops training conversations sharing an 8-gram
-#: with them, as with the test sets.
-OUTSIDE_PROMPTS = (
-    "What are some good ways to stay motivated when working from home?",
-    "Can you explain how photosynthesis works in simple terms?",
-    "I'm planning a trip to Japan. What should I pack?",
-    "How do I make a simple tomato pasta sauce?",
-    "What is the difference between a virus and a bacterium?",
-    "Give me three tips for improving my sleep.",
-    "Why is the sky blue?",
-    "How can I learn to play the guitar as an adult?",
-    "What are the benefits of regular exercise?",
-    "Write a short poem about autumn leaves.",
-    "How does a credit score work?",
-    "What should I consider when adopting a dog?",
-    "Explain the rules of chess to a beginner.",
-    "What causes earthquakes?",
-    "Suggest a weekend itinerary for a visit to Paris.",
-    "How do vaccines train the immune system?",
-    "What is a good way to start learning Python?",
-    "Write a thank-you note to a colleague who helped me move.",
-    "Why do leaves change color in the fall?",
-    "How can I reduce food waste at home?",
-)
-
 _LANGUAGES = {
     "german": "German", "french": "French", "spanish": "Spanish", "italian": "Italian",
     "portuguese": "Portuguese", "indonesian": "Indonesian", "swedish": "Swedish",
