@@ -9,8 +9,8 @@ greedy chain, each position given the earlier ones right, on the target's own gr
 answers) on two sets the heads never saw:
 
 * ``outside``: the 20 everyday questions of
-  :data:`specdec.training.contamination.OUTSIDE_PROMPTS` (``train-head`` reports the same measure on
-  them since 2026-12-05; the shipped heads were trained before);
+  :data:`specdec.training.contamination.OUTSIDE_PROMPTS` (``train-head`` reports the
+  same measure on them since 2026-12-05; the shipped heads were trained before);
 * ``spec-bench``: the first turns of Spec-Bench, ``--per-group`` per group (the project's
   test set: evaluated here, never trained on).
 
