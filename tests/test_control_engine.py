@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -121,6 +122,39 @@ def test_cost_controller_turns_a_never_accepted_drafter_off(native):
     assert 0 in choices[:5]  # off within a few steps ...
     assert choices.count(0) >= 0.8 * len(choices)  # ... and off most of the time after
     assert seq.stats.num_steps_off == choices.count(0)
+
+
+class SlowStartDrafter(JunkDrafter):
+    """:class:`JunkDrafter` whose first proposal of a sequence also pays a setup."""
+
+    def __init__(self, token: int, setup_s: float):
+        super().__init__(token)
+        self.setup_s = setup_s
+
+    def start(self, prompt_ids, params):
+        self.first = True
+        return self
+
+    def propose(self, token_ids, num_tokens, generator):
+        if self.first:
+            self.first = False
+            time.sleep(self.setup_s)
+        return super().propose(token_ids, num_tokens, generator)
+
+
+def test_a_sequences_first_draft_is_setup_not_a_price_per_draft_token(native):
+    """The cost model learns draft times from the second draft of a sequence on: the first
+    one also sets the drafter up (suffix decoding's prompt tree, a draft model's prompt),
+    which no later draft pays."""
+    cost = CostModel()
+    engine = Engine(native, EngineConfig(), cost)
+    engine.add_request(
+        "0", PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True),
+        drafter=SlowStartDrafter(3, 0.2), num_speculative_tokens=3,
+    )  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert 0 < cost.draft_time("SlowStartDrafter", 3) < 0.005  # the 0.2 s setup left out
 
 
 def test_trace_records_every_step(native):
@@ -512,3 +546,21 @@ def test_server_takes_a_controller_per_request(native):
         metrics = httpx.get(f"{url}/metrics", timeout=60).text
         assert "specdec:spec_decode_num_steps_off" in metrics
         assert "specdec:spec_decode_chosen_k" in metrics
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_warmup_runs_each_length_as_a_prompt_and_as_a_verification(target, native, backend):
+    """``warmup`` leaves first-call costs out of both paths a forward of n rows can take: a
+    prompt from an empty cache and rows after cached ones (what the cost controller times)."""
+    model = target if backend == "hf" else native
+    seen = []
+    forward = type(model).forward
+
+    def spy(self, token_ids, cache, *args, **kwargs):
+        seen.append((len(token_ids), cache.num_tokens))
+        return forward(self, token_ids, cache, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(model), "forward", spy)
+        model.warmup((1, 2, 5))
+    assert seen == [(1, 0), (1, 1), (2, 0), (2, 1), (5, 0), (5, 1)]

@@ -479,7 +479,12 @@ class Engine:
             tree=tree,
             deterministic=not tree and draft.draft_probs is None,
         )
-        if k and (drafted or tree):  # trees: draft time per unit of depth
+        # trees: draft time per unit of depth. A sequence's first draft also sets its
+        # drafter up (suffix decoding's prompt tree, a draft model's or head's pass over
+        # the prompt): no price per draft token, and as one of the first samples it had
+        # the cost controller turn a suffix drafter off for 50-80 steps of a repetitive
+        # answer (2.7 ms for one token, against 0.2-0.4 ms per draft after it)
+        if k and (drafted or tree) and seq.stats.num_drafts:
             self.cost_model.observe_draft(
                 seq.control_info.drafter, k if tree else drafted, seq.last_draft_s
             )
