@@ -204,6 +204,33 @@ def test_gguf_blocks_are_the_weights_transformers_loads(embedded_fp32):
     assert torch.equal(reference_dequantize(found["lm_head"][0]), weights.lm_head)
 
 
+def test_gguf_blocks_kept_in_the_cache_are_the_files_blocks(embedded_fp32, tmp_path, caplog):
+    """With ``cache``, the first read keeps the blocks as safetensors and later reads give
+    back the same matrices from there without the GGUF; a damaged kept file is read from the
+    GGUF again (with a warning) and rewritten."""
+    from unittest import mock
+
+    from specdec.runtime import quant
+
+    path, args = embedded_fp32.gguf_path, (30, 9, 3)
+    reference = quant.gguf_matrices(path, *args)
+    first = quant.gguf_matrices(path, *args, cache=tmp_path)
+    (kept,) = tmp_path.glob("gguf-blocks-*30x9x3.safetensors")
+    with mock.patch.object(quant, "_read_gguf_matrices", side_effect=AssertionError):
+        again = quant.gguf_matrices(path, *args, cache=tmp_path)  # the GGUF is not read
+    for got in (first, again):
+        assert got[1] == reference[1] and got[0].keys() == reference[0].keys()
+        for name, matrices in reference[0].items():
+            for a, b in zip(got[0][name], matrices, strict=True):
+                assert (a.kind, a.shape) == (b.kind, b.shape) and torch.equal(a.blocks, b.blocks)
+    kept.write_bytes(b"not safetensors")
+    repaired = quant.gguf_matrices(path, *args, cache=tmp_path)
+    assert "ignoring the kept GGUF blocks" in caplog.text
+    assert torch.equal(repaired[0]["lm_head"][0].blocks, reference[0]["lm_head"][0].blocks)
+    assert kept.stat().st_size > 1_000_000  # rewritten
+    assert embedded_fp32.gguf_cache is not None  # the loader names the file's cache folder
+
+
 def test_quantized_model_equals_the_dense_model_on_the_same_kernel(embedded_fp32):
     """A quantized float32 native model is the dense model of the dequantized weights: with
     the dense products forced onto the same kernel (``stream``), every logit is

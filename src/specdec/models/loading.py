@@ -554,6 +554,7 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, device, label: str) -> HFModel:
         model, tokenizer = _read_pretrained(cached_gguf_conversion(gguf), dtype)
     out = HFModel(model.to(device), tokenizer, name=label)
     out.gguf_path = gguf
+    out.gguf_cache = directory
     return out
 
 

@@ -181,8 +181,9 @@ def quantized_products(hf: HFModel, weights, quantization: str) -> dict | None:
                 "(use q8_0 or q4_1 to quantize it)"
             )
         found, dense = gguf_matrices(
-            hf.gguf_path, len(weights.layers), cfg.num_heads, cfg.num_kv_heads
-        )
+            hf.gguf_path, len(weights.layers), cfg.num_heads, cfg.num_kv_heads,
+            cache=hf.gguf_cache,
+        )  # fmt: skip
         if dense:
             logger.warning(
                 "%s: %s stay dense (their GGUF type is not Q4_1 or Q8_0)", hf.name, ", ".join(dense)

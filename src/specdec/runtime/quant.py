@@ -46,7 +46,9 @@ Sources of quantized matrices:
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -581,11 +583,26 @@ _LAYER_PARTS = {
 }
 
 
+#: Version of the block files :func:`gguf_matrices` keeps (a new layout: a new name).
+_BLOCKS_VERSION = 1
+
+
 def gguf_matrices(
-    path: str | Path, num_layers: int, num_heads: int, num_kv_heads: int
+    path: str | Path,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    cache: str | Path | None = None,
 ) -> tuple[dict[str, list[QuantizedMatrix]], list[str]]:
     """The runtime's products (``qkv``, ``o``, ``gate_up``, ``down`` per layer, and
     ``lm_head``) as the GGUF file stores them, where every part is Q4_1 or Q8_0.
+
+    With ``cache`` (a folder that belongs to this file, such as its converted copy in the
+    model cache), the result is kept there as safetensors after the first read and read
+    back from it afterwards: gguf-py's reader parses every metadata field (the embedded
+    model's 49,152 tokenizer strings included), 2.4 s of each load of that model against
+    under 0.01 s for the kept blocks (2-core Zen 4, 2026-12-05). An unreadable kept file
+    is read from the GGUF again and rewritten.
 
     llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` (for its rotary
     layout); they are permuted back here, as transformers does when it dequantizes (rows
@@ -599,6 +616,64 @@ def gguf_matrices(
     Raises:
         ValueError: the file's tensors do not match the model (missing or wrong shape).
     """
+    kept = None
+    if cache is not None:
+        name = f"gguf-blocks-v{_BLOCKS_VERSION}-{num_layers}x{num_heads}x{num_kv_heads}"
+        kept = Path(cache) / f"{name}.safetensors"
+        loaded = _read_blocks(kept)
+        if loaded is not None:
+            return loaded
+    found, dense = _read_gguf_matrices(path, num_layers, num_heads, num_kv_heads)
+    if kept is not None:
+        _write_blocks(kept, found, dense)
+    return found, dense
+
+
+def _read_blocks(file: Path):
+    """:func:`gguf_matrices`' result kept in ``file`` (``None``: absent or unreadable)."""
+    if not file.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            index = json.loads(f.metadata()["index"])
+            found = {
+                product: [
+                    QuantizedMatrix(kind, f.get_tensor(f"{product}.{i}"), (n, k))
+                    for i, (kind, n, k) in enumerate(entries)
+                ]
+                for product, entries in index["found"].items()
+            }
+        return found, list(index["dense"])
+    except Exception as error:  # a damaged or foreign file: read the GGUF again
+        logger.warning("ignoring the kept GGUF blocks %s (%s)", file, error)
+        return None
+
+
+def _write_blocks(file: Path, found: dict[str, list[QuantizedMatrix]], dense: list[str]) -> None:
+    """Keep :func:`gguf_matrices`' result in ``file`` (written whole, then renamed into place;
+    a cache that cannot be written is only logged)."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        f"{p}.{i}": m.blocks.contiguous() for p, ms in found.items() for i, m in enumerate(ms)
+    }
+    index = {
+        "found": {p: [(m.kind, *m.shape) for m in ms] for p, ms in found.items()},
+        "dense": dense,
+    }
+    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"index": json.dumps(index)})
+        os.replace(tmp, file)
+    except OSError as error:
+        logger.warning("cannot keep the GGUF blocks in %s (%s)", file, error)
+        tmp.unlink(missing_ok=True)
+
+
+def _read_gguf_matrices(path, num_layers: int, num_heads: int, num_kv_heads: int):
+    """:func:`gguf_matrices` from the file itself."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
