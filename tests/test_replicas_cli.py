@@ -31,3 +31,9 @@ def test_bad_replica_options_are_refused_before_loading(capsys, flag, message):
 def test_cpus_per_replica_needs_replicas(capsys):
     assert main(["serve", "--cpus-per-replica", "2", "--port", "8765"]) == 2
     assert "--cpus-per-replica applies to Ray Serve replicas" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_a_bad_stats_interval_is_refused_before_loading(capsys, value):
+    assert main(["serve", "--log-stats-interval", value, "--port", "8765"]) == 2
+    assert "--log-stats-interval must be a number of seconds > 0" in capsys.readouterr().err

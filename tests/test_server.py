@@ -292,6 +292,47 @@ def test_overload_is_429_and_shutdown_drains(llm):
         assert rest[-2 if rest[-1] == "" else -1] == "data: [DONE]"
 
 
+def test_stats_log_writes_a_line_per_interval_of_work_only():
+    """vLLM-style periodic load lines: rates over the interval, nothing before it is up or
+    while idle, the speculation part only when something was drafted."""
+    from specdec.server.metrics import StatsLog
+
+    now, lines = [0.0], []
+    stats = StatsLog(10.0, lines.append, lambda: now[0])
+    stats.add(prompt=500, generation=100)
+    now[0] = 5.0
+    assert stats.tick(2, 1, 0.25) is None and not lines  # not yet due
+    now[0] = 10.0
+    line = stats.tick(2, 1, 0.25)
+    assert lines == [line] and line == (
+        "specdec: prompt 50.0 tokens/s, generation 10.0 tokens/s, running 2, waiting 1, "
+        "KV cache 25.0%"
+    )
+    stats.add(generation=40, drafts=10, drafted=40, accepted=15)
+    now[0] = 20.0
+    assert stats.tick(1, 0, 0.1).endswith(
+        "; speculation: 10 drafts, mean acceptance length 2.50, acceptance rate 37.5%"
+    )
+    now[0] = 40.0
+    assert stats.tick(0, 0, 0.0) is None and len(lines) == 2  # idle: quiet
+    with pytest.raises(ValueError, match="interval must be > 0"):
+        StatsLog(0)
+
+
+def test_the_server_logs_its_load_while_it_works(llm, capsys):
+    with serving(llm, stats_interval=0.05) as (url, _, _):
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 30, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        time.sleep(0.2)
+    out = capsys.readouterr().out
+    assert re.search(r"specdec: prompt [\d.]+ tokens/s, generation [\d.]+ tokens/s", out), out
+    with serving(llm) as (url, _, _):  # off by default in the library
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        time.sleep(0.1)
+    assert "tokens/s" not in capsys.readouterr().out
+
+
 def test_specdec_serve_exits_cleanly_on_sigterm(tmp_path):
     """The real command: serves, and on SIGTERM lets an in-flight stream finish, then exits 0."""
     import os

@@ -76,7 +76,10 @@ def _replica_app(args: argparse.Namespace, cpus: int) -> Any:
         torch.set_num_threads(args.threads)
     speculative, config = check_serve_args(args)
     llm = llm_from_args(args, speculative, engine_config=config)
-    return create_app(llm, args.served_model_name or args.model, args.max_waiting)
+    return create_app(
+        llm, args.served_model_name or args.model, args.max_waiting,
+        stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+    )  # fmt: skip
 
 
 def build_app(

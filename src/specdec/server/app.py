@@ -34,7 +34,7 @@ from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
 from specdec.llm import LLM
 from specdec.sampling import TokenLogprob
 from specdec.server.async_engine import AsyncEngine, Overloaded, Unavailable, Update
-from specdec.server.metrics import ServerMetrics
+from specdec.server.metrics import ServerMetrics, StatsLog
 from specdec.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -54,6 +54,7 @@ def create_app(
     max_waiting: int = 256,
     shutdown_timeout: float = 30.0,
     engine_thread: bool = True,
+    stats_interval: float | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``llm``.
 
@@ -66,9 +67,12 @@ def create_app(
         engine_thread: run the engine on its own thread when the app starts; ``False``:
             the caller runs ``app.state.engine.run()`` on a thread of its choosing (the
             main thread, for speed: see :meth:`AsyncEngine.run`).
+        stats_interval: seconds between lines of load on standard output while the server
+            works (:class:`~specdec.server.metrics.StatsLog`); ``None`` or 0: none.
     """
     name = model_name or llm.target.name
-    engine = AsyncEngine(llm, max_waiting, ServerMetrics(name))
+    stats = StatsLog(stats_interval) if stats_interval else None
+    engine = AsyncEngine(llm, max_waiting, ServerMetrics(name), stats)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -21,7 +21,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.engine import Engine, Sequence, StepOutput
 from specdec.llm import LLM
 from specdec.metrics import SpecStats
-from specdec.server.metrics import ServerMetrics
+from specdec.server.metrics import ServerMetrics, StatsLog
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,19 @@ class AsyncEngine:
         max_waiting: most requests queued but not yet admitted before new ones get
             :class:`Overloaded` (HTTP 429).
         metrics: where counters go (default: a new :class:`ServerMetrics`).
+        stats: a :class:`~specdec.server.metrics.StatsLog` the engine thread feeds and
+            ticks (``None``: no periodic line).
     """
 
-    def __init__(self, llm: LLM, max_waiting: int = 256, metrics: ServerMetrics | None = None):
+    def __init__(
+        self,
+        llm: LLM,
+        max_waiting: int = 256,
+        metrics: ServerMetrics | None = None,
+        stats: StatsLog | None = None,
+    ):
         self.llm = llm
+        self.stats = stats
         self.engine = Engine(llm.target, llm.engine_config, llm.cost_model)
         self.max_waiting = max_waiting
         self.metrics = metrics or ServerMetrics()
@@ -200,6 +209,8 @@ class AsyncEngine:
                     continue  # aborted before it reached the engine
                 try:
                     self.engine.add_request(request_id, prompt_ids, params, **kwargs)
+                    if self.stats is not None:
+                        self.stats.add(prompt=len(prompt_ids))
                 except ValueError as error:
                     update = Update([], "abort", error=str(error), status=400)
                     self._post(request_id, update, final=True)
@@ -224,6 +235,8 @@ class AsyncEngine:
             handle.first_token = now
             self.metrics.time_to_first_token.observe(now - handle.arrived)
         self.metrics.generation_tokens.inc(len(step.new_token_ids))
+        if self.stats is not None:
+            self.stats.add(generation=len(step.new_token_ids))
         self._record_speculation(seq)
         if step.error:  # this request failed (its transforms allow no token); a 400
             self.metrics.request_success.labels(finished_reason="error").inc()
@@ -254,6 +267,11 @@ class AsyncEngine:
         m.num_drafts.inc(now[0] - before[0])
         m.num_draft_tokens.inc(now[1] - before[1])
         m.num_accepted_tokens.inc(now[2] - before[2])
+        if self.stats is not None:
+            self.stats.add(
+                drafts=now[0] - before[0], drafted=now[1] - before[1],
+                accepted=now[2] - before[2],
+            )  # fmt: skip
         m.num_steps_off.inc(now[4] - before[4])
         for counter, label, i in ((m.accepted_per_position, "position", 3), (m.chosen_k, "k", 5)):
             for key, count in enumerate(now[i]):
@@ -277,7 +295,10 @@ class AsyncEngine:
 
     def _update_gauges(self) -> None:
         engine, m = self.engine, self.metrics
-        m.set_load(
+        load = (
             len(engine.running), len(engine.waiting),
             engine.num_kv_tokens_used / engine.config.max_kv_tokens,
         )  # fmt: skip
+        m.set_load(*load)
+        if self.stats is not None:
+            self.stats.tick(*load)

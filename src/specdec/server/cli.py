@@ -37,8 +37,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     threads = choose_threads(args, adapt=False)  # --threads or OMP_NUM_THREADS; else all
     llm = llm_from_args(args, speculative, engine_config=config)
     app = create_app(
-        llm, args.served_model_name or args.model, args.max_waiting, engine_thread=False
-    )
+        llm, args.served_model_name or args.model, args.max_waiting, engine_thread=False,
+        stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+    )  # fmt: skip
     ran_on = describe_target(target_meta(llm.target, threads.num_threads))
     print(
         f"specdec: serving {args.model} ({ran_on}) on http://{args.host}:{args.port}/v1",

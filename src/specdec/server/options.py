@@ -69,6 +69,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="KV cache slots over all sequences (default: 65536)",
     )  # fmt: skip
     p.add_argument(
+        "--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+        help="seconds between lines of load on standard output while requests run: prompt "
+        "and generation tokens/s, running and waiting requests, KV cache use, mean "
+        "acceptance length (default: 10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--disable-log-stats", action="store_true",
+        help="no periodic lines of load (vLLM's flag)",
+    )  # fmt: skip
+    p.add_argument(
         "--max-waiting", type=int, default=256,
         help="queued requests beyond which new ones get HTTP 429 (default: 256)",
     )  # fmt: skip
@@ -97,6 +107,10 @@ def check_serve_args(args: argparse.Namespace):
     check_quantization(args.quantization, args.backend)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if not args.log_stats_interval > 0 or args.log_stats_interval == float("inf"):
+        raise ValueError(
+            f"--log-stats-interval must be a number of seconds > 0, got {args.log_stats_interval}"
+        )
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if getattr(args, "replicas", 1) < 1:
