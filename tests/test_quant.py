@@ -228,7 +228,12 @@ def test_gguf_blocks_kept_in_the_cache_are_the_files_blocks(embedded_fp32, tmp_p
     assert "ignoring the kept GGUF blocks" in caplog.text
     assert torch.equal(repaired[0]["lm_head"][0].blocks, reference[0]["lm_head"][0].blocks)
     assert kept.stat().st_size > 1_000_000  # rewritten
-    assert embedded_fp32.gguf_cache is not None  # the loader names the file's cache folder
+    # the loader names a folder beside the converted copy: vLLM, pointed at that copy,
+    # loads every *.safetensors in it as weights
+    folder = embedded_fp32.gguf_cache
+    assert folder is not None and folder.name.endswith(".blocks")
+    converted = folder.with_name(folder.name.removesuffix(".blocks"))
+    assert (converted / "config.json").is_file() and not any(converted.glob("gguf-blocks-*"))
 
 
 def test_quantized_model_equals_the_dense_model_on_the_same_kernel(embedded_fp32):

@@ -48,8 +48,8 @@ class HFModel(BackendBase):
         #: the GGUF file the weights were dequantized from (the native backend can run its
         #: quantized blocks as they are), else ``None``
         self.gguf_path = None
-        #: where the native backend may keep that file's quantized blocks once read (the
-        #: GGUF's converted copy in the model cache), else ``None``
+        #: a folder where the native backend may keep that file's quantized blocks once
+        #: read (beside the GGUF's converted copy in the model cache), else ``None``
         self.gguf_cache: Path | None = None
         self.tokenizer = Tokenizer.of(tokenizer, model_eos_token_ids(model), name)
         config = (

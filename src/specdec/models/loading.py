@@ -554,7 +554,9 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, device, label: str) -> HFModel:
         model, tokenizer = _read_pretrained(cached_gguf_conversion(gguf), dtype)
     out = HFModel(model.to(device), tokenizer, name=label)
     out.gguf_path = gguf
-    out.gguf_cache = directory
+    # beside the converted folder, not in it: vLLM loads every *.safetensors of a model
+    # folder, and the blocks' tensors are no model's weights
+    out.gguf_cache = directory.parent / f"{directory.name}.blocks"
     return out
 
 

@@ -597,10 +597,11 @@ def gguf_matrices(
     """The runtime's products (``qkv``, ``o``, ``gate_up``, ``down`` per layer, and
     ``lm_head``) as the GGUF file stores them, where every part is Q4_1 or Q8_0.
 
-    With ``cache`` (a folder that belongs to this file, such as its converted copy in the
-    model cache), the result is kept there as safetensors after the first read and read
-    back from it afterwards: gguf-py's reader parses every metadata field (the embedded
-    model's 49,152 tokenizer strings included), 2.4 s of each load of that model against
+    With ``cache`` (a folder that belongs to this file, made if needed; not a model folder,
+    whose safetensors other tools load as weights), the result is kept there as
+    safetensors after the first read and read back from it afterwards: gguf-py's reader
+    parses every metadata field (the embedded model's 49,152 tokenizer strings included),
+    2.4 s of each load of that model against
     under 0.01 s for the kept blocks (2-core Zen 4, 2026-12-05). An unreadable kept file
     is read from the GGUF again and rewritten.
 
@@ -665,6 +666,7 @@ def _write_blocks(file: Path, found: dict[str, list[QuantizedMatrix]], dense: li
     }
     tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
     try:
+        file.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata={"index": json.dumps(index)})
         os.replace(tmp, file)
     except OSError as error:
