@@ -104,3 +104,40 @@ def test_levels_run_in_abba_order_and_pool_their_rounds():
     assert "Each level ran 2 times" in text
     assert "| 4 | 10.0 | 10.0 | 1.00x | 1.10x, 1.00x |" in text
     assert "2/2 (a round differed) |" in text
+
+
+def test_a_failing_vllm_server_keeps_specdecs_levels(monkeypatch, tmp_path, capsys, tiny_model_dir):
+    """vLLM runs last: when its server fails to start, specdec's measured levels are still
+    written and printed, the failure is said, and the exit code is 1."""
+    from specdec.bench import peers, serving
+    from specdec.cli import main
+
+    same = ["a", "b"]
+
+    def fake_run_serving(serve_args, make_llm, prompts, max_new_tokens, **kwargs):
+        make_llm()
+        levels = [_level("specdec", s, 1, 20.0, same) for s in (False, True)]
+        return ServingResult(levels, 25.0, same, max_new_tokens, len(prompts))
+
+    def fake_vllm(*args, **kwargs):
+        raise RuntimeError("python -m vllm.entrypoints.openai.api_server exited: no weights")
+
+    monkeypatch.setattr(serving, "run_serving", fake_run_serving)
+    monkeypatch.setattr(serving, "run_vllm_serving", fake_vllm)
+    monkeypatch.setattr(peers, "check_peer_python", lambda method, python: (python, "0.32.0"))
+    out = str(tmp_path / "out")
+    code = main(["bench", "--serving", "--model", tiny_model_dir, "--vllm-python", "python3",
+                 "--spec-bench", _one_question(tmp_path), "--out", out])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "vLLM's server failed, so the report has specdec's levels only" in err
+    assert "no weights" in err
+    assert (tmp_path / "out" / "serving.md").is_file()
+
+
+def _one_question(tmp_path) -> str:
+    import json
+
+    path = tmp_path / "question.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Hi."]}) + "\n")
+    return str(path)

@@ -421,19 +421,30 @@ def _serving(args: argparse.Namespace, methods, out_dir: Path | None) -> int:
         )  # fmt: skip
         env = environment(holder["llm"])
         env["speculative"] = str(speculative)
+        peer_failed = None
         if vllm_python:
             target = holder.pop("llm").target
             model, dtype = peer_model(target, "vllm"), peer_dtype(target)
             del target  # its memory, before vLLM preallocates its own
-            result.levels += run_vllm_serving(
-                vllm_python, model, dtype, threads, prompts, args.max_new_tokens,
-                progress=bar.update, rounds=args.serving_rounds,
-            )  # fmt: skip
-            result.vllm_version = vllm_version
+            try:
+                result.levels += run_vllm_serving(
+                    vllm_python, model, dtype, threads, prompts, args.max_new_tokens,
+                    progress=bar.update, rounds=args.serving_rounds,
+                )  # fmt: skip
+                result.vllm_version = vllm_version
+            except RuntimeError as error:  # specdec's levels are measured: keep them
+                peer_failed = str(error)
     print(report_markdown(result))
     if out_dir is not None:
         paths = write_serving(out_dir, result, env)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    if peer_failed is not None:
+        print(
+            f"specdec: vLLM's server failed, so the report has specdec's levels only: "
+            f"{peer_failed}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
