@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec import LLM, SpeculativeConfig
 from specdec.bench.datasets import load_spec_bench, select
 from specdec.heads.format import load_head, shipped_head_path
 from specdec.training.contamination import OUTSIDE_PROMPTS
-from specdec.training.train import draft_index, evaluate, extract_features
+from specdec.training.pipeline import answered, head_acceptance
 
 KINDS = ("eagle", "medusa", "parallel")
 
@@ -52,24 +52,18 @@ def main() -> None:
     view = target.head_view()
     bench = [p.turns[0] for p in select(load_spec_bench(args.spec_bench), args.per_group)]
     sets = {"outside": list(OUTSIDE_PROMPTS), "spec-bench": bench}
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
     heads = {kind: load_head(shipped_head_path(view, kind), view, kind) for kind in KINDS}
     results: dict = {}
     for name, prompts in sets.items():
-        conversations = []
-        for prompt in prompts:
-            ids = target.tokenizer.encode(prompt)
-            conversations.append((ids, llm.generate(ids, params).token_ids))
+        conversations = answered(llm, prompts, args.max_new_tokens)
         for kind, head in heads.items():
-            features = extract_features(target, conversations, list(head.config.capture))
-            index = draft_index(head.vocab_map, target.vocab_size)
             steps = {"eagle": 4, "medusa": head.config.medusa_heads}.get(
                 kind, getattr(head.config, "block_size", 4)
             )
-            ev = evaluate(head, features, index, steps)
+            ev = head_acceptance(target, head, conversations, steps)
             results.setdefault(kind, {})[name] = {
                 "prompts": len(prompts),
-                "answer_tokens": sum(len(a) for _, a in conversations),
+                "answer_tokens": ev["answer_tokens"],
                 "acceptance": [round(a, 3) for a in ev["acceptance"]],
                 "tau": round(ev["tau"], 3),
             }

@@ -309,7 +309,7 @@ def _warm_up(llm: LLM, speculative: SpeculativeConfig, params: SamplingParams) -
     """Warm up the shapes a step can use: never more draft tokens than could be generated."""
     width = speculative.tree.num_nodes if speculative.tree else speculative.num_speculative_tokens
     width = min(width, params.max_new_tokens - 1, llm.target.max_context - 1)
-    llm.target.warmup((1, 2, width + 1) if width > 1 else (1, width + 1) if width else (1,))
+    llm.target.warmup(sorted({1, min(2, width + 1), width + 1}))
 
 
 class _Run:

@@ -171,20 +171,27 @@ def outside_evaluation(llm, target, head, capture, recipe: HeadRecipe) -> dict:
         from specdec.llm import LLM
 
         llm = LLM(target)
-    examples = [D.Example("outside", prompt) for prompt in OUTSIDE_PROMPTS]
-    answered = list(D.self_distill(llm, examples, recipe.max_new_tokens))
-    conversations = [(e.prompt_ids, e.answer_ids) for e in answered]
-    features = extract_features(target, conversations, capture)
+    conversations = answered(llm, OUTSIDE_PROMPTS, recipe.max_new_tokens)
     _, steps = loss_function(head)
-    result = evaluate(
-        head, features, draft_index(head.vocab_map, head.config.vocab_size),
-        steps or recipe.train.ttt_steps,
-    )  # fmt: skip
-    return {
-        "prompts": len(examples),
-        "answer_tokens": sum(len(e.answer_ids or []) for e in answered),
-        **result,
-    }
+    result = head_acceptance(target, head, conversations, steps or recipe.train.ttt_steps)
+    return {"prompts": len(conversations), **result}
+
+
+def answered(llm, prompts, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """``(prompt ids, answer ids)`` of the target's greedy answers to ``prompts`` (text,
+    through the chat template), batched."""
+    examples = [D.Example("eval", prompt) for prompt in prompts]
+    return [(e.prompt_ids, e.answer_ids) for e in D.self_distill(llm, examples, max_new_tokens)]
+
+
+def head_acceptance(target, head, conversations, steps: int) -> dict:
+    """:func:`~specdec.training.train.evaluate` of ``head`` over ``steps`` draft positions
+    on ``conversations`` (``(prompt ids, answer ids)``, the target's features extracted
+    here), with ``answer_tokens``."""
+    features = extract_features(target, conversations, list(head.config.capture))
+    index = draft_index(head.vocab_map, head.config.vocab_size)
+    result = evaluate(head, features, index, steps)
+    return {"answer_tokens": sum(len(a) for _, a in conversations), **result}
 
 
 def build_features(target, examples, capture, work: Path) -> Features:
