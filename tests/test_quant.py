@@ -21,6 +21,7 @@ from specdec.runtime.kernels import kernel_available
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="needs specdec's C++ kernels")
 
+from specdec.runtime import quant  # noqa: E402
 from specdec.runtime.kernels import (  # noqa: E402
     dequantize_blocks,
     q8_gemm,
@@ -32,6 +33,7 @@ from specdec.runtime.quant import (  # noqa: E402
     MEASURED_QUANT_KERNELS,
     Q8_GROUP_KINDS,
     QUANT_ROWS,
+    DenseKeeper,
     QuantizedMatrix,
     QuantLinear,
     amx_layout,
@@ -40,6 +42,7 @@ from specdec.runtime.quant import (  # noqa: E402
     choose_quant_kernel,
     concat,
     dequantize,
+    keep_dense_budget,
     kernel_layout,
     q8_layout,
     quant_kernel_choices,
@@ -699,3 +702,50 @@ def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
         # fast mode: one forward with a prompt chunk, run from Python; exact mode runs the
         # decoding row apart from the chunk (see _prefill_groups), so that forward is fused
         assert calls == fused
+
+
+@pytest.mark.parametrize("kernel", ["fma", "q8"])
+def test_prompt_chunks_keep_dense_expansions_within_the_budget(kernel, monkeypatch):
+    """A chunk's dense product reads the expansion kept by the first chunk (the same values
+    as expanding again) while the keeper's budget admits it; past the budget, or with the
+    keeper off, every call expands anew; a kept matrix serves every later chunk bit for bit."""
+    matrices = [_matrix("q4_1", 64, 64, seed) for seed in range(3)]
+    one = 64 * 64 * 4  # one float32 expansion, bytes
+    monkeypatch.setattr(quant, "DENSE_KEEPER", DenseKeeper(budget=2 * one))
+    linears = [QuantLinear(m, None, torch.float32, kernel=kernel) for m in matrices]
+    firsts = [lin.dense(torch.float32) for lin in linears]
+    for m, first in zip(matrices, firsts, strict=True):
+        assert torch.equal(first, reference_dequantize(m))
+    assert linears[0].dense(torch.float32) is firsts[0]  # kept
+    assert linears[1].dense(torch.float32) is firsts[1]
+    again = linears[2].dense(torch.float32)  # past the budget: expanded anew
+    assert again is not firsts[2] and torch.equal(again, firsts[2])
+    assert quant.DENSE_KEEPER.kept == 2 * one
+    x = torch.randn(quant.PREFILL_DENSE_ROWS, 64)
+    expanded = torch.nn.functional.linear(x, reference_dequantize(matrices[0]))
+    assert torch.equal(linears[0].prefill(x), expanded)
+    assert torch.equal(linears[0].prefill(x), expanded)  # the kept matrix, unchanged by use
+    monkeypatch.setattr(quant, "DENSE_KEEPER", DenseKeeper(budget=0.0))
+    off = QuantLinear(matrices[0], None, torch.float32, kernel=kernel)
+    assert off.dense(torch.float32) is not off.dense(torch.float32)
+    assert quant.DENSE_KEEPER.kept == 0
+
+
+def test_keep_dense_budget_reads_the_environment(monkeypatch):
+    """``SPECDEC_KEEP_DENSE``: on (no limit), off (none), auto / unset (a share of the memory
+    available); anything else is refused with the variable's name; the keeper reads it at
+    its first request, not at import."""
+    assert keep_dense_budget("on") == float("inf")
+    assert keep_dense_budget("OFF") == 0.0
+    monkeypatch.setattr(quant, "available_memory", lambda: 8_000_000_000)
+    assert keep_dense_budget("auto") == keep_dense_budget("") == 2_000_000_000
+    monkeypatch.setattr(quant, "available_memory", lambda: None)
+    assert keep_dense_budget("auto") == 0.0  # unknown memory: expand per chunk
+    with pytest.raises(ValueError, match="SPECDEC_KEEP_DENSE must be auto, on or off"):
+        keep_dense_budget("yes")
+    monkeypatch.setenv("SPECDEC_KEEP_DENSE", "sometimes")
+    keeper = DenseKeeper()
+    with pytest.raises(ValueError, match="'sometimes'"):
+        keeper.admit(1)
+    monkeypatch.setenv("SPECDEC_KEEP_DENSE", "off")
+    assert not keeper.admit(1) and keeper.budget == 0.0

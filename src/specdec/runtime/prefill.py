@@ -22,9 +22,11 @@ A model on quantized weights (a GGUF's own blocks) has one more choice: its prom
 chunks as one dense product on the weights expanded to the model's dtype, or on the
 quantized kernel itself, the product its decoding rows use. The kernel's speed is flat in
 the rows (tiles of a few rows), the dense product's rises with them, and expanding the
-weights costs a pass over them per chunk: measured on a 2-core AMD EPYC Zen 4, one
-SmolLM2-135M layer's four products on the ``dpbf16`` kernel against the dense bfloat16
-product, 0.83 against 1.51 ms at 32 rows, 3.3 against 4.4 at 128, even at 256, 24.4
+weights costs a pass over them per chunk, unless the expansion is kept between chunks
+(:class:`specdec.runtime.quant.DenseKeeper`, the default where memory allows; the plan is
+then timed on kept expansions): measured on a 2-core AMD EPYC Zen 4, one SmolLM2-135M
+layer's four products on the ``dpbf16`` kernel against the dense bfloat16 product, the
+expansion included, 0.83 against 1.51 ms at 32 rows, 3.3 against 4.4 at 128, even at 256, 24.4
 against 20.8 at 1024. The kernel also reads the file's weights exactly where the dense
 product rounds them to the model's dtype (``q8``, the opt-in kernel, rounds the
 activations to 8 bits instead, as llama.cpp computes a prompt). So it is measured
@@ -402,9 +404,14 @@ def prefill_plan(
     sixteen = dtype in (torch.bfloat16, torch.float16)
     if device.type != "cpu" or not (sixteen or quantized or kernel):
         return NEVER
-    # prefill4: plans that choose the quantized kernel up to a size, for every quantized
-    # kernel, at five sizes (measured again once)
-    key = f"prefill4|{linear.machine_key(dtype, device)}"
+    # prefill5: plans that choose the quantized kernel up to a size, for every quantized
+    # kernel, at five sizes; a quantized model's dense product timed as it then runs, on
+    # expansions kept between chunks or expanded per chunk (quant.DENSE_KEEPER)
+    key = f"prefill5|{linear.machine_key(dtype, device)}"
+    if quantized:
+        from specdec.runtime.quant import keep_dense_budget
+
+        key += "|dense-kept" if keep_dense_budget() > 0 else "|dense-expanded"
     path = linear.kernel_table_path()
     table = linear._read_table(path)
     entries = table.setdefault(key, {})
