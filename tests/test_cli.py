@@ -182,6 +182,8 @@ def test_drafter_draft_model_same_dir(capsys, model_dir):
         (["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
         (["--drafter", "draft-model"], "draft"),  # no --draft-model given
         (["--device", "bogus"], "device"),
+        (["--dtype", "float8"], "--dtype: unknown dtype 'float8'"),
+        (["--draft-dtype", "float8"], "--draft-dtype: unknown dtype"),
         (["--seed", "99999999999999999999999"], "seed"),
         (["--drafter", "ngram", "--draft-model", "x"], "--draft-model is only used"),
         (["--demo-prompt"], "not both"),

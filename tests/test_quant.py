@@ -735,17 +735,21 @@ def test_keep_dense_budget_reads_the_environment(monkeypatch):
     """``SPECDEC_KEEP_DENSE``: on (no limit), off (none), auto / unset (a share of the memory
     available); anything else is refused with the variable's name; the keeper reads it at
     its first request, not at import."""
-    assert keep_dense_budget("on") == float("inf")
-    assert keep_dense_budget("OFF") == 0.0
+    assert keep_dense_budget("on") == keep_dense_budget(" TRUE ") == float("inf")
+    assert keep_dense_budget("OFF") == keep_dense_budget("0") == 0.0
     monkeypatch.setattr(quant, "available_memory", lambda: 8_000_000_000)
     assert keep_dense_budget("auto") == keep_dense_budget("") == 2_000_000_000
     monkeypatch.setattr(quant, "available_memory", lambda: None)
     assert keep_dense_budget("auto") == 0.0  # unknown memory: expand per chunk
-    with pytest.raises(ValueError, match="SPECDEC_KEEP_DENSE must be auto, on or off"):
+    with pytest.raises(ValueError, match="SPECDEC_KEEP_DENSE='yes': expected on, off or auto"):
         keep_dense_budget("yes")
     monkeypatch.setenv("SPECDEC_KEEP_DENSE", "sometimes")
     keeper = DenseKeeper()
     with pytest.raises(ValueError, match="'sometimes'"):
         keeper.admit(1)
+    from specdec.models.loading import check_quantization
+
+    with pytest.raises(ValueError, match="SPECDEC_KEEP_DENSE"):  # before any load, any backend
+        check_quantization("none", "hf")
     monkeypatch.setenv("SPECDEC_KEEP_DENSE", "off")
     assert not keeper.admit(1) and keeper.budget == 0.0

@@ -311,7 +311,7 @@ def test_stats_log_writes_a_line_per_interval_of_work_only():
     stats.add(generation=40, drafts=10, drafted=40, accepted=15)
     now[0] = 20.0
     assert stats.tick(1, 0, 0.1).endswith(
-        "; speculation: 10 drafts, mean acceptance length 2.50, acceptance rate 37.5%"
+        "; speculation: 10 drafts, mean acceptance length 2.50 per draft, acceptance rate 37.5%"
     )
     now[0] = 40.0
     assert stats.tick(0, 0, 0.0) is None and len(lines) == 2  # idle: quiet

@@ -149,8 +149,8 @@ def test_sampling_params_take_the_spec_or_a_dict_of_its_fields():
     [
         (dict(regex="(ab"), "invalid regex"),
         (dict(grammar="start: undefined_rule"), "invalid grammar"),
-        (dict(json={"type": "no-such-type"}), "invalid json"),
-        (dict(json={"type": "string", "minLength": 3, "maxLength": 1}), "invalid json"),
+        (dict(json={"type": "no-such-type"}), "invalid JSON schema"),
+        (dict(json={"type": "string", "minLength": 3, "maxLength": 1}), "invalid JSON schema"),
     ],
 )
 def test_invalid_grammars_are_refused_before_any_model(kwargs, message):

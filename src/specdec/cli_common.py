@@ -316,11 +316,14 @@ def sampling_params(args: argparse.Namespace, stop: tuple[str, ...] = ()) -> Sam
     Raises:
         ValueError: a bad value (the message names it).
     """
-    check_dtype(args.dtype)
+    for flag, value in (("--dtype", args.dtype), ("--draft-dtype", args.draft_dtype)):
+        if value is not None:
+            try:
+                check_dtype(value)
+            except ValueError as error:
+                raise ValueError(f"{flag}: {error}") from None
     check_backend(args.backend, args.dtype)
     check_quantization(args.quantization, args.backend)
-    if args.draft_dtype is not None:
-        check_dtype(args.draft_dtype)
     return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,

@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # numpy and torch load on first use: `import specdec` stays l
 
 #: Largest grammar source accepted (characters of a schema, regex, Lark text or choices).
 MAX_GRAMMAR_CHARS = 1 << 17
+#: :attr:`StructuredOutput.kind` in words, for error messages.
+_KIND_NAMES = {"json": "JSON schema", "grammar": "grammar (Lark)", "json_object": "JSON object"}
 
 
 @dataclass(frozen=True)
@@ -132,18 +134,24 @@ class StructuredOutputsParams:
         ``LLTokenizer`` (:meth:`GrammarCompiler.compile`) also what needs the vocabulary.
 
         Raises:
-            ValueError: ``invalid <kind>: <llguidance's reason>``.
+            ValueError: ``invalid <kind in words>: <llguidance's reason>`` (a JSON
+                schema: ``invalid JSON schema: ...``).
         """
         from llguidance import LLMatcher
 
         try:
             grammar = self.to_llguidance()
         except ValueError as error:
-            raise ValueError(f"invalid {self.kind}: {_short(str(error))}") from None
+            raise ValueError(f"invalid {self.kind_name}: {_short(str(error))}") from None
         error = LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
-            raise ValueError(f"invalid {self.kind}: {_short(error)}")
+            raise ValueError(f"invalid {self.kind_name}: {_short(error)}")
         return grammar
+
+    @property
+    def kind_name(self) -> str:
+        """:attr:`kind` in words for messages (``JSON schema``, ``regex``, ...)."""
+        return _KIND_NAMES.get(self.kind, self.kind)
 
     @property
     def source_text(self) -> str:
@@ -245,7 +253,7 @@ class GrammarCompiler:
         grammar = self.compile(spec)
         matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind}: {_short(matcher.get_error())}")
+            raise ValueError(f"invalid {spec.kind_name}: {_short(matcher.get_error())}")
         return GrammarState(matcher, self.vocab_size)
 
 

@@ -347,7 +347,10 @@ def load(
             raise ValueError(f"dtype {INT8_DYNAMIC} runs on CPU only, not {device}")
         check_backend(backend, dtype)
         if backend == "auto":
-            logger.warning("%s runs on transformers (backend auto): %s", name_or_path, INT8_NOTE)
+            logger.warning(
+                "%s in %s runs on transformers (backend auto): %s",
+                name_or_path, INT8_DYNAMIC, INT8_NOTE,
+            )  # fmt: skip
         if quantization not in ("auto", "none"):
             raise ValueError(f"dtype {INT8_DYNAMIC} cannot be combined with quantization")
         return quantize_int8_dynamic(load(name_or_path, "float32", device))
@@ -378,10 +381,11 @@ def check_quantization(quantization: str, backend: str) -> None:
             "'auto'), not on transformers ('hf')"
         )
     from specdec.runtime.prefill import forced_plan
-    from specdec.runtime.quant import forced_quant_kernel
+    from specdec.runtime.quant import forced_quant_kernel, keep_dense_budget
 
     forced_quant_kernel()  # a bad SPECDEC_QUANT_KERNEL is refused before loading, too
     forced_plan()  # and a bad SPECDEC_PREFILL_FLOAT32, whatever the backend and dtype
+    keep_dense_budget()  # and a bad SPECDEC_KEEP_DENSE
 
 
 def resolve_quantization(quantization: str, model: HFModel) -> str:

@@ -513,22 +513,27 @@ def available_memory() -> int | None:
 
 def keep_dense_budget(value: str | None = None) -> float:
     """Bytes of dense expansions prompt chunks may keep, from ``value`` (default: the
-    environment's :data:`KEEP_DENSE_ENV`): ``on`` unlimited, ``off`` none, ``auto`` / unset
-    :data:`KEEP_DENSE_SHARE` of :func:`available_memory` (none where that is unknown).
+    environment's :data:`KEEP_DENSE_ENV`): ``on`` (or ``1`` / ``true``) unlimited, ``off``
+    (``0`` / ``false``) none, ``auto`` / unset :data:`KEEP_DENSE_SHARE` of
+    :func:`available_memory` (none where that is unknown); any case, spaces ignored.
+    Checked before a model loads, with any backend (:func:`specdec.models.loading`).
 
     Raises:
         ValueError: another value.
     """
     raw = os.environ.get(KEEP_DENSE_ENV, "") if value is None else value
-    choice = raw.strip().lower() or "auto"
-    if choice == "on":
+    choice = raw.strip().lower()
+    if choice in ("on", "1", "true"):
         return math.inf
-    if choice == "off":
+    if choice in ("off", "0", "false"):
         return 0.0
-    if choice == "auto":
+    if choice in ("", "auto"):
         available = available_memory()
         return 0.0 if available is None else KEEP_DENSE_SHARE * available
-    raise ValueError(f"{KEEP_DENSE_ENV} must be auto, on or off, got {raw!r}")
+    raise ValueError(
+        f"{KEEP_DENSE_ENV}={raw!r}: expected on, off or auto (or unset: a quarter of the "
+        "memory available; 1/0 and true/false also work)"
+    )
 
 
 class DenseKeeper:

@@ -668,7 +668,7 @@ def _sampling(
         raise BadRequest(
             f"the prompt has {len(prompt_ids)} tokens; this model's context is {context} "
             "tokens in total, so nothing could be generated",
-            "prompt",
+            "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
         )
     max_tokens = body.max_tokens if body.max_tokens is not None else context - len(prompt_ids)
     if len(prompt_ids) + max_tokens > context:

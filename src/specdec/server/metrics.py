@@ -134,11 +134,11 @@ class StatsLog:
     work happened in between (an idle server stays quiet), e.g.::
 
         specdec: prompt 812.4 tokens/s, generation 151.0 tokens/s, running 32, waiting 0,
-        KV cache 11.2%; speculation: 210 drafts, mean acceptance length 2.35, acceptance
-        rate 41.3%
+        KV cache 11.2%; speculation: 210 drafts, mean acceptance length 2.35 per draft,
+        acceptance rate 41.3%
 
     (one line). Mean acceptance length is 1 + accepted / drafts (vLLM's), per step that
-    drafted.
+    drafted ("per draft"; a response's ``mean_acceptance_length`` counts every step).
 
     Args:
         interval: seconds between lines (> 0).
@@ -182,7 +182,7 @@ class StatsLog:
             if self.drafts:
                 line += (
                     f"; speculation: {self.drafts} drafts, mean acceptance length "
-                    f"{1 + self.accepted / self.drafts:.2f}, acceptance rate "
+                    f"{1 + self.accepted / self.drafts:.2f} per draft, acceptance rate "
                     f"{100 * self.accepted / max(1, self.drafted):.1f}%"
                 )
             self.write(line)
