@@ -14,6 +14,8 @@ activations, llama.cpp's) bit for bit, computed here in PyTorch, for any row cou
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -725,6 +727,10 @@ def test_prompt_chunks_keep_dense_expansions_within_the_budget(kernel, monkeypat
     expanded = torch.nn.functional.linear(x, reference_dequantize(matrices[0]))
     assert torch.equal(linears[0].prefill(x), expanded)
     assert torch.equal(linears[0].prefill(x), expanded)  # the kept matrix, unchanged by use
+    keeper = quant.DENSE_KEEPER
+    del linears, firsts
+    gc.collect()
+    assert keeper.kept == 0  # the matrices are gone: their bytes are free for the next model
     monkeypatch.setattr(quant, "DENSE_KEEPER", DenseKeeper(budget=0.0))
     off = QuantLinear(matrices[0], None, torch.float32, kernel=kernel)
     assert off.dense(torch.float32) is not off.dense(torch.float32)

@@ -51,6 +51,7 @@ import logging
 import math
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -550,7 +551,9 @@ class DenseKeeper:
     expansion's exactly, so outputs do not change.
 
     Matrices are admitted first come, first served until ``budget`` bytes are kept (a
-    model too large for it keeps its first layers' and expands the rest per chunk).
+    model too large for it keeps its first layers' and expands the rest per chunk); a
+    :class:`QuantLinear` gives its bytes back when it is collected (another model loaded
+    later in the same process finds the budget free again).
 
     Args:
         budget: bytes, or ``None`` to resolve :func:`keep_dense_budget` at the first
@@ -590,6 +593,11 @@ class DenseKeeper:
                 )  # fmt: skip
             self.kept += nbytes
             return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` admitted before (their matrix is gone)."""
+        with self._lock:
+            self.kept = max(0, self.kept - nbytes)
 
 
 #: The keeper every :class:`QuantLinear` asks.
@@ -690,8 +698,10 @@ class QuantLinear:
             weight = dequantize_blocks(blocks, code, self.matrix.shape[1], dtype)
         else:
             weight = dequantize(self.matrix, dtype)
-        if DENSE_KEEPER.admit(weight.numel() * weight.element_size()):
+        keeper, nbytes = DENSE_KEEPER, weight.numel() * weight.element_size()
+        if keeper.admit(nbytes):
             self._dense[dtype] = weight
+            weakref.finalize(self, keeper.release, nbytes)
         return weight
 
 
