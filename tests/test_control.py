@@ -1168,6 +1168,41 @@ def test_cost_probes_in_a_batch_wait_batch_size_times_longer():
     assert batched <= alone / 2.5  # 5 rows = 24% of a 16-row step, x 16 / 2%: one per 190
 
 
+def test_cost_probes_come_when_every_request_is_shorter_than_the_wait():
+    """Requests that share what the drafter learned count their off steps together: after
+    evidence that nothing is accepted, requests of 6 steps each, with probes spaced 40
+    steps apart by the budget, still probe (one per ~40 steps over the requests), where a
+    count restarted by every request never reached the wait (a server that had turned
+    speculation off under load never speculated again on short requests). An isolated
+    request keeps its own count (its choices never depend on other requests)."""
+    measured = CostModel()
+    for n in range(1, 20):
+        for _ in range(3):
+            measured.observe_forward(n, 0.010 * (1 + 0.08 * (n - 1)))
+    controller = CostController(CostOptions(probe_budget=0.002))
+    view = StepView(MAX_K, measured)
+
+    def request(isolated: bool = False) -> list[int]:
+        control = controller.start(info(isolated=isolated))
+        chosen = []
+        for _ in range(6):
+            k = control.choose(view)
+            chosen.append(k)
+            control.observe(StepOutcome(k=k, num_drafted=min(k, 1), num_accepted=0,
+                                        num_emitted=1, deterministic=True))  # fmt: skip
+        return chosen
+
+    for _ in range(10):  # evidence that nothing is accepted
+        request()
+    later = [k for _ in range(40) for k in request()]
+    probes = sum(1 for k in later if k)
+    assert 3 <= probes <= 12  # 240 off steps, a probe costing 8% of a step: every ~41
+    shared = next(iter(controller._shared.values()))
+    before = shared["off_steps"]
+    request(isolated=True)
+    assert shared["off_steps"] == before  # an isolated request counts on its own
+
+
 def test_cost_requests_share_what_they_learned_unless_isolated():
     controller = CostController()
     drive(controller, accept_all, 50)

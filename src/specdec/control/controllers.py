@@ -335,7 +335,9 @@ class CostOptions:
             like Lookahead's window, or whose first draft must catch up with the whole
             sequence, like a draft model's, waits longer; the last probe's measured cost
             counts; in a batch, every sequence's probes slow down the shared forward, so
-            each sequence waits batch-size times longer), in (0, 1].
+            each sequence waits batch-size times longer; with ``shared``, the off steps
+            are counted over every request of the drafter, so requests shorter than the
+            wait still probe), in (0, 1].
         shared: requests that are not isolated learn a per-position acceptance profile
             of the drafter together (decaying slowly), toward which each request's own
             estimate shrinks; otherwise every request starts from ``prior``.
@@ -475,11 +477,27 @@ class CostControl:
         # what the last probe cost beyond a plain step (relative; measured, so never for
         # isolated requests, whose choices must not depend on timing)
         self.probe_extra = shared.get("probe_extra", 0.0) if shared is not None else 0.0
-        self.off_steps = 0  # consecutive steps with speculation off
+        self._off = 0  # see off_steps
         self.backoff = 1  # off steps before the next probe
         self.probing = False
         self._view: StepView | None = None
         self._whole_step = False  # this step's choice took the whole-proposal path
+
+    @property
+    def off_steps(self) -> int:
+        """Steps with speculation off since the last probe or speculating step, counted
+        over every request that shares what the drafter learned (so probes keep coming
+        when each request is shorter than the wait between them: a server whose traffic
+        had turned speculation off, then got short requests, never probed again), else
+        over this request's own steps (isolated requests)."""
+        return self.shared.get("off_steps", 0) if self.shared is not None else self._off
+
+    @off_steps.setter
+    def off_steps(self, value: int) -> None:
+        if self.shared is not None:
+            self.shared["off_steps"] = value
+        else:
+            self._off = value
 
     def _whole(self, cost: CostModel, view: StepView) -> bool:
         """Draft whole proposals or nothing: drafts are deterministic and cheap."""
