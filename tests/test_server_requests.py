@@ -338,7 +338,6 @@ def test_unknown_fields_are_refused_by_name(server, route, change, param):
         ("completions", {"stop": ["w1", ""]}, "stop[1]", "1 to 1024 characters"),
         ("completions", {"stop_token_ids": [3, -1]}, "stop_token_ids[1]", "greater than"),
         ("completions", {"stop_token_ids": [10**6]}, "stop_token_ids", "outside the vocab"),
-        ("completions", {"model": "other"}, "model", "does not exist"),
         ("completions", {"speculative": {"method": "magic"}}, "speculative.method",
          "unknown drafter 'magic'"),
         ("completions", {"speculative": {"num_speculative_tokens": 0}},
@@ -373,6 +372,17 @@ def test_every_error_names_its_field_without_a_framework_prefix(server, route, c
     response = (completion if route == "completions" else chat)(url, **change)
     error = assert_error(response, 400, param)
     assert match in error["message"] and error["type"] == "invalid_request_error"
+    assert app.state.engine.num_live == 0
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_an_unknown_model_is_a_404_model_not_found(server, route):
+    """As OpenAI and vLLM answer: HTTP 404, ``code: "model_not_found"``, naming the field."""
+    url, app = server
+    response = (completion if route == "completions" else chat)(url, model="other")
+    error = assert_error(response, 404, "model")
+    assert "the model 'other' does not exist" in error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "model_not_found"
     assert app.state.engine.num_live == 0
 
 

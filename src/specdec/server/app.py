@@ -39,6 +39,7 @@ from specdec.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    ModelNotFound,
     SpeculativeOptions,
     describe_errors,
     error_body,
@@ -154,7 +155,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, error: BadRequest):
-        return JSONResponse(error_body(str(error), param=error.param), status_code=400)
+        body = error_body(str(error), param=error.param, code=error.code)
+        return JSONResponse(body, status_code=error.status)
 
     @app.exception_handler(Overloaded)
     async def _overloaded(request: Request, error: Overloaded):
@@ -642,7 +644,7 @@ def _sse(data: dict) -> str:
 def _check_model(requested: str, served: str) -> None:
     if requested != served:
         message = f"the model {requested!r} does not exist; this server has {served!r}"
-        raise BadRequest(message, "model")
+        raise ModelNotFound(message, "model")
 
 
 def _completion_prompts(llm: LLM, prompt) -> list[list[int]]:

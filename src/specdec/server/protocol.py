@@ -69,6 +69,18 @@ class BadRequest(Exception):
         super().__init__(message)
         self.param = param
 
+    #: the HTTP status and OpenAI's error ``code`` (``None``: none)
+    status = 400
+    code: str | None = None
+
+
+class ModelNotFound(BadRequest):
+    """A request for a model this server does not serve: HTTP 404 with OpenAI's (and
+    vLLM's) ``code: "model_not_found"``, so clients raise their not-found error."""
+
+    status = 404
+    code = "model_not_found"
+
 
 class SpeculativeOptions(BaseModel):
     """Per-request speculative settings (extension).
@@ -634,10 +646,15 @@ def _part_text(part, path: str) -> str:
 # ---------------------------------------------------------------- errors
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None):
+def error_body(
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+):
     """OpenAI's error object (any lone surrogate escaped, so it always encodes as UTF-8)."""
     param = None if param is None else printable(param)
-    return {"error": {"message": printable(message), "type": kind, "param": param, "code": None}}
+    return {"error": {"message": printable(message), "type": kind, "param": param, "code": code}}
 
 
 def describe_errors(errors: list[dict], body) -> tuple[str, str | None]:
