@@ -4,11 +4,14 @@ Drafters' and controllers' options dataclasses use it; ``specdec drafters``, ``s
 controllers`` and the docs' options tables show the descriptions (see
 :func:`specdec.registry.option_docs`). A leaf module: it imports nothing from specdec, so
 any layer may use it.
+
+Also :func:`env_switch`, the runtime's on / off / auto environment variables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
@@ -32,3 +35,30 @@ def option(default: _T, help: str) -> _T:
     """
     field: Any = dataclasses.field(default=default, metadata={HELP: help})
     return field
+
+
+def env_switch(name: str, unset: str, raw: str | None = None) -> bool | None:
+    """An on / off / auto environment variable: ``True`` for ``on`` (or ``1`` / ``true``),
+    ``False`` for ``off`` (``0`` / ``false``), ``None`` for ``auto`` or unset; any case,
+    spaces ignored.
+
+    Args:
+        name: the variable.
+        unset: what leaving it unset does, for the error message.
+        raw: the value to read instead of the environment's.
+
+    Raises:
+        ValueError: another value (the message names the variable and the choices).
+    """
+    raw = os.environ.get(name, "") if raw is None else raw
+    value = raw.strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("on", "1", "true"):
+        return True
+    if value in ("off", "0", "false"):
+        return False
+    raise ValueError(
+        f"{name}={raw!r}: expected on, off or auto (or unset: {unset}; 1/0 and true/false "
+        "also work)"
+    )

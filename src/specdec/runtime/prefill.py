@@ -58,12 +58,13 @@ chunk, the same bits alone or in any batch.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from specdec.option import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -210,18 +211,8 @@ def forced_plan() -> PrefillPlan | None:
     Raises:
         ValueError: another value.
     """
-    raw = os.environ.get(ENV, "")
-    value = raw.strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value in ("on", "1", "true"):
-        return ALWAYS
-    if value in ("off", "0", "false"):
-        return NEVER
-    raise ValueError(
-        f"{ENV}={raw!r}: expected on, off or auto (or unset: measured; 1/0 and true/false "
-        "also work)"
-    )
+    forced = env_switch(ENV, "measured")
+    return None if forced is None else ALWAYS if forced else NEVER
 
 
 def _fastest(run: Callable[[], object], repeats: int) -> float:

@@ -59,6 +59,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.option import env_switch
+
 logger = logging.getLogger(__name__)
 
 #: Block formats the kernel runs: name -> (kernel code, bytes per block of 32 weights).
@@ -522,19 +524,11 @@ def keep_dense_budget(value: str | None = None) -> float:
     Raises:
         ValueError: another value.
     """
-    raw = os.environ.get(KEEP_DENSE_ENV, "") if value is None else value
-    choice = raw.strip().lower()
-    if choice in ("on", "1", "true"):
-        return math.inf
-    if choice in ("off", "0", "false"):
-        return 0.0
-    if choice in ("", "auto"):
-        available = available_memory()
-        return 0.0 if available is None else KEEP_DENSE_SHARE * available
-    raise ValueError(
-        f"{KEEP_DENSE_ENV}={raw!r}: expected on, off or auto (or unset: a quarter of the "
-        "memory available; 1/0 and true/false also work)"
-    )
+    keep = env_switch(KEEP_DENSE_ENV, "a quarter of the memory available", value)
+    if keep is not None:
+        return math.inf if keep else 0.0
+    available = available_memory()
+    return 0.0 if available is None else KEEP_DENSE_SHARE * available
 
 
 class DenseKeeper:
