@@ -177,6 +177,85 @@ def test_the_amx_formulation_runs_any_row_count_as_one_exact_product():
     torch.testing.assert_close(y.float(), many.float() @ weight.float().t(), atol=0.05, rtol=0.02)
 
 
+def test_an_any_rows_formulation_is_never_padded_in_exact_mode(monkeypatch):
+    """Padding one row to two only adds work where a kernel computes every row alike
+    (``any_rows``): even when the padded time measured lower (noise), exact mode keeps one
+    row unpadded, which is also what the fused decoding layers need."""
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(80, 32, generator=torch.Generator().manual_seed(2))
+    noisy = {"stream": [1.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]}
+    monkeypatch.setattr(linear, "is_row_invariant", lambda *args: True)
+    assert _exact_choice(weight, x, noisy) == ("stream", linear.ANY_ROWS, 1)
+
+
+def _dense_tiles_or_skip(weight):
+    from specdec.runtime.kernels import dpbf16_available
+
+    if not dpbf16_available():
+        assert "dpbf16" not in linear.available_formulations(weight)
+        pytest.skip("no AVX512-BF16 with VBMI here")
+    return linear.dpbf16_dense_layout(weight)
+
+
+@pytest.mark.parametrize(("n", "k"), [(72, 64), (48, 576), (300, 96)])
+def test_the_dpbf16_formulation_is_the_weights_product_for_any_row_count(n, k):
+    """``dpbf16`` (dense bfloat16 weights on AVX512-BF16 pair dot products): within
+    bfloat16 rounding of the float64 product of the same values, N not a multiple of 16
+    included (padded outputs dropped), and every row of 1..80-row products, at two
+    places, bit-identical to that row alone; as exact formulation it runs any row count as
+    one product (``ANY_ROWS``, unpadded)."""
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    assert "dpbf16" not in linear.available_formulations(weight.float())
+    assert "dpbf16" not in linear.available_formulations(weight[:, :40])  # K % 32 != 0
+    tiles = _dense_tiles_or_skip(weight)
+    assert "dpbf16" in linear.available_formulations(weight)
+    assert tiles.tiles.shape == (-(-n // 16), k // 32, 1024) and tiles.n == n
+    apply = linear.FORMULATIONS["dpbf16"].apply
+    x = torch.randn(90, k, generator=gen).bfloat16()
+    y = apply(x, tiles)
+    assert y.shape == (90, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
+    ref = x.double() @ weight.double().t()
+    assert ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * ref.abs().max()).all()
+    alone = torch.cat([apply(x[i : i + 1], tiles) for i in range(90)])
+    assert torch.equal(alone, y)
+    for m in range(2, 81):
+        for start in (0, 9):
+            assert torch.equal(apply(x[start : start + m], tiles), y[start : start + m])
+    only = {"dpbf16": [1.0] * len(BUCKETS)}
+    assert _exact_choice(weight, x, only) == ("dpbf16", linear.ANY_ROWS, 1)
+
+
+def test_the_dpbf16_oracle_catches_a_wrong_pair_order():
+    """The accuracy check above fails for a layout with each pair of k swapped (the
+    mistake a tile layout invites): the oracle can fail."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 64, generator=gen).bfloat16()
+    _dense_tiles_or_skip(weight)
+    swapped = weight.view(48, 32, 2).flip(-1).reshape(48, 64).contiguous()
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    y = linear.FORMULATIONS["dpbf16"].apply(x, linear.dpbf16_dense_layout(swapped))
+    ref = x.double() @ weight.double().t()
+    assert not ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * ref.abs().max()).all()
+
+
+def test_the_dpbf16_dense_layout_refuses_what_it_cannot_hold():
+    from specdec.runtime import kernels
+
+    with pytest.raises(ValueError, match="bfloat16 \\[N, K\\] matrix with K a multiple of 32"):
+        linear.dpbf16_dense_layout(torch.zeros(16, 64))
+    with pytest.raises(ValueError, match="K a multiple of 32, got torch.bfloat16 \\[16, 48\\]"):
+        linear.dpbf16_dense_layout(torch.zeros(16, 48, dtype=torch.bfloat16))
+    tiles = _dense_tiles_or_skip(torch.zeros(32, 64, dtype=torch.bfloat16))
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K/32, 320\\]"):  # dense tiles read as Q4_1
+        kernels.dpbf16_quant_gemm(x, tiles.tiles, 0, 32)
+    with pytest.raises(RuntimeError, match="unknown tile kind 3"):
+        kernels.dpbf16_quant_gemm(x, tiles.tiles, 3, 32)
+    with pytest.raises(RuntimeError, match="x has K = 32"):
+        kernels.dpbf16_quant_gemm(x[:, :32].contiguous(), tiles.tiles, 2, 32)
+
+
 def test_measurements_are_kept_per_cpu_model_and_features():
     """Two VMs may report the same CPU model with other instruction sets (AMX or not): the
     flags digest tells them apart, whatever the flags' order."""

@@ -621,7 +621,8 @@ def test_q8_runs_only_when_asked_for(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("kernel", "dtype"),
     [("fma", "float32"), ("q8", "float32"),
-     *[pytest.param(k.values[0], "bfloat16", marks=k.marks) for k in TILE_KERNELS[1:]]],
+     *[pytest.param(k.values[0], "bfloat16", marks=k.marks) for k in TILE_KERNELS[1:]],
+     pytest.param("dense", "bfloat16", marks=TILE_KERNELS[1].marks)],
 )  # fmt: skip
 def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
     kernel, dtype, embedded_fp32, monkeypatch
@@ -631,23 +632,37 @@ def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
     same layers run call by call from Python: identical logits, captured states and KV
     caches, in both modes, for a ragged batch of a decoding row, a chain of 3 and a token
     tree of 7 rows, over all layers and over a subset (layer skipping); a prompt chunk in
-    the batch keeps the Python path."""
+    the batch keeps the Python path. ``dense``: the bfloat16 model unquantized, every
+    product on the ``dpbf16`` formulation."""
     from specdec.models.base import BatchItem
     from specdec.models.native import NativeModel
     from specdec.runtime import model as runtime_model
+    from specdec.runtime.linear import ANY_ROWS, BUCKETS, KernelChoice
     from specdec.trees import ROOT, TokenTree
 
-    monkeypatch.setenv("SPECDEC_QUANT_KERNEL", kernel)
+    if kernel == "dense":
+        dense = KernelChoice(["dpbf16"] * len(BUCKETS), "dpbf16", ANY_ROWS, 1)
+        monkeypatch.setattr(
+            runtime_model, "kernel_choices", lambda products: dict.fromkeys(products, dense)
+        )
+    else:
+        monkeypatch.setenv("SPECDEC_QUANT_KERNEL", kernel)
     if dtype == "float32":
         model = NativeModel(embedded_fp32, quantization="gguf")
     else:
         from specdec.models.loading import load
 
-        model = NativeModel(load("smollm2-135m-instruct", dtype, backend="hf"), quantization="gguf")
+        model = NativeModel(
+            load("smollm2-135m-instruct", dtype, backend="hf"),
+            quantization="none" if kernel == "dense" else "gguf",
+        )
     decoder = model.decoder
-    assert decoder.layers[0]["qkv"].kernel == kernel
+    if kernel == "dense":
+        assert decoder.layers[0]["qkv"].choice.exact == "dpbf16" and not decoder.quant_kernels
+    else:
+        assert decoder.layers[0]["qkv"].kernel == kernel
     n_layers = len(decoder.layers)
-    assert all(spec is not None for spec in decoder._decode_specs)
+    assert all(spec is not None for spec in decoder._decode_specs[True])
     calls = []
     for name in ("decode_layer", "decode_layers"):
         real = getattr(runtime_model, name)

@@ -611,10 +611,15 @@ def dpbf16_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -
     A lane of the instruction is an output, so a tile row of integers expands once for all
     rows: verifying several tokens costs little more than one.
 
+    Kind 2 is a dense bfloat16 matrix (:func:`specdec.runtime.linear.dpbf16_dense_layout`,
+    the ``dpbf16`` formulation of dense products): one float32 accumulator per output
+    takes every pair step, k increasing, then one rounding to bfloat16.
+
     Args:
         x: ``[M, K]`` bfloat16 with contiguous rows.
-        tiles: ``[ceil(N / 16), K / 32, 320]`` (Q4_1) or ``[.., .., 544]`` (Q8_0) uint8.
-        kind: 0 = Q4_1, 1 = Q8_0.
+        tiles: ``[ceil(N / 16), K / 32, 320]`` (Q4_1), ``[.., .., 544]`` (Q8_0) or
+            ``[.., .., 1024]`` (dense) uint8.
+        kind: 0 = Q4_1, 1 = Q8_0, 2 = dense bfloat16.
         n: N.
 
     Returns:

@@ -126,11 +126,62 @@ def _amx(x: torch.Tensor, weight: _AmxWeight) -> torch.Tensor:
     return amx_gemm(x, weight.packed, weight.n)
 
 
+def _dpbf16_available(weight: torch.Tensor) -> bool:
+    from specdec.runtime.kernels import dpbf16_available
+
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.shape[1] % 32 == 0
+        and dpbf16_available()
+    )
+
+
+@dataclass(frozen=True)
+class DenseTiles:
+    """A dense bfloat16 weight in the ``dpbf16`` kernel's dense layout
+    (:func:`dpbf16_dense_layout`): ``tiles`` ``[ceil(N / 16), K / 32, 1024]`` uint8, ``n`` = N."""
+
+    tiles: torch.Tensor
+    n: int
+
+
+def dpbf16_dense_layout(weight: torch.Tensor) -> DenseTiles:
+    """``weight`` ``[N, K]`` bfloat16 (K a multiple of 32) as tiles of 16 outputs x 32 k,
+    each 16 rows p of 64 bytes holding output j's ``w[2p], w[2p + 1]`` at bfloat16 words
+    ``2j, 2j + 1`` (the pair order of AVX512-BF16's VDPBF16PS), tiles after tiles along k;
+    N padded with zero outputs to a multiple of 16. The same values, made once at load
+    (the weight's bytes again: the formulation keeps this copy only).
+
+    Raises:
+        ValueError: not a bfloat16 matrix, or K not a multiple of 32.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.shape[1] % 32:
+        raise ValueError(
+            f"the dpbf16 dense layout takes a bfloat16 [N, K] matrix with K a multiple of 32, "
+            f"got {weight.dtype} {list(weight.shape)}"
+        )
+    n, k = weight.shape
+    padded = -(-n // 16) * 16
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    tiles = weight.reshape(padded // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return DenseTiles(tiles.view(torch.uint8).view(padded // 16, k // 32, 1024), n)
+
+
+def _dpbf16(x: torch.Tensor, weight: DenseTiles) -> torch.Tensor:
+    from specdec.runtime.kernels import dpbf16_quant_gemm
+
+    return dpbf16_quant_gemm(x, weight.tiles, 2, weight.n)
+
+
 #: The formulations calibration chooses from (``onednn``: oneDNN's inner product on a
 #: weight packed once, CPU only; ``stream``: specdec's own product for few rows,
 #: :func:`specdec.runtime.kernels.small_gemm`, CPU only, where the extension builds;
 #: ``amx``: specdec's own bfloat16 product on AMX tiles, :func:`specdec.runtime.kernels.
-#: amx_gemm`, bfloat16 on CPUs with AMX-BF16 only).
+#: amx_gemm`, bfloat16 on CPUs with AMX-BF16 only; ``dpbf16``: specdec's own bfloat16
+#: product on AVX512-BF16's pair dot products, :func:`specdec.runtime.kernels.
+#: dpbf16_quant_gemm` on :func:`dpbf16_dense_layout`, bfloat16 on CPUs with AVX512-BF16).
 FORMULATIONS = {
     "linear": Formulation(lambda w: w, lambda x, w: F.linear(x, w)),
     "w_xt": Formulation(lambda w: w, lambda x, w: (w @ x.t()).t()),
@@ -141,6 +192,7 @@ FORMULATIONS = {
     ),
     "stream": Formulation(lambda w: w.contiguous(), _stream, any_rows=True),
     "amx": Formulation(_amx_prepare, _amx, any_rows=True),
+    "dpbf16": Formulation(dpbf16_dense_layout, _dpbf16, any_rows=True),
 }
 #: The exact tile of an ``any_rows`` formulation that passed the check at the largest tile:
 #: every row count in one product.
@@ -149,7 +201,10 @@ ANY_ROWS = 1 << 30
 
 def available_formulations(weight: torch.Tensor) -> list[str]:
     """Formulation names usable for ``weight`` on its device."""
-    usable = {"onednn": _onednn_available, "stream": _stream_available, "amx": _amx_available}
+    usable = {
+        "onednn": _onednn_available, "stream": _stream_available, "amx": _amx_available,
+        "dpbf16": _dpbf16_available,
+    }  # fmt: skip
     return [n for n in FORMULATIONS if n not in usable or usable[n](weight)]
 
 
@@ -353,10 +408,11 @@ def _exact_choice(weight, x, times) -> tuple[str, int, int]:
     one row but compute-bound for many would starve batches) among those invariant up to a
     tile >= 16 (an ``any_rows`` formulation invariant up to the largest tile gets
     :data:`ANY_ROWS`); padding is required when the one-row kernel gives other bits, and chosen
-    when it is faster."""
+    when it is faster (never for an ``any_rows`` formulation)."""
     candidates = []
     for name in times:
-        for min_rows in (1, 2):
+        # an any_rows kernel computes one row as it computes many: padding only adds work
+        for min_rows in (1,) if FORMULATIONS[name].any_rows else (1, 2):
             score = (
                 times[name][min_rows - 1]
                 + 0.25 * times[name][BUCKETS.index(16)]

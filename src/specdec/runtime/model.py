@@ -37,7 +37,7 @@ from specdec.runtime.kernels import (
     rotary_kv,
     silu_mul,
 )
-from specdec.runtime.linear import KernelChoice, Linear, kernel_choices
+from specdec.runtime.linear import BUCKETS, KernelChoice, Linear, kernel_choices
 from specdec.runtime.prefill import BLOCKED_HEAD_DIMS, PrefillPlan, prefill_plan
 from specdec.runtime.quant import QuantLinear, quant_kernel_choices
 from specdec.runtime.weights import ModelWeights
@@ -109,7 +109,10 @@ class NativeDecoder:
             for i, w in enumerate(weights.layers)
         ]
         self.lm_head = linear("lm_head", 0, weights.lm_head, None)
-        self._decode_specs = [self._decode_spec(i) for i in range(len(self.layers))]
+        self._decode_specs = {
+            mode: [self._decode_spec(i, mode) for i in range(len(self.layers))]
+            for mode in (True, False)
+        }
         self._fused_cache: dict[tuple[int, ...], tuple | None] = {}
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.device = weights.embed.device
@@ -223,7 +226,7 @@ class NativeDecoder:
         kernel = self._kernel_rows(plans, exact)
         pending = None  # with the kernels: the last layer's output, not yet added to x
         segments = _capture_segments(list(order), wanted) if wanted else [list(order)]
-        fused = [self._fused_layers(seg, kernel, x.shape[0]) for seg in segments]
+        fused = [self._fused_layers(seg, kernel, x.shape[0], exact) for seg in segments]
         if all(f is not None for f in fused):  # every layer in one call per segment
             for seg, lists in zip(segments, fused, strict=True):
                 if pending is not None:
@@ -333,29 +336,53 @@ class NativeDecoder:
         gate, up = _product(layer["gate_up"], normed, plans, exact, upcast).chunk(2, dim=-1)
         return x + _product(layer["down"], F.silu(gate) * up, plans, exact, upcast)
 
-    def _decode_spec(self, index: int):
+    def _decode_spec(self, index: int, exact: bool):
         """``(blocks, codes, kernels, rows)`` of layer ``index``'s four products for
-        :func:`decode_layer` (``kernels``: 0 ``fma``, 1 ``q8``, 2 ``dpbf16``; ``rows``: the
-        most rows one call of each computes with the bits it has alone), or ``None`` where
-        a product is dense, ``amx``, ``dpbf16`` with N not a multiple of 16, or has a
-        bias, or the layer has query/key norms."""
+        :func:`decode_layer` in ``exact`` or fast mode (``kernels``: 0 ``fma``, 1 ``q8``, 2
+        ``dpbf16``; ``rows``: the most rows one call of each computes the way that mode
+        computes them), or ``None`` where a product runs elsewhere: a dense product on
+        another formulation than ``dpbf16`` (:func:`~specdec.runtime.linear.
+        dpbf16_dense_layout`; in fast mode, for every row-count bucket up to ``rows``), a
+        quantized one on ``amx``, ``dpbf16`` with N not a multiple of 16, a bias, or a
+        layer with query/key norms."""
         layer = self.layers[index]
         parts = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
-        codes = {"fma": 0, "q8": 1, "dpbf16": 2}
-        if self.weights.layers[index].q_norm is not None or not all(
-            isinstance(p, QuantLinear) and p.kernel in codes and p.bias is None
-            and (p.kernel != "dpbf16" or p.matrix.shape[0] % 16 == 0)
-            for p in parts
-        ):  # fmt: skip
+        if self.weights.layers[index].q_norm is not None or any(p.bias is not None for p in parts):
             return None
-        return (
-            [p.layout[0] for p in parts],
-            [int(p.layout[1]) for p in parts],
-            [codes[p.kernel] for p in parts],
-            min(p.tile for p in parts),
-        )
+        codes = {"fma": 0, "q8": 1, "dpbf16": 2}
+        blocks, kinds, kernels, rows = [], [], [], []
+        for p in parts:
+            if isinstance(p, QuantLinear):
+                if p.kernel not in codes or (p.kernel == "dpbf16" and p.matrix.shape[0] % 16):
+                    return None
+                blocks.append(p.layout[0])
+                kinds.append(int(p.layout[1]))
+                kernels.append(codes[p.kernel])
+                rows.append(p.tile)
+                continue
+            tiles = p.prepared.get("dpbf16")
+            if tiles is None or tiles.n % 16:
+                return None
+            if exact:
+                if p.choice.exact != "dpbf16" or p.choice.min_rows != 1:
+                    return None
+                rows.append(p.choice.tile)
+            else:  # the buckets whose fast formulation is dpbf16 on their own rows
+                fast = p.choice.fast_rows or [0] * len(BUCKETS)
+                run = 0
+                for bucket, name, pad in zip(BUCKETS, p.choice.fast, fast, strict=True):
+                    if name != "dpbf16" or pad:
+                        break
+                    run = bucket
+                if not run:
+                    return None
+                rows.append(run)
+            blocks.append(tiles.tiles)
+            kinds.append(2)  # the kernel's dense kind
+            kernels.append(codes["dpbf16"])
+        return blocks, kinds, kernels, min(rows)
 
-    def _fused_layers(self, order, kernel, rows: int):
+    def _fused_layers(self, order, kernel, rows: int, exact: bool):
         """The per-layer lists :func:`decode_layers` takes for the layers ``order``
         (``blocks, codes, kernels, attn_norms, mlp_norms``; built once per order), or ``None``
         where the forward cannot run them in one call: fused layers off, a layer without
@@ -363,9 +390,9 @@ class NativeDecoder:
         more rows than a product computes at once with the bits of one row."""
         if not FUSED_DECODE_LAYER or kernel is None or not kernel.every:
             return None
-        key = tuple(order)
+        key = (exact, *order)
         if key not in self._fused_cache:
-            specs = [self._decode_specs[i] for i in key]
+            specs = [self._decode_specs[exact][i] for i in order]
             if any(spec is None for spec in specs):
                 self._fused_cache[key] = None
             else:
@@ -373,8 +400,8 @@ class NativeDecoder:
                     [b for spec in specs for b in spec[0]],
                     [c for spec in specs for c in spec[1]],
                     [f for spec in specs for f in spec[2]],
-                    [self.weights.layers[i].attn_norm for i in key],
-                    [self.weights.layers[i].mlp_norm for i in key],
+                    [self.weights.layers[i].attn_norm for i in order],
+                    [self.weights.layers[i].mlp_norm for i in order],
                     min(spec[3] for spec in specs),
                 )
         fused = self._fused_cache[key]
@@ -389,7 +416,7 @@ class NativeDecoder:
         cfg = self.config
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = self.weights.layers[index]
-        spec = self._decode_specs[index]
+        spec = self._decode_specs[exact][index]
         if FUSED_DECODE_LAYER and spec is not None and kernel.every and x.shape[0] <= spec[3]:
             return decode_layer(
                 x, normed, cos, sin, kernel.caches, index, kernel.store_seq, kernel.store_slot,

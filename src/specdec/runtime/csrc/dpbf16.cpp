@@ -31,6 +31,16 @@
 // 2-core Zen 4, 30 layers' distinct Q4_1 matrices, one row: 17% fewer bytes than the amx
 // layout's float32 scales, 3.0 against 3.7 ms; storing 8 tiles' blocks interleaved, so that
 // one row reads one stream instead of 8, was slower: 4.0 ms.)
+//
+// Dense bfloat16 weights (kind 2; specdec.runtime.linear.dpbf16_dense_layout, the
+// formulation "dpbf16" of dense products): the same tiles with the weights themselves, no
+// scales, 1024 bytes per 16 outputs x 32 k (row p: output j's w[2p], w[2p + 1] at words 2j,
+// 2j + 1), and one float32 accumulator per output taking every pair step, k increasing:
+//   y[m, n] = bfloat16(VDPBF16PS chain over p = 0 .. K/2 - 1 of x[m, 2p..2p+1] . w[n, 2p..2p+1])
+// Row-invariant by construction as above. Why: oneDNN's bfloat16 inner product and the
+// float32 FMA kernel (gemm.cpp) ran one row at 11.4 and 10.2 ms over 30 layers' matrices
+// of SmolLM2-135M on the 2-core Zen 4 (212 MB), this at 6.3 ms: a tile row is one load
+// and one instruction per row of x, nothing to expand.
 #include "quant_tiles.h"
 
 #include <ATen/Parallel.h>
@@ -53,6 +63,14 @@ constexpr int64_t kGroup = 8;         // tiles in cache while all rows pass
 constexpr int tiles_per_pass(int rows) {
   return rows == 1 ? 8 : std::max(1, std::min(4, kMaxAccumulators / rows));
 }
+// Dense tiles keep one register per row and tile (no block dot products to scale), so a
+// pass holds twice the accumulators: up to 8 tiles, 24 registers (measured on the 2-core
+// Zen 4, 30 layers' distinct matrices: 4 rows 1.07x one row's time, against 1.55x with the
+// quantized kinds' 12).
+constexpr int kDenseAccumulators = 24;
+constexpr int dense_tiles_per_pass(int rows) {
+  return std::max(1, std::min(8, kDenseAccumulators / rows));
+}
 // Bytes ahead in a tile's stream that each block asks the cache for (measured on the 2-core
 // Zen 4, one-row products over 30 layers' distinct Q4_1 matrices: 4 KB ahead 3.9 ms, 16 KB
 // 3.6, 32 KB 4.1, no prefetch 4.4).
@@ -61,13 +79,17 @@ constexpr int tiles_per_pass(int rows) {
 #endif
 constexpr int64_t kPrefetchBytes = SPECDEC_DPBF16_PREFETCH;
 
-enum HalfTileKind : int64_t { kHalfQ4_1 = 0, kHalfQ8_0 = 1 };
-constexpr int64_t half_tile_bytes(int64_t kind) { return kind == kHalfQ4_1 ? 320 : 544; }
+enum HalfTileKind : int64_t { kHalfQ4_1 = 0, kHalfQ8_0 = 1, kDense = 2 };
+constexpr int64_t half_tile_bytes(int64_t kind) {
+  return kind == kHalfQ4_1 ? 320 : kind == kHalfQ8_0 ? 544 : kDenseTileBytes;
+}
 
 template <int64_t kind>
 inline __m512bh tile_row(const uint8_t* tile, int64_t p, __m512i table, __m512i shifts) {
   if constexpr (kind == kHalfQ4_1) {
     return reinterpret_cast<__m512bh>(q4_1_tile_row(tile + 64, p, table, shifts));
+  } else if constexpr (kind == kDense) {
+    return reinterpret_cast<__m512bh>(_mm512_loadu_si512(tile + 64 * p));
   } else {
     return reinterpret_cast<__m512bh>(q8_0_tile_row(tile + 32, p));
   }
@@ -90,7 +112,8 @@ template <int64_t kind, int MB, int NB>
 void tile_block(const c10::BFloat16* x, int64_t xs, const float* sums, int64_t kblocks,
                 const uint8_t* q, int64_t step, __m512i table, __m512i shifts,
                 c10::BFloat16* y, int64_t N, int64_t n0) {
-  static_assert(MB * NB <= kMaxAccumulators || (MB == 1 && NB <= 8),
+  static_assert(MB * NB <= (kind == kDense ? kDenseAccumulators : kMaxAccumulators) ||
+                    (MB == 1 && NB <= 8),
                 "accumulators must stay in registers");
   constexpr int64_t bytes = half_tile_bytes(kind);
   __m512 acc[MB][NB];
@@ -103,6 +126,15 @@ void tile_block(const c10::BFloat16* x, int64_t xs, const float* sums, int64_t k
       for (int64_t line = 0; line < bytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(tiles + j * step) + kPrefetchBytes + line,
                      _MM_HINT_T0);
+    if constexpr (kind == kDense) {  // no scales: every pair step into acc, k increasing
+      for (int64_t p = 0; p < kTileQuantRows; ++p)
+        for (int j = 0; j < NB; ++j) {
+          const __m512bh w = tile_row<kind>(tiles + j * step, p, table, shifts);
+          for (int r = 0; r < MB; ++r)
+            acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pair(xb + r * xs + 2 * p), w);
+        }
+      continue;
+    }
     __m512 dot[MB][NB];
     for (int r = 0; r < MB; ++r)
       for (int j = 0; j < NB; ++j) dot[r][j] = _mm512_setzero_ps();
@@ -141,7 +173,7 @@ template <int64_t kind, int MB>
 void rows_against(const c10::BFloat16* x, int64_t xs, const float* sums, int64_t kblocks,
                   const uint8_t* qp, int64_t step, int64_t t0, int64_t t1, __m512i table,
                   __m512i shifts, c10::BFloat16* y, int64_t N) {
-  constexpr int NB = tiles_per_pass(MB);
+  constexpr int NB = kind == kDense ? dense_tiles_per_pass(MB) : tiles_per_pass(MB);
   int64_t t = t0;
   for (; t + NB <= t1; t += NB)
     tile_block<kind, MB, NB>(x, xs, sums, kblocks, qp + t * step, step, table, shifts, y, N, 16 * t);
@@ -200,17 +232,22 @@ bool dpbf16_available() {
 }
 
 // x: [M, K] bfloat16 rows contiguous; tiles: [N_blocks, K_blocks, tile bytes] uint8 in the
-// layout above; kind: 0 = Q4_1, 1 = Q8_0; y: [M, N] bfloat16 contiguous.
+// layout above; kind: 0 = Q4_1, 1 = Q8_0, 2 = dense bfloat16 weights (the dense layout
+// above); y: [M, N] bfloat16 contiguous.
 void dpbf16_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y) {
   TORCH_CHECK(dpbf16_available(), "AVX512-BF16 pair dot products are not available here");
-  specdec::check_tile_product(x, tiles, kind, y, 320, 544);
+  specdec::check_tile_product(x, tiles, kind, y, 320, 544, kDenseTileBytes);
 #if defined(SPECDEC_QUANT_TILES)
   const int64_t M = x.size(0), kblocks = tiles.size(1);
   if (M == 0) return;
-  const float* sums = block_sums(x, kblocks);
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* qp = tiles.data_ptr<uint8_t>();
   auto* yp = y.data_ptr<c10::BFloat16>();
+  if (kind == kDense) {
+    run_tiles<kDense>(xp, x.stride(0), nullptr, M, kblocks, qp, y.size(1), yp);
+    return;
+  }
+  const float* sums = block_sums(x, kblocks);
   if (kind == kHalfQ4_1) {
     run_tiles<kHalfQ4_1>(xp, x.stride(0), sums, M, kblocks, qp, y.size(1), yp);
   } else {

@@ -26,15 +26,21 @@
 
 namespace specdec {
 
+// Bytes of one dense tile of 16 outputs x 32 k (dpbf16.cpp's kind 2): 16 rows of 64 bytes.
+constexpr int64_t kDenseTileBytes = 1024;
+
 // The arguments of a tile product (amx_quant_gemm, dpbf16_quant_gemm): x [M, K] bfloat16
 // rows contiguous; tiles [N/16, K/32, bytes] uint8 contiguous, bytes = q4_bytes (kind 0,
-// Q4_1) or q8_bytes (kind 1, Q8_0); y [M, N] bfloat16 contiguous.
+// Q4_1), q8_bytes (kind 1, Q8_0) or, where the kernel has one (dense_bytes > 0), dense_bytes
+// (kind 2, dense bfloat16); y [M, N] bfloat16 contiguous.
 inline void check_tile_product(const torch::Tensor& x, const torch::Tensor& tiles, int64_t kind,
-                               const torch::Tensor& y, int64_t q4_bytes, int64_t q8_bytes) {
+                               const torch::Tensor& y, int64_t q4_bytes, int64_t q8_bytes,
+                               int64_t dense_bytes = 0) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kBFloat16,
               "x must be a bfloat16 [M, K] tensor with contiguous rows");
-  TORCH_CHECK(kind == 0 || kind == 1, "unknown tile kind ", kind, " (0 = Q4_1, 1 = Q8_0)");
-  const int64_t bytes = kind == 0 ? q4_bytes : q8_bytes;
+  TORCH_CHECK(kind == 0 || kind == 1 || (kind == 2 && dense_bytes > 0), "unknown tile kind ",
+              kind, dense_bytes > 0 ? " (0 = Q4_1, 1 = Q8_0, 2 = dense)" : " (0 = Q4_1, 1 = Q8_0)");
+  const int64_t bytes = kind == 0 ? q4_bytes : kind == 1 ? q8_bytes : dense_bytes;
   TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == torch::kUInt8 &&
                   tiles.size(2) == bytes,
               "tiles must be a contiguous uint8 [N/16, K/32, ", bytes, "] tensor");
