@@ -188,55 +188,73 @@ def test_an_any_rows_formulation_is_never_padded_in_exact_mode(monkeypatch):
     assert _exact_choice(weight, x, noisy) == ("stream", linear.ANY_ROWS, 1)
 
 
-def _dense_tiles_or_skip(weight):
-    from specdec.runtime.kernels import dpbf16_available
-
-    if not dpbf16_available():
-        assert "dpbf16" not in linear.available_formulations(weight)
-        pytest.skip("no AVX512-BF16 with VBMI here")
-    return linear.dpbf16_dense_layout(weight)
+#: specdec's own dense tile formulations: (name, dtype, layout, the kernel's availability)
+TILE_FORMULATIONS = [("dpbf16", torch.bfloat16), ("f32_tiles", torch.float32)]
 
 
-@pytest.mark.parametrize(("n", "k"), [(72, 64), (48, 576), (300, 96)])
-def test_the_dpbf16_formulation_is_the_weights_product_for_any_row_count(n, k):
-    """``dpbf16`` (dense bfloat16 weights on AVX512-BF16 pair dot products): within
-    bfloat16 rounding of the float64 product of the same values, N not a multiple of 16
-    included (padded outputs dropped), and every row of 1..80-row products, at two
-    places, bit-identical to that row alone; as exact formulation it runs any row count as
-    one product (``ANY_ROWS``, unpadded)."""
-    gen = torch.Generator().manual_seed(n + k)
-    weight = torch.randn(n, k, generator=gen).bfloat16()
-    assert "dpbf16" not in linear.available_formulations(weight.float())
-    assert "dpbf16" not in linear.available_formulations(weight[:, :40])  # K % 32 != 0
-    tiles = _dense_tiles_or_skip(weight)
-    assert "dpbf16" in linear.available_formulations(weight)
-    assert tiles.tiles.shape == (-(-n // 16), k // 32, 1024) and tiles.n == n
-    apply = linear.FORMULATIONS["dpbf16"].apply
-    x = torch.randn(90, k, generator=gen).bfloat16()
-    y = apply(x, tiles)
-    assert y.shape == (90, n) and y.dtype == torch.bfloat16 and y.is_contiguous()
+def _tiles_or_skip(name, weight):
+    from specdec.runtime import kernels
+
+    available = {"dpbf16": kernels.dpbf16_available, "f32_tiles": kernels.f32_tiles_available}
+    if not available[name]():
+        assert name not in linear.available_formulations(weight)
+        pytest.skip(f"{name} is not built for this CPU")
+    return linear.FORMULATIONS[name].prepare(weight)
+
+
+def _within_rounding(y, x, weight, dtype) -> torch.Tensor:
+    """Whether ``y`` is ``x W^T`` up to float32 accumulation (the standard bound of a K-term
+    dot product, K u sum |x w|) and, in bfloat16, the result's one rounding."""
     ref = x.double() @ weight.double().t()
-    assert ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * ref.abs().max()).all()
+    accumulation = x.shape[1] * 2**-24 * (x.double().abs() @ weight.double().abs().t())
+    rounding = 2**-8 * ref.abs() if dtype == torch.bfloat16 else 0
+    return ((y.double() - ref).abs() <= accumulation + rounding + 1e-30).all()
+
+
+@pytest.mark.parametrize(("name", "dtype"), TILE_FORMULATIONS)
+@pytest.mark.parametrize(("n", "k"), [(72, 64), (48, 576), (300, 96)])
+def test_a_tile_formulation_is_the_weights_product_for_any_row_count(name, dtype, n, k):
+    """``dpbf16`` (bfloat16 weights on AVX512-BF16 pair dot products) and ``f32_tiles``
+    (float32 weights, one FMA per k and output): within float32 accumulation (and bfloat16
+    output rounding) of the float64 product of the same values, N not a multiple of 16
+    included (padded outputs dropped), and every row of 1..80-row products, at two places,
+    bit-identical to that row alone; as exact formulation each runs any row count as one
+    product (``ANY_ROWS``, unpadded)."""
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert name not in linear.available_formulations(weight.to(other))
+    if name == "dpbf16":
+        assert name not in linear.available_formulations(weight[:, :40])  # K % 32 != 0
+    tiles = _tiles_or_skip(name, weight)
+    assert name in linear.available_formulations(weight)
+    assert tiles.n == n and tiles.tiles.shape[0] == -(-n // 16)
+    apply = linear.FORMULATIONS[name].apply
+    x = torch.randn(90, k, generator=gen).to(dtype)
+    y = apply(x, tiles)
+    assert y.shape == (90, n) and y.dtype == dtype and y.is_contiguous()
+    assert _within_rounding(y, x, weight, dtype)
     alone = torch.cat([apply(x[i : i + 1], tiles) for i in range(90)])
     assert torch.equal(alone, y)
     for m in range(2, 81):
         for start in (0, 9):
             assert torch.equal(apply(x[start : start + m], tiles), y[start : start + m])
-    only = {"dpbf16": [1.0] * len(BUCKETS)}
-    assert _exact_choice(weight, x, only) == ("dpbf16", linear.ANY_ROWS, 1)
+    only = {name: [1.0] * len(BUCKETS)}
+    assert _exact_choice(weight, x, only) == (name, linear.ANY_ROWS, 1)
 
 
-def test_the_dpbf16_oracle_catches_a_wrong_pair_order():
+@pytest.mark.parametrize(("name", "dtype"), TILE_FORMULATIONS)
+def test_the_tile_oracle_catches_a_wrong_order_of_k(name, dtype):
     """The accuracy check above fails for a layout with each pair of k swapped (the
     mistake a tile layout invites): the oracle can fail."""
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(48, 64, generator=gen).bfloat16()
-    _dense_tiles_or_skip(weight)
+    weight = torch.randn(48, 64, generator=gen).to(dtype)
+    _tiles_or_skip(name, weight)
     swapped = weight.view(48, 32, 2).flip(-1).reshape(48, 64).contiguous()
-    x = torch.randn(9, 64, generator=gen).bfloat16()
-    y = linear.FORMULATIONS["dpbf16"].apply(x, linear.dpbf16_dense_layout(swapped))
-    ref = x.double() @ weight.double().t()
-    assert not ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * ref.abs().max()).all()
+    x = torch.randn(9, 64, generator=gen).to(dtype)
+    formulation = linear.FORMULATIONS[name]
+    y = formulation.apply(x, formulation.prepare(swapped))
+    assert not _within_rounding(y, x, weight, dtype)
 
 
 def test_the_dpbf16_dense_layout_refuses_what_it_cannot_hold():
@@ -246,7 +264,7 @@ def test_the_dpbf16_dense_layout_refuses_what_it_cannot_hold():
         linear.dpbf16_dense_layout(torch.zeros(16, 64))
     with pytest.raises(ValueError, match="K a multiple of 32, got torch.bfloat16 \\[16, 48\\]"):
         linear.dpbf16_dense_layout(torch.zeros(16, 48, dtype=torch.bfloat16))
-    tiles = _dense_tiles_or_skip(torch.zeros(32, 64, dtype=torch.bfloat16))
+    tiles = _tiles_or_skip("dpbf16", torch.zeros(32, 64, dtype=torch.bfloat16))
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="K/32, 320\\]"):  # dense tiles read as Q4_1
         kernels.dpbf16_quant_gemm(x, tiles.tiles, 0, 32)
@@ -254,6 +272,21 @@ def test_the_dpbf16_dense_layout_refuses_what_it_cannot_hold():
         kernels.dpbf16_quant_gemm(x, tiles.tiles, 3, 32)
     with pytest.raises(RuntimeError, match="x has K = 32"):
         kernels.dpbf16_quant_gemm(x[:, :32].contiguous(), tiles.tiles, 2, 32)
+
+
+def test_the_f32_tile_layout_refuses_what_it_cannot_hold():
+    from specdec.runtime import kernels
+
+    with pytest.raises(ValueError, match="float32 \\[N, K\\] matrix, got torch.bfloat16"):
+        linear.f32_tile_layout(torch.zeros(16, 64, dtype=torch.bfloat16))
+    tiles = _tiles_or_skip("f32_tiles", torch.zeros(32, 64))
+    assert tiles.tiles.shape == (2, 64, 16)
+    with pytest.raises(RuntimeError, match="x has K = 32 but the tiles hold 64"):
+        kernels.f32_tile_gemm(torch.zeros(2, 32), tiles.tiles, 32)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        kernels.f32_tile_gemm(torch.zeros(2, 64, dtype=torch.bfloat16), tiles.tiles, 32)
+    with pytest.raises(RuntimeError, match="matching the tiles' N"):
+        kernels.f32_tile_gemm(torch.zeros(2, 64), tiles.tiles, 8)
 
 
 def test_measurements_are_kept_per_cpu_model_and_features():

@@ -342,6 +342,12 @@ def test_quantized_at_load_is_lossless_under_speculation(kind):
     assert llm.generate(prompt, params).token_ids == plain.token_ids
 
 
+def _f32_tiles() -> bool:
+    from specdec.runtime.kernels import f32_tiles_available
+
+    return f32_tiles_available()
+
+
 #: The kernels that read the tile layout (amx_layout), each where this CPU runs it.
 TILE_KERNELS = [
     pytest.param(
@@ -622,7 +628,9 @@ def test_q8_runs_only_when_asked_for(tmp_path, monkeypatch):
     ("kernel", "dtype"),
     [("fma", "float32"), ("q8", "float32"),
      *[pytest.param(k.values[0], "bfloat16", marks=k.marks) for k in TILE_KERNELS[1:]],
-     pytest.param("dense", "bfloat16", marks=TILE_KERNELS[1].marks)],
+     pytest.param("dense", "bfloat16", marks=TILE_KERNELS[1].marks),
+     pytest.param("dense", "float32", marks=pytest.mark.skipif(
+         not _f32_tiles(), reason="the float32 tile product needs AVX-512"))],
 )  # fmt: skip
 def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
     kernel, dtype, embedded_fp32, monkeypatch
@@ -632,33 +640,34 @@ def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
     same layers run call by call from Python: identical logits, captured states and KV
     caches, in both modes, for a ragged batch of a decoding row, a chain of 3 and a token
     tree of 7 rows, over all layers and over a subset (layer skipping); a prompt chunk in
-    the batch keeps the Python path. ``dense``: the bfloat16 model unquantized, every
-    product on the ``dpbf16`` formulation."""
+    the batch keeps the Python path. ``dense``: the model unquantized, every product on
+    specdec's tile formulation for its dtype (``dpbf16``, ``f32_tiles``)."""
     from specdec.models.base import BatchItem
     from specdec.models.native import NativeModel
     from specdec.runtime import model as runtime_model
     from specdec.runtime.linear import ANY_ROWS, BUCKETS, KernelChoice
     from specdec.trees import ROOT, TokenTree
 
+    formulation = "dpbf16" if dtype == "bfloat16" else "f32_tiles"
     if kernel == "dense":
-        dense = KernelChoice(["dpbf16"] * len(BUCKETS), "dpbf16", ANY_ROWS, 1)
+        dense = KernelChoice([formulation] * len(BUCKETS), formulation, ANY_ROWS, 1)
         monkeypatch.setattr(
             runtime_model, "kernel_choices", lambda products: dict.fromkeys(products, dense)
         )
     else:
         monkeypatch.setenv("SPECDEC_QUANT_KERNEL", kernel)
+    quantization = "none" if kernel == "dense" else "gguf"
     if dtype == "float32":
-        model = NativeModel(embedded_fp32, quantization="gguf")
+        model = NativeModel(embedded_fp32, quantization=quantization)
     else:
         from specdec.models.loading import load
 
         model = NativeModel(
-            load("smollm2-135m-instruct", dtype, backend="hf"),
-            quantization="none" if kernel == "dense" else "gguf",
+            load("smollm2-135m-instruct", dtype, backend="hf"), quantization=quantization
         )
     decoder = model.decoder
     if kernel == "dense":
-        assert decoder.layers[0]["qkv"].choice.exact == "dpbf16" and not decoder.quant_kernels
+        assert decoder.layers[0]["qkv"].choice.exact == formulation and not decoder.quant_kernels
     else:
         assert decoder.layers[0]["qkv"].kernel == kernel
     n_layers = len(decoder.layers)

@@ -37,6 +37,7 @@ _SOURCES = (
     _CSRC / "gemm.cpp",
     _CSRC / "amx.cpp",
     _CSRC / "dpbf16.cpp",
+    _CSRC / "tiles_f32.cpp",
     _CSRC / "q8.cpp",
     _CSRC / "prompt_attention.cpp",
 )
@@ -374,11 +375,11 @@ def decode_layer(
     mlp_norm: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer of decoding / verification rows whose products are quantized, in
-    one call: the fused QKV product, :func:`rotary_kv`, :func:`ragged_attention`, the
-    output product, :func:`add_rms_norm`, the gate/up product, :func:`silu_mul` and the
-    down product, each as its own function computes it (so the same bits as those calls
-    made one by one).
+    """One decoder layer of decoding / verification rows whose products run on specdec's
+    own kernels (quantized, or dense on tiles), in one call: the fused QKV product,
+    :func:`rotary_kv`, :func:`ragged_attention`, the output product, :func:`add_rms_norm`,
+    the gate/up product, :func:`silu_mul` and the down product, each as its own function
+    computes it (so the same bits as those calls made one by one).
 
     Args:
         x, normed: ``[T, D]`` the residual stream and its attention norm, contiguous.
@@ -387,7 +388,9 @@ def decode_layer(
         heads: query heads H.
         blocks, codes, kernels: per product (qkv, o, gate_up, down) its blocks, their kind
             and its kernel: 0 for :func:`quant_gemm`, 1 for :func:`q8_gemm`, 2 for
-            :func:`dpbf16_quant_gemm` (whose tiles then hold N, a multiple of 16, outputs).
+            :func:`dpbf16_quant_gemm` (GGUF tiles, or dense bfloat16 tiles: kind 2), 3 for
+            :func:`f32_tile_gemm` (dense float32 tiles; kind unused); tiles then hold N, a
+            multiple of 16, outputs.
         mlp_norm, eps: the MLP norm's weight and epsilon.
 
     Returns:
@@ -633,6 +636,37 @@ def dpbf16_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -
         x = x.contiguous()
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     _module_or_raise().dpbf16_quant_gemm(x, tiles, kind, out)
+    return out
+
+
+def f32_tiles_available() -> bool:
+    """Whether :func:`f32_tile_gemm` runs here: the extension builds for a CPU with AVX-512."""
+    module = _load()
+    return module is not None and bool(module.f32_tiles_available())
+
+
+def f32_tile_gemm(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """``y = x W^T`` in float32 with ``W`` in tiles of 16 outputs
+    (:func:`specdec.runtime.linear.f32_tile_layout`; ``csrc/tiles_f32.cpp``): per output
+    one float32 accumulator, ``acc = fma(x[k], w[k], acc)`` for k in increasing order (a
+    register lane per output: no horizontal sums, one weight load shared by every row).
+    Each output reads its own row and weights only: row-invariant for any M.
+
+    Args:
+        x: ``[M, K]`` float32 with contiguous rows.
+        tiles: ``[ceil(N / 16), K, 16]`` float32.
+        n: N.
+
+    Returns:
+        ``[M, N]`` float32, contiguous.
+
+    Raises:
+        RuntimeError: the CPU has no AVX-512, or shapes or dtypes differ.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    _module_or_raise().f32_tile_gemm(x, tiles, out)
     return out
 
 

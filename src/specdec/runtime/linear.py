@@ -139,8 +139,9 @@ def _dpbf16_available(weight: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class DenseTiles:
-    """A dense bfloat16 weight in the ``dpbf16`` kernel's dense layout
-    (:func:`dpbf16_dense_layout`): ``tiles`` ``[ceil(N / 16), K / 32, 1024]`` uint8, ``n`` = N."""
+    """A dense weight in tiles of 16 outputs: :func:`dpbf16_dense_layout` (``tiles``
+    ``[ceil(N / 16), K / 32, 1024]`` uint8) or :func:`f32_tile_layout` (``[ceil(N / 16),
+    K, 16]`` float32); ``n`` = N."""
 
     tiles: torch.Tensor
     n: int
@@ -175,13 +176,47 @@ def _dpbf16(x: torch.Tensor, weight: DenseTiles) -> torch.Tensor:
     return dpbf16_quant_gemm(x, weight.tiles, 2, weight.n)
 
 
+def _f32_tiles_available(weight: torch.Tensor) -> bool:
+    from specdec.runtime.kernels import f32_tiles_available
+
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and f32_tiles_available()
+
+
+def f32_tile_layout(weight: torch.Tensor) -> DenseTiles:
+    """``weight`` ``[N, K]`` float32 as tiles of 16 outputs, ``[ceil(N / 16), K, 16]``: row
+    k of tile t holds ``w[16 t + j, k]`` for j = 0..15 (one 64-byte load per k for 16
+    outputs), N padded with zero outputs. The same values, made once at load.
+
+    Raises:
+        ValueError: not a float32 matrix.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float32:
+        raise ValueError(
+            f"the float32 tile layout takes a float32 [N, K] matrix, "
+            f"got {weight.dtype} {list(weight.shape)}"
+        )
+    n, k = weight.shape
+    padded = -(-n // 16) * 16
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return DenseTiles(weight.reshape(padded // 16, 16, k).transpose(1, 2).contiguous(), n)
+
+
+def _f32_tiles(x: torch.Tensor, weight: DenseTiles) -> torch.Tensor:
+    from specdec.runtime.kernels import f32_tile_gemm
+
+    return f32_tile_gemm(x, weight.tiles, weight.n)
+
+
 #: The formulations calibration chooses from (``onednn``: oneDNN's inner product on a
 #: weight packed once, CPU only; ``stream``: specdec's own product for few rows,
 #: :func:`specdec.runtime.kernels.small_gemm`, CPU only, where the extension builds;
 #: ``amx``: specdec's own bfloat16 product on AMX tiles, :func:`specdec.runtime.kernels.
 #: amx_gemm`, bfloat16 on CPUs with AMX-BF16 only; ``dpbf16``: specdec's own bfloat16
 #: product on AVX512-BF16's pair dot products, :func:`specdec.runtime.kernels.
-#: dpbf16_quant_gemm` on :func:`dpbf16_dense_layout`, bfloat16 on CPUs with AVX512-BF16).
+#: dpbf16_quant_gemm` on :func:`dpbf16_dense_layout`, bfloat16 on CPUs with AVX512-BF16;
+#: ``f32_tiles``: specdec's own float32 product on tiles of 16 outputs, :func:`specdec.
+#: runtime.kernels.f32_tile_gemm` on :func:`f32_tile_layout`, float32 on CPUs with AVX-512).
 FORMULATIONS = {
     "linear": Formulation(lambda w: w, lambda x, w: F.linear(x, w)),
     "w_xt": Formulation(lambda w: w, lambda x, w: (w @ x.t()).t()),
@@ -193,6 +228,7 @@ FORMULATIONS = {
     "stream": Formulation(lambda w: w.contiguous(), _stream, any_rows=True),
     "amx": Formulation(_amx_prepare, _amx, any_rows=True),
     "dpbf16": Formulation(dpbf16_dense_layout, _dpbf16, any_rows=True),
+    "f32_tiles": Formulation(f32_tile_layout, _f32_tiles, any_rows=True),
 }
 #: The exact tile of an ``any_rows`` formulation that passed the check at the largest tile:
 #: every row count in one product.
@@ -203,7 +239,7 @@ def available_formulations(weight: torch.Tensor) -> list[str]:
     """Formulation names usable for ``weight`` on its device."""
     usable = {
         "onednn": _onednn_available, "stream": _stream_available, "amx": _amx_available,
-        "dpbf16": _dpbf16_available,
+        "dpbf16": _dpbf16_available, "f32_tiles": _f32_tiles_available,
     }  # fmt: skip
     return [n for n in FORMULATIONS if n not in usable or usable[n](weight)]
 

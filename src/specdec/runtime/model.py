@@ -56,6 +56,11 @@ KERNEL_ROWS = 64
 FUSED_DECODE_LAYER = True
 
 
+#: Dense formulations the fused decoding layers run: name -> (kernel code, tile kind) of
+#: ``decode_layer`` (see :mod:`specdec.runtime.linear`).
+_DENSE_KERNELS = {"dpbf16": (2, 2), "f32_tiles": (3, 0)}
+
+
 class NativeDecoder:
     """Runs :class:`ModelWeights` (see :mod:`specdec.runtime.weights`).
 
@@ -339,10 +344,10 @@ class NativeDecoder:
     def _decode_spec(self, index: int, exact: bool):
         """``(blocks, codes, kernels, rows)`` of layer ``index``'s four products for
         :func:`decode_layer` in ``exact`` or fast mode (``kernels``: 0 ``fma``, 1 ``q8``, 2
-        ``dpbf16``; ``rows``: the most rows one call of each computes the way that mode
-        computes them), or ``None`` where a product runs elsewhere: a dense product on
-        another formulation than ``dpbf16`` (:func:`~specdec.runtime.linear.
-        dpbf16_dense_layout`; in fast mode, for every row-count bucket up to ``rows``), a
+        ``dpbf16``, 3 ``f32_tiles``; ``rows``: the most rows one call of each computes the
+        way that mode computes them), or ``None`` where a product runs elsewhere: a dense
+        product on another formulation than :data:`_DENSE_KERNELS` (in fast mode, for
+        every row-count bucket up to ``rows``), a
         quantized one on ``amx``, ``dpbf16`` with N not a multiple of 16, a bias, or a
         layer with query/key norms."""
         layer = self.layers[index]
@@ -360,26 +365,27 @@ class NativeDecoder:
                 kernels.append(codes[p.kernel])
                 rows.append(p.tile)
                 continue
-            tiles = p.prepared.get("dpbf16")
-            if tiles is None or tiles.n % 16:
+            name = p.choice.exact if exact else p.choice.fast[0]
+            tiles = p.prepared.get(name)
+            if name not in _DENSE_KERNELS or tiles.n % 16:
                 return None
             if exact:
-                if p.choice.exact != "dpbf16" or p.choice.min_rows != 1:
+                if p.choice.min_rows != 1:
                     return None
                 rows.append(p.choice.tile)
-            else:  # the buckets whose fast formulation is dpbf16 on their own rows
+            else:  # the buckets whose fast formulation is this one on their own rows
                 fast = p.choice.fast_rows or [0] * len(BUCKETS)
                 run = 0
-                for bucket, name, pad in zip(BUCKETS, p.choice.fast, fast, strict=True):
-                    if name != "dpbf16" or pad:
+                for bucket, other, pad in zip(BUCKETS, p.choice.fast, fast, strict=True):
+                    if other != name or pad:
                         break
                     run = bucket
                 if not run:
                     return None
                 rows.append(run)
             blocks.append(tiles.tiles)
-            kinds.append(2)  # the kernel's dense kind
-            kernels.append(codes["dpbf16"])
+            kinds.append(_DENSE_KERNELS[name][1])
+            kernels.append(_DENSE_KERNELS[name][0])
         return blocks, kinds, kernels, min(rows)
 
     def _fused_layers(self, order, kernel, rows: int, exact: bool):

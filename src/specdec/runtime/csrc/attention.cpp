@@ -689,6 +689,9 @@ void amx_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::T
 // dpbf16.cpp
 bool dpbf16_available();
 void dpbf16_quant_gemm(torch::Tensor x, torch::Tensor tiles, int64_t kind, torch::Tensor y);
+// tiles_f32.cpp
+bool f32_tiles_available();
+void f32_tile_gemm(torch::Tensor x, torch::Tensor tiles, torch::Tensor y);
 // q8.cpp
 void q8_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y);
 // prompt_attention.cpp
@@ -696,12 +699,13 @@ bool prompt_attention_available();
 void prompt_attention(torch::Tensor q, torch::Tensor kv, int64_t layer, int64_t start,
                       double scale, torch::Tensor out);
 
-// Per product of decode_layer, its kernel: quant_gemm, q8_gemm or dpbf16_quant_gemm.
-enum LayerKernel : int64_t { kLayerFma = 0, kLayerQ8 = 1, kLayerDpbf16 = 2 };
+// Per product of decode_layer, its kernel: quant_gemm, q8_gemm, dpbf16_quant_gemm (GGUF
+// tiles, or dense bfloat16 tiles: code 2) or f32_tile_gemm (dense float32 tiles).
+enum LayerKernel : int64_t { kLayerFma = 0, kLayerQ8 = 1, kLayerDpbf16 = 2, kLayerTilesF32 = 3 };
 
-// One decoder layer of decoding / verification rows whose four products are quantized
-// (fma, q8 or dpbf16 kernel: `kernels`, LayerKernel; dpbf16's tiles hold whole tiles of
-// 16 outputs), after the attention norm: the calls _fused_layer makes in Python
+// One decoder layer of decoding / verification rows whose four products run on specdec's
+// own kernels (fma, q8 or dpbf16 on GGUF blocks, dpbf16 or f32 tiles on dense weights:
+// `kernels`, LayerKernel; tiles hold whole tiles of 16 outputs), after the attention norm: the calls _fused_layer makes in Python
 // (specdec.runtime.model), in the same order on the same functions, so the same bits,
 // without a dozen Python calls and allocations per layer. Returns {x + attention output,
 // MLP output} (the sum left to the next layer's add_rms_norm).
@@ -715,10 +719,12 @@ std::vector<torch::Tensor> decode_layer(
               "four products: qkv, o, gate_up, down");
   TORCH_CHECK(!kv.empty(), "no KV caches");
   auto product = [&](const torch::Tensor& in, int i) {
-    const bool tiles = kernels[i] == kLayerDpbf16;
+    const bool tiles = kernels[i] == kLayerDpbf16 || kernels[i] == kLayerTilesF32;
     auto y = at::empty({in.size(0), blocks[i].size(0) * (tiles ? 16 : 1)}, in.options());
-    if (tiles) {
+    if (kernels[i] == kLayerDpbf16) {
       dpbf16_quant_gemm(in, blocks[i], codes[i], y);
+    } else if (kernels[i] == kLayerTilesF32) {
+      f32_tile_gemm(in, blocks[i], y);
     } else if (kernels[i] == kLayerQ8) {
       q8_gemm(in, blocks[i], codes[i], y);
     } else {
@@ -804,6 +810,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dpbf16_available", &dpbf16_available, "whether dpbf16_quant_gemm runs here (AVX512-BF16)");
   m.def("dpbf16_quant_gemm", &dpbf16_quant_gemm,
         "bfloat16 x W^T with AVX512-BF16 pair dot products, W in Q4_1 / Q8_0 tiles");
+  m.def("f32_tiles_available", &f32_tiles_available, "whether f32_tile_gemm runs here (AVX-512)");
+  m.def("f32_tile_gemm", &f32_tile_gemm,
+        "float32 x W^T with W in tiles of 16 outputs; row-invariant for any M");
   m.def("q8_gemm", &q8_gemm, "x W^T with x quantized to 8 bits per block of 32, W in Q4_1 / Q8_0");
   m.def("decode_layer", &decode_layer, "one decoder layer of decoding rows, quantized products");
   m.def("decode_layers", &decode_layers, "decode_layer over several layers, with their norms");
