@@ -26,6 +26,22 @@ def test_roofline_is_the_larger_of_memory_and_compute():
     assert roofline_ms(10**9, 10**9, 64, machine, "float32") == pytest.approx(1280.0)
 
 
+def test_bandwidth_is_the_fastest_read_seen():
+    """Every probe is a positive rate named by its time; the machine's bandwidth is their
+    best (on a CPU with AVX-512, the tile kernel's one-row product is one of them)."""
+    import torch
+
+    from specdec.bench.forward_cost import measure_bandwidth, measure_machine
+    from specdec.runtime.kernels import f32_tiles_available
+
+    rates = measure_bandwidth(torch.device("cpu"), repeats=1, when="now")
+    expected = {"sum now"} | ({"tile product now"} if f32_tiles_available() else set())
+    assert set(rates) == expected and all(r > 0 for r in rates.values())
+    machine = measure_machine(dtypes=("float32",), repeats=1)
+    assert machine.bandwidth_gbs == max(machine.bandwidth_probes.values())
+    assert "sum at start" in machine.bandwidth_probes
+
+
 def test_weight_stats_count_layers_and_lm_head(target):
     params, nbytes = weight_stats(target)
     module = target.model
@@ -71,6 +87,9 @@ def test_report_tables_and_files(tmp_path):
     result = _fake_result()
     text = report_markdown(result)
     assert "| native float32 exact | 40.0 (1.00x) |" in text
+    assert "read bandwidth 20.0 GB/s, GEMM" in text  # no probes recorded: none listed
+    result["machine"]["bandwidth_probes"] = {"sum at start": 18.0, "sum at end": 20.0}
+    assert "20.0 GB/s (the best of: sum at start 18.0, sum at end 20.0)" in report_markdown(result)
     assert "| hf float32 | 50% of the bound |" in text
     assert "exact decoding step 40.0 ms = 0.80x the fastest non-exact step (50.0 ms)" in text
     assert "1024 bytes per cached token" in text

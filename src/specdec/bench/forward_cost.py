@@ -5,7 +5,12 @@ Speculative decoding pays when verifying T = k + 1 tokens costs about as much as
 one, so the curve t(T) / t(1) is what decides whether a drafter can win. The roofline is
 measured here, on the machine the report runs on:
 
-* read bandwidth: the best of a few ``sum`` passes over a 1 GiB float32 tensor;
+* read bandwidth: the best of a few ``sum`` passes over a 1 GiB float32 tensor and (on a
+  CPU where it builds) a few one-row products over the same GiB read as a float32 matrix
+  on specdec's tile kernel (:func:`specdec.runtime.kernels.f32_tile_gemm`), measured at
+  the start of the run and again at its end: the fastest read seen bounds the step, so a
+  slow hour at the start cannot loosen the bound (on the shared VMs the rate moves by
+  tens of percent between runs);
 * GEMM peak per dtype: the best of a few 2048 x 2048 x 2048 products;
 * ``roofline(T) = max(weight bytes / bandwidth, T * 2 * params / peak)`` (Williams et al.,
   "Roofline", CACM 2009): a decoder forward reads every weight once and does 2 FLOPs per
@@ -50,6 +55,8 @@ class Machine:
     threads: int
     #: the CPU's model name, or the GPU's for a run on one
     device: str = ""
+    #: every read-rate probe (GB/s) behind ``bandwidth_gbs``, its best
+    bandwidth_probes: dict[str, float] = field(default_factory=dict)
 
 
 def measure_machine(
@@ -58,10 +65,7 @@ def measure_machine(
     """Measure read bandwidth and GEMM peak on ``device`` (see the module docstring; on a
     GPU the products are 8192 x 8192 x 8192, 2048 being too small to fill one)."""
     device = torch.device(device)
-    data = torch.ones(1 << 28, device=device)  # 1 GiB of float32
-    best = min(_seconds(data.sum, device) for _ in range(repeats))
-    bandwidth = data.numel() * 4 / best / 1e9
-    data = None
+    probes = measure_bandwidth(device, repeats, "at start")
     peaks = {}
     n = 8192 if device.type == "cuda" else 2048
     for name in dtypes:
@@ -71,7 +75,29 @@ def measure_machine(
         _seconds(lambda a=a, b=b: a @ b, device)
         best = min(_seconds(lambda a=a, b=b: a @ b, device) for _ in range(repeats))
         peaks[name] = 2 * n**3 / best / 1e9
-    return Machine(bandwidth, peaks, torch.get_num_threads(), _device_name(device))
+    bandwidth = max(probes.values())
+    return Machine(bandwidth, peaks, torch.get_num_threads(), _device_name(device), probes)
+
+
+def measure_bandwidth(device: torch.device, repeats: int = 3, when: str = "") -> dict[str, float]:
+    """Read rates in GB/s over 1 GiB: ``sum`` (PyTorch's reduction) and, on a CPU where
+    specdec's float32 tile kernel builds, a one-row product reading the same GiB as a
+    ``[2^18, 1024]`` matrix in its tile layout (each byte read once, one FMA per 16
+    floats). Keys: the probe's name, then ``when``."""
+    data = torch.ones(1 << 28, device=device)  # 1 GiB of float32
+    rates = {}
+    best = min(_seconds(data.sum, device) for _ in range(repeats))
+    rates[f"sum {when}".strip()] = data.numel() * 4 / best / 1e9
+    if device.type == "cpu":
+        from specdec.runtime.kernels import f32_tile_gemm, f32_tiles_available
+
+        if f32_tiles_available():
+            tiles = data.view(1 << 14, 1024, 16)
+            x = torch.ones(1, 1024)
+            product = lambda: f32_tile_gemm(x, tiles, 1 << 18)  # noqa: E731
+            best = min(_seconds(product) for _ in range(repeats))
+            rates[f"tile product {when}".strip()] = data.numel() * 4 / best / 1e9
+    return rates
 
 
 def _device_name(device: torch.device) -> str:
@@ -213,18 +239,35 @@ def run_forward_cost(model_name: str, device: str = "cpu", progress=None) -> dic
         params, weight_bytes = weight_stats(model)
         suffix = "" if quantization == "none" else f"_{quantization}"
         stats.update({"params": params, f"weight_bytes_{dtype}{suffix}": weight_bytes})
-        roof = [roofline_ms(params, weight_bytes, t, machine, dtype) for t in TOKENS]
         kv = model.new_cache(1).bytes_per_token if backend == "native" else None
         times = forward_times(model)
         plan = exact_plan(model) if exact else {}
         curves.append(
-            CurveRecord(
-                backend, dtype, exact, times, roof, kv, quantization=quantization, exact_plan=plan
-            )
+            (
+                (params, weight_bytes),
+                CurveRecord(
+                    backend,
+                    dtype,
+                    exact,
+                    times,
+                    [],
+                    kv,
+                    quantization=quantization,
+                    exact_plan=plan,
+                ),
+            )  # fmt: skip
         )
         if progress:
             progress(1)
-    return {"machine": asdict(machine), **stats, "curves": [asdict(c) for c in curves]}
+    loaded, model = {}, None  # the weights out of memory before the GiB of the probes
+    machine.bandwidth_probes.update(measure_bandwidth(torch.device(device), when="at end"))
+    machine.bandwidth_gbs = max(machine.bandwidth_probes.values())
+    for (params, weight_bytes), curve in curves:  # the bound of the fastest read seen
+        curve.roofline_ms = [
+            roofline_ms(params, weight_bytes, t, machine, curve.dtype) for t in TOKENS
+        ]
+    records = [asdict(curve) for _, curve in curves]
+    return {"machine": asdict(machine), **stats, "curves": records}
 
 
 def report_markdown(result: dict) -> str:
@@ -232,9 +275,11 @@ def report_markdown(result: dict) -> str:
     m = result["machine"]
     peaks = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in m["peak_gflops"].items())
     where = f"measured here, {m['device']}" if m.get("device") else "measured here"
+    probes = m.get("bandwidth_probes") or {}
+    seen = f" (the best of: {', '.join(f'{k} {v:.1f}' for k, v in probes.items())})"
     lines = [
-        f"Machine ({where}): read bandwidth {m['bandwidth_gbs']:.1f} GB/s, GEMM peak "
-        f"{peaks}, {m['threads']} threads. Context: {CONTEXT} cached tokens.\n",
+        f"Machine ({where}): read bandwidth {m['bandwidth_gbs']:.1f} GB/s{seen * bool(probes)}, "
+        f"GEMM peak {peaks}, {m['threads']} threads. Context: {CONTEXT} cached tokens.\n",
         "| configuration | " + " | ".join(f"T={t}" for t in TOKENS) + " |",
         "|---|" + "---|" * len(TOKENS),
     ]
