@@ -163,11 +163,16 @@ def dpbf16_dense_layout(weight: torch.Tensor) -> DenseTiles:
             f"got {weight.dtype} {list(weight.shape)}"
         )
     n, k = weight.shape
-    padded = -(-n // 16) * 16
-    if padded != n:
-        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
-    tiles = weight.reshape(padded // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-    return DenseTiles(tiles.view(torch.uint8).view(padded // 16, k // 32, 1024), n)
+    weight = _pad_outputs(weight)
+    tiles = weight.reshape(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return DenseTiles(tiles.view(torch.uint8).view(-1, k // 32, 1024), n)
+
+
+def _pad_outputs(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` with zero rows (outputs) appended up to a multiple of 16."""
+    n, k = weight.shape
+    missing = -n % 16
+    return torch.cat([weight, weight.new_zeros(missing, k)]) if missing else weight
 
 
 def _dpbf16(x: torch.Tensor, weight: DenseTiles) -> torch.Tensor:
@@ -196,10 +201,7 @@ def f32_tile_layout(weight: torch.Tensor) -> DenseTiles:
             f"got {weight.dtype} {list(weight.shape)}"
         )
     n, k = weight.shape
-    padded = -(-n // 16) * 16
-    if padded != n:
-        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
-    return DenseTiles(weight.reshape(padded // 16, 16, k).transpose(1, 2).contiguous(), n)
+    return DenseTiles(_pad_outputs(weight).reshape(-1, 16, k).transpose(1, 2).contiguous(), n)
 
 
 def _f32_tiles(x: torch.Tensor, weight: DenseTiles) -> torch.Tensor:
