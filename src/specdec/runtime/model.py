@@ -118,7 +118,7 @@ class NativeDecoder:
             mode: [self._decode_spec(i, mode) for i in range(len(self.layers))]
             for mode in (True, False)
         }
-        self._fused_cache: dict[tuple[int, ...], tuple | None] = {}
+        self._fused_cache: dict[tuple, tuple | None] = {}  # (exact, *layers)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.device = weights.embed.device
         self.use_kernel = kernel_available(self.device)
@@ -347,9 +347,9 @@ class NativeDecoder:
         ``dpbf16``, 3 ``f32_tiles``; ``rows``: the most rows one call of each computes the
         way that mode computes them), or ``None`` where a product runs elsewhere: a dense
         product on another formulation than :data:`_DENSE_KERNELS` (in fast mode, for
-        every row-count bucket up to ``rows``), a
-        quantized one on ``amx``, ``dpbf16`` with N not a multiple of 16, a bias, or a
-        layer with query/key norms."""
+        every row-count bucket up to ``rows``) or padded to two rows, a quantized one on
+        ``amx``, tiles with N not a multiple of 16, a bias, or a layer with query/key
+        norms."""
         layer = self.layers[index]
         parts = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
         if self.weights.layers[index].q_norm is not None or any(p.bias is not None for p in parts):

@@ -1,5 +1,7 @@
 // Quantized products (GGUF Q4_1, Q8_0) with bfloat16 activations on AVX512-BF16's pair dot
-// products (specdec native runtime; see specdec/runtime/quant.py, kernel "dpbf16").
+// products (specdec native runtime; see specdec/runtime/quant.py, kernel "dpbf16"), and
+// dense bfloat16 products on the same tiles (specdec/runtime/linear.py, formulation
+// "dpbf16"; see "Dense bfloat16 weights" below).
 //
 // What is computed is the amx kernel's formula (amx.cpp; the two instructions may round
 // their pair sums differently, so the kernels are not claimed to agree bit for bit), on
