@@ -97,6 +97,13 @@ def test_json_compare_ngram(capsys, model_dir):
     # the native kernels' instruction set (null on transformers)
     native = ("avx512", "avx2", "portable")
     assert record["simd"] in ((None,) if record["backend"] == "hf" else native)
+    # the dense products' formulation(s) on the native backend (null on transformers)
+    from specdec.runtime.linear import FORMULATIONS
+
+    dense = record["dense_kernel"]
+    assert (
+        dense is None if record["backend"] == "hf" else set(dense.split(",")) <= set(FORMULATIONS)
+    )
     assert record["text"]  # this prompt produces real words
     assert record["identical"] is True
     assert record["baseline"]["token_ids"] == ids
@@ -423,6 +430,24 @@ def _fake_output(tokens: list[int], seconds: float, steps_off: int = 0, prefill:
     )  # fmt: skip
     return SimpleNamespace(
         metrics=metrics, finish_reason="length", token_ids=tokens, prompt_token_ids=[5] * 700
+    )
+
+
+def test_the_ran_on_line_names_the_weights_and_their_kernels():
+    from specdec.cli_common import describe_target
+
+    meta = {"backend": "native", "dtype": "bfloat16", "exact": True, "quantization": "none",
+            "quant_kernel": None, "dense_kernel": "dpbf16", "simd": "avx512",
+            "threads": 2}  # fmt: skip
+    assert describe_target(meta) == (
+        "native backend (AVX-512 kernels), bfloat16, exact, dense weights (dpbf16 products), "
+        "2 threads"
+    )
+    meta.update(quantization="gguf", quant_kernel="q8", dense_kernel="f32_tiles")
+    assert "gguf weights (q8 kernel) (f32_tiles dense products)" in describe_target(meta)
+    meta.update(backend="hf", quantization="int8-dynamic", quant_kernel=None, dense_kernel=None)
+    assert "float32" not in describe_target(meta) and "int8-dynamic weights," in (
+        describe_target(meta)
     )
 
 

@@ -439,3 +439,25 @@ def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(dtype):
         with torch_threads(threads):
             for i, (a, b) in enumerate(zip(one, run(), strict=True)):
                 assert torch.equal(a, b), (threads, i)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_is_named(tmp_path, monkeypatch, caplog):
+    """torch's extension build waits for ever while its folder holds a ``lock`` file, which
+    a killed build leaves behind: an old lock is removed, a recent one (another build may
+    be running) is named in a warning and kept."""
+    import logging
+    import time
+
+    import torch.utils.cpp_extension as cpp
+
+    from specdec.runtime import kernels
+
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    with caplog.at_level(logging.WARNING, logger="specdec.runtime.kernels"):
+        kernels._clear_stale_lock("x", now=time.time() + 60)
+        assert lock.exists() and "delete that file" in caplog.text and str(lock) in caplog.text
+        kernels._clear_stale_lock("x", now=time.time() + kernels.STALE_LOCK_SECONDS + 60)
+    assert not lock.exists() and "removing a stale build lock" in caplog.text
+    kernels._clear_stale_lock("x")  # no lock: nothing to do, no error

@@ -210,6 +210,7 @@ def test_load_int8_dynamic_quantizes_the_decoder_only(saved_model):
     hf = load(str(directory), dtype="int8-dynamic")
     linears = [m for m in hf.model.get_decoder().modules() if "quantized" in type(m).__module__]
     assert linears and hf.name.endswith("+int8")
+    assert hf.quantization == "int8-dynamic"  # what `generate` reports as the weights
     assert type(hf.model.lm_head) is torch.nn.Linear
     ids = torch.tensor([[1, 4, 5, 6]])
     with torch.no_grad():  # close to the float model, not equal

@@ -636,8 +636,11 @@ def target_meta(target, threads: int) -> dict:
     """What runs a target, as ``generate --json`` records it: ``backend``, ``dtype``,
     ``exact``, ``quantization``, ``quant_kernel`` (the quantized product kernel(s) of a
     native target: ``fma``, ``amx``, or both names for a mix; ``None`` on dense weights),
-    ``simd`` (the C++ kernels' instruction set on the native backend: ``avx512``, ``avx2``,
-    ``portable``; ``None`` on transformers or without the kernels) and ``threads``."""
+    ``dense_kernel`` (the formulation(s) the native target's dense products run in its
+    mode, one decoding row: ``dpbf16``, ``f32_tiles``, ``onednn``, ...; ``None`` without
+    dense products or on transformers), ``simd`` (the C++ kernels' instruction set on the
+    native backend: ``avx512``, ``avx2``, ``portable``; ``None`` on transformers or without
+    the kernels) and ``threads``."""
     decoder = getattr(target, "decoder", None)
     simd = None
     if decoder is not None:
@@ -645,12 +648,16 @@ def target_meta(target, threads: int) -> dict:
 
         simd = kernels_simd()
     kernels = getattr(decoder, "quant_kernels", None) or {}
+    exact = bool(getattr(target, "exact", False))
+    choices = (getattr(decoder, "choices", None) or {}).values()
+    dense = sorted({c.exact if exact else c.fast[0] for c in choices})
     return {
         "backend": target.backend,
         "dtype": str(target.dtype).replace("torch.", ""),
-        "exact": bool(getattr(target, "exact", False)),
+        "exact": exact,
         "quantization": getattr(target, "quantization", "none"),
         "quant_kernel": ",".join(sorted(set(kernels.values()))) or None,
+        "dense_kernel": ",".join(dense) or None,
         "simd": simd,
         "threads": threads,
     }
@@ -665,6 +672,9 @@ def describe_target(meta: dict) -> str:
     weights = f", {quant} weights" if quant != "none" else ", dense weights"
     if meta.get("quant_kernel"):
         weights += f" ({meta['quant_kernel']} kernel)"
+    if meta.get("dense_kernel"):
+        products = "dense products" if meta.get("quant_kernel") else "products"
+        weights += f" ({meta['dense_kernel']} {products})"
     plural = "s" if meta["threads"] != 1 else ""
     simd = _SIMD_NOTE.get(meta.get("simd"), "")
     return (

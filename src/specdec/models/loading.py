@@ -68,7 +68,9 @@ def quantize_int8_dynamic(model: HFModel) -> HFModel:
         torch.ao.quantization.quantize_dynamic(
             model.model.get_decoder(), {torch.nn.Linear}, dtype=torch.qint8, inplace=True
         )
-    return HFModel(model.model, model.tokenizer, name=f"{model.name}+int8")
+    quantized = HFModel(model.model, model.tokenizer, name=f"{model.name}+int8")
+    quantized.quantization = INT8_DYNAMIC  # what `generate` reports as the weights
+    return quantized
 
 
 #: dtype name resolved per machine by :func:`resolve_dtype`.

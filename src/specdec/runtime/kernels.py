@@ -10,7 +10,7 @@ loop over the row's own keys (``csrc/attention.cpp``), so it is batch-invariant 
 construction: exact mode uses it when it is available.
 
 The extension is compiled with the machine's C++ compiler the first time it is needed
-(1-2 minutes, said on standard error; cached by ``torch.utils.cpp_extension`` under
+(1-3 minutes, said on standard error; cached by ``torch.utils.cpp_extension`` under
 ``~/.cache/torch_extensions``, under a name that hashes the sources, the flags and the torch
 version, and imported directly from there afterwards). Without a compiler, or with
 ``SPECDEC_ATTENTION=reference``, the runtime uses the PyTorch reference
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -73,8 +74,9 @@ def _load():
             _module = _import_library(library)
             return _module
         logger.warning(
-            "compiling specdec's C++ kernels (first use on this machine only, 1-2 minutes)"
+            "compiling specdec's C++ kernels (first use on this machine only, 1-3 minutes)"
         )
+        _clear_stale_lock(name)
         _module = load(
             name=name,
             sources=[str(p) for p in _SOURCES],
@@ -107,6 +109,34 @@ def cpu_flags(cpuinfo: str | None = None) -> str:
         if line.startswith(("flags", "Features")) and ":" in line:
             return " ".join(sorted(line.split(":", 1)[1].split()))
     return ""
+
+
+#: A build lock older than this (seconds) was left by an interrupted build: a build takes
+#: 1-3 minutes.
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def _clear_stale_lock(name: str, now: float | None = None) -> None:
+    """Before building ``name``: torch's build waits, silently and for ever, while the build
+    folder holds a ``lock`` file, and a build killed mid-way leaves one behind. Remove a
+    lock older than :data:`STALE_LOCK_SECONDS` (logged); for a younger one, say that the
+    build waits for it and how to clear it."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except Exception:  # no lock (the usual case), or torch's private helper moved
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing a stale build lock (%.0f minutes old): %s", age / 60, lock)
+        lock.unlink(missing_ok=True)
+    else:
+        logger.warning(
+            "waiting for another process building the kernels (lock %s); if none is, "
+            "delete that file",
+            lock,
+        )
 
 
 def _built(name: str) -> Path | None:
