@@ -10,8 +10,10 @@ specdec runs on its defaults (``backend auto``, ``dtype auto``: the GGUF's own Q
 blocks with the quantized kernel measurement picks) and, with ``--kernels auto,q8`` (the
 default), once more with each kernel forced by ``SPECDEC_QUANT_KERNEL`` (``q8``: the
 opt-in kernel with 8-bit activations, llama.cpp's arithmetic; see
-``specdec.runtime.quant``); vLLM in bfloat16 (its CPU default) from the same weights
-(specdec's Hugging Face copy of the embedded GGUF),
+``specdec.runtime.quant``), and with ``dense`` on the very bfloat16 weights vLLM runs
+(``quantization="none"``: the dense products calibration picks, e.g. ``dpbf16``); vLLM in
+bfloat16 (its CPU default) from the same weights (specdec's Hugging Face copy of the
+embedded GGUF),
 with its prefix cache off: the same prompts come back at every level, so a cached vLLM
 would skip the prefill specdec computes (runs before 2026-12-02 08:00 left it on, and
 measured vLLM's decoding against specdec's prefill and decoding from 16 sequences on).
@@ -113,20 +115,22 @@ def run_specdec(
     from specdec.cli_common import target_meta
 
     before = os.environ.pop("SPECDEC_QUANT_KERNEL", None)
-    if kernel != "auto":
+    if kernel not in ("auto", "dense"):
         os.environ["SPECDEC_QUANT_KERNEL"] = kernel
-    try:
-        llm = LLM(speculative=SpeculativeConfig(method="none"))
+    try:  # dense: the bfloat16 weights vLLM runs (quantization none), not the GGUF's blocks
+        quantization = "none" if kernel == "dense" else "auto"
+        llm = LLM(speculative=SpeculativeConfig(method="none"), quantization=quantization)
     finally:
         os.environ.pop("SPECDEC_QUANT_KERNEL", None)
         if before is not None:
             os.environ["SPECDEC_QUANT_KERNEL"] = before
     params = SamplingParams(max_new_tokens=max_new)
     llm.generate(ids[:2], params)  # warm-up: kernels, calibration, caches
+    meta = target_meta(llm.target, 0)
+    ran = meta["quant_kernel"] or (f"dense {meta['dense_kernel']}" if kernel == "dense" else kernel)
     out = {"engine": "specdec", "backend": llm.target.backend,
            "dtype": str(llm.target.dtype).replace("torch.", ""),
-           "quantization": getattr(llm.target, "quantization", "none"),
-           "kernel": target_meta(llm.target, 0)["quant_kernel"] or kernel,
+           "quantization": meta["quantization"], "kernel": ran,
            "threads": torch.get_num_threads(), "machine": machine(), "runs": {}}  # fmt: skip
     for c, n in counts.items():
         llm.generate(ids[-c:], SamplingParams(max_new_tokens=8))  # this batch size's shapes
@@ -178,6 +182,10 @@ def run_vllm(ids: list[list[int]], counts: dict[int, int], max_new: int, folder:
     return out
 
 
+def _weights(quantization: str) -> str:
+    return "dense" if quantization == "none" else quantization
+
+
 def report(specs: list[dict] | dict, vllm: dict | None, max_new: int, alone_n: int) -> str:
     """The markdown report of specdec's runs (one per kernel; a single dict: results of
     runs before ``--kernels``) beside vLLM's."""
@@ -188,14 +196,15 @@ def report(specs: list[dict] | dict, vllm: dict | None, max_new: int, alone_n: i
         return f"specdec ({run.get('kernel') or 'dense'})" if len(specs) > 1 else "specdec"
 
     kernels = "".join(
-        f"{name(r)}: {r.get('kernel') or 'dense'} kernel; " for r in specs if "kernel" in r
+        f"{name(r)}: {_weights(r.get('quantization', 'none'))} weights, {r.get('kernel')} kernel; "
+        for r in specs
+        if "kernel" in r
     )
     lines = [
         "# Batched throughput: specdec vs vLLM (CPU)\n",
         f"Plain greedy decoding, {max_new} new tokens, Spec-Bench first turns. Machine: "
         f"{spec.get('machine') or platform.processor() or platform.machine()}; specdec "
-        f"{spec['backend']} {spec['dtype']}, {spec.get('quantization', 'none')} weights "
-        f"({kernels}{spec['threads']} threads)"
+        f"{spec['backend']} {spec['dtype']} ({kernels}{spec['threads']} threads)"
         + (
             f", vLLM {vllm['version']} bfloat16 ({vllm['threads']} threads, prefix cache off: "
             "the levels repeat the prompts, and specdec has no prefix cache)"
@@ -251,8 +260,9 @@ def main() -> int:
     p.add_argument("--small", type=int, default=16, help="prompts at c = 4")
     p.add_argument("--concurrency", default="1,4,16,64", help="levels (default: %(default)s)")
     p.add_argument("--kernels", default="auto,q8",
-                   help="specdec's quantized kernels, one run each: auto (measured), fma, amx, "
-                   "dpbf16, q8 (default: %(default)s)")  # fmt: skip
+                   help="specdec's quantized kernels, one run each: auto (measured), dense (the "
+                        "bfloat16 weights vLLM runs, --quantization none), fma, amx, "
+                        "dpbf16, q8 (default: %(default)s)")  # fmt: skip
     p.add_argument("--out", type=Path, default=HERE)
     p.add_argument("--report-only", action="store_true",
                    help="rewrite report.md from --out's results.json")  # fmt: skip
