@@ -128,31 +128,29 @@ void tile_block(const c10::BFloat16* x, int64_t xs, const float* sums, int64_t k
       for (int64_t line = 0; line < bytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(tiles + j * step) + kPrefetchBytes + line,
                      _MM_HINT_T0);
-    if constexpr (kind == kDense) {  // no scales: every pair step into acc, k increasing
-      for (int64_t p = 0; p < kTileQuantRows; ++p)
-        for (int j = 0; j < NB; ++j) {
-          const __m512bh w = tile_row<kind>(tiles + j * step, p, table, shifts);
-          for (int r = 0; r < MB; ++r)
-            acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pair(xb + r * xs + 2 * p), w);
-        }
-      continue;
-    }
+    // the block's pair steps: a dense tile adds them straight into acc (no scales); a
+    // quantized one into its block dot product, which its scales then add into acc
     __m512 dot[MB][NB];
-    for (int r = 0; r < MB; ++r)
-      for (int j = 0; j < NB; ++j) dot[r][j] = _mm512_setzero_ps();
+    __m512(&into)[MB][NB] = kind == kDense ? acc : dot;
+    if constexpr (kind != kDense)
+      for (int r = 0; r < MB; ++r)
+        for (int j = 0; j < NB; ++j) dot[r][j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < kTileQuantRows; ++p) {
       for (int j = 0; j < NB; ++j) {
         const __m512bh w = tile_row<kind>(tiles + j * step, p, table, shifts);
-        for (int r = 0; r < MB; ++r) dot[r][j] = _mm512_dpbf16_ps(dot[r][j], pair(xb + r * xs + 2 * p), w);
+        for (int r = 0; r < MB; ++r)
+          into[r][j] = _mm512_dpbf16_ps(into[r][j], pair(xb + r * xs + 2 * p), w);
       }
     }
-    for (int j = 0; j < NB; ++j) {
-      const __m512 d = half16(tiles + j * step);
-      for (int r = 0; r < MB; ++r) acc[r][j] = _mm512_fmadd_ps(dot[r][j], d, acc[r][j]);
-      if constexpr (kind == kHalfQ4_1) {
-        const __m512 mins = half16(tiles + j * step + 32);
-        for (int r = 0; r < MB; ++r)
-          acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * kblocks + kb]), mins, acc[r][j]);
+    if constexpr (kind != kDense) {
+      for (int j = 0; j < NB; ++j) {
+        const __m512 d = half16(tiles + j * step);
+        for (int r = 0; r < MB; ++r) acc[r][j] = _mm512_fmadd_ps(dot[r][j], d, acc[r][j]);
+        if constexpr (kind == kHalfQ4_1) {
+          const __m512 mins = half16(tiles + j * step + 32);
+          for (int r = 0; r < MB; ++r)
+            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * kblocks + kb]), mins, acc[r][j]);
+        }
       }
     }
   }
