@@ -9,6 +9,7 @@ embedded model.
 from __future__ import annotations
 
 import argparse
+import math
 
 from specdec.models.loading import DEFAULT_MODEL
 
@@ -76,6 +77,16 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--ttt-steps", type=int, default=tc.ttt_steps, metavar="N",
         help=f"EAGLE training-time-test depth (default: {tc.ttt_steps})",
+    )  # fmt: skip
+    p.add_argument(
+        "--distill-top-k", type=int, default=tc.distill_top_k, metavar="K",
+        help="HASS's harmonized objective distillation: also learn the target's K most "
+        "probable tokens per row, weighted by their probabilities (HASS used 10; default: "
+        f"{tc.distill_top_k}, off: the greedy token only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--distill-weight", type=float, default=tc.distill_weight, metavar="W",
+        help=f"weight of the distillation term (default: {tc.distill_weight})",
     )  # fmt: skip
     p.add_argument(
         "--medusa-heads", type=int, default=recipe.medusa_heads, metavar="K",
@@ -154,6 +165,11 @@ def recipe_from_args(args: argparse.Namespace):
 
     check_quantization(args.quantization, args.backend)
     _positive("--lr", args.lr)
+    _positive("--distill-top-k", args.distill_top_k, allow_zero=True)
+    if not (math.isfinite(args.distill_weight) and args.distill_weight >= 0):
+        raise ValueError(
+            f"--distill-weight must be a finite number >= 0, got {args.distill_weight}"
+        )
     if not 0.0 <= args.magpie_share <= 1.0:
         raise ValueError(f"--magpie-share must be in [0, 1], got {args.magpie_share}")
     capture = None
@@ -167,6 +183,7 @@ def recipe_from_args(args: argparse.Namespace):
     train = TrainConfig(
         steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, ttt_steps=args.ttt_steps,
         max_minutes=args.max_minutes, seed=args.seed, warmup=min(100, max(1, args.steps // 10)),
+        distill_top_k=args.distill_top_k, distill_weight=args.distill_weight,
     )  # fmt: skip
     recipe = HeadRecipe(
         kind=args.kind, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,

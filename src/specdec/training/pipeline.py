@@ -194,19 +194,22 @@ def head_acceptance(target, head, conversations, steps: int) -> dict:
     return {"answer_tokens": sum(len(a) for _, a in conversations), **result}
 
 
-def build_features(target, examples, capture, work: Path) -> Features:
-    """Stage 4 (cached in ``work/features.pt`` for the same capture)."""
+def build_features(target, examples, capture, work: Path, top_k: int = 0) -> Features:
+    """Stage 4 (cached in ``work/features-LAYERS.pt`` for the same capture, target and
+    examples; features that kept at least ``top_k`` tokens per row serve a smaller
+    ``top_k``)."""
     path = work / f"features-{'-'.join(str(i) for i in capture)}.pt"
     # which model computed them: another dtype or quantization is another target
     model = f"{getattr(target, 'quantization', 'none')}/{getattr(target, 'dtype', '')}"
     if path.exists():
         saved = torch.load(path, weights_only=False)
         same = saved["capture"] == list(capture) and saved["count"] == len(examples)
-        if same and saved.get("model", model) == model:
+        kept = saved["features"].top_k
+        if same and saved.get("model", model) == model and kept >= top_k:
             return saved["features"]
     convs = [(e.prompt_ids, e.answer_ids) for e in examples]
     with _bar(len(convs), "target features", "conv") as bar:
-        features = extract_features(target, convs, capture, progress=bar.update)
+        features = extract_features(target, convs, capture, progress=bar.update, top_k=top_k)
     torch.save({"capture": list(capture), "count": len(examples), "model": model,
                 "features": features}, path)  # fmt: skip
     return features
@@ -336,7 +339,7 @@ def train_head(
     if not examples:
         raise ValueError("no training conversations left")
     t1 = time.perf_counter()
-    features = build_features(target, examples, capture, work)
+    features = build_features(target, examples, capture, work, recipe.train.distill_top_k)
     timings["features_s"] = time.perf_counter() - t1
     release_freed_memory()
 

@@ -28,6 +28,13 @@ loop with EAGLE-3's training-time test, and held-out acceptance per position.
   conversation trains in one pass (PARD's parallel-draft training, An et al. 2025,
   arXiv:2504.18583, Sec. 3.2, without its token dropping); position ``i``'s weight is
   ``0.8 ** i``.
+* **Harmonized objective distillation** (HASS, Zhang et al. 2024, arXiv:2408.15766,
+  Sec. 3.2, Eq. 4), opt-in (``TrainConfig.distill_top_k``): the features stage also keeps
+  the target's ``K`` most probable next tokens at every row with their probabilities
+  ``p``, and each position's loss gains ``distill_weight * -sum_{x in top-K} p(x) log
+  q(x)`` (``q``: the head's distribution over its draft vocabulary; top-K tokens outside
+  it carry no term). The hard label is the top-1 token, so the term adds what the target
+  ranks next, the tokens a tree drafts and a near-tie flips between.
 * **Acceptance per position** (:func:`evaluate`): on held-out conversations, the rate at
   which draft position ``s`` equals the target's greedy token given that positions
   ``< s`` did -- what a greedy chain's verification accepts -- and the implied mean
@@ -63,12 +70,18 @@ class Features:
         captured: per conversation, ``[T, C * D]`` (bfloat16) captured hidden states.
         labels: per conversation, ``[T]`` int64: the target's greedy next token at each row.
         answer_start: per conversation, the first answer token's index (``len(prompt)``).
+        top_ids: per conversation, ``[T, K]`` int32: the target's ``K`` most probable
+            next tokens at each row, most probable first (``None``: not kept, ``K = 0``).
+        top_probs: per conversation, ``[T, K]`` float16: their probabilities (``None``
+            with ``top_ids``).
     """
 
     token_ids: list[torch.Tensor] = field(default_factory=list)
     captured: list[torch.Tensor] = field(default_factory=list)
     labels: list[torch.Tensor] = field(default_factory=list)
     answer_start: list[int] = field(default_factory=list)
+    top_ids: list[torch.Tensor] | None = None
+    top_probs: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -77,12 +90,19 @@ class Features:
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.token_ids)
 
+    @property
+    def top_k(self) -> int:
+        """``K`` of :attr:`top_ids` (0: none kept)."""
+        return int(self.top_ids[0].shape[-1]) if self.top_ids else 0
+
     def subset(self, indices: Sequence[int]) -> Features:
         return Features(
             [self.token_ids[i] for i in indices],
             [self.captured[i] for i in indices],
             [self.labels[i] for i in indices],
             [self.answer_start[i] for i in indices],
+            None if self.top_ids is None else [self.top_ids[i] for i in indices],
+            None if self.top_probs is None else [self.top_probs[i] for i in indices],
         )
 
     def answer_labels(self) -> torch.Tensor:
@@ -97,6 +117,7 @@ def extract_features(
     capture: Sequence[int],
     batch_tokens: int = 2048,
     progress: Callable[[int], None] | None = None,
+    top_k: int = 0,
 ) -> Features:
     """Run the target over ``(prompt_ids, answer_ids)`` conversations, capturing.
 
@@ -106,13 +127,21 @@ def extract_features(
         capture: hidden-state indices to keep.
         batch_tokens: most tokens per forward.
         progress: called with the number of conversations done after each batch.
+        top_k: also keep the target's ``top_k`` most probable next tokens per row and
+            their probabilities (softmax of the float32 logits), for HASS's distillation
+            (0: not kept).
 
     Returns:
         :class:`Features` (conversations whose answer is empty are skipped).
+
+    Raises:
+        ValueError: ``top_k`` negative or above the target's vocabulary.
     """
     from specdec.models.base import BatchItem
 
-    out = Features()
+    if not 0 <= top_k <= target.vocab_size:
+        raise ValueError(f"top_k must be in [0, {target.vocab_size}] (got {top_k})")
+    out = Features(top_ids=[] if top_k else None, top_probs=[] if top_k else None)
     batch: list[tuple[list[int], int]] = []
 
     def flush() -> None:
@@ -126,6 +155,10 @@ def extract_features(
             out.captured.append(res.captured.to(torch.bfloat16).clone())
             out.labels.append(res.logits.argmax(-1).long())
             out.answer_start.append(start)
+            if top_k:
+                probs, ids = torch.softmax(res.logits.float(), dim=-1).topk(top_k, dim=-1)
+                out.top_ids.append(ids.to(torch.int32))
+                out.top_probs.append(probs.to(torch.float16))
         if progress is not None:
             progress(len(batch))
         batch.clear()
@@ -201,6 +234,11 @@ class Batch:
             label outside the draft vocabulary).
         valid: ``[B, T]`` bool: answer rows (for accuracy, whatever the vocabulary).
         labels: ``[B, T]`` int64 target labels (-1 where not valid).
+        soft_targets: ``[B, T, K]`` int64 draft-vocabulary index of each row's top-K
+            target tokens (0 where ``soft_probs`` is 0), or ``None`` (no distillation).
+        soft_probs: ``[B, T, K]`` float32 their target probabilities times the
+            distillation weight; 0 for tokens outside the draft vocabulary and rows not
+            trained.
     """
 
     tokens: torch.Tensor
@@ -208,10 +246,21 @@ class Batch:
     targets: torch.Tensor
     valid: torch.Tensor
     labels: torch.Tensor
+    soft_targets: torch.Tensor | None = None
+    soft_probs: torch.Tensor | None = None
 
 
-def make_batch(features: Features, indices: Sequence[int], index: torch.Tensor) -> Batch:
-    """Pad conversations ``indices`` of ``features`` into a :class:`Batch`."""
+def make_batch(
+    features: Features,
+    indices: Sequence[int],
+    index: torch.Tensor,
+    distill_top_k: int = 0,
+    distill_weight: float = 1.0,
+) -> Batch:
+    """Pad conversations ``indices`` of ``features`` into a :class:`Batch`; with
+    ``distill_top_k > 0`` (at most ``features.top_k``) and ``distill_weight > 0``, the
+    soft targets of each row's first ``distill_top_k`` kept tokens too (see
+    :class:`Batch`)."""
     lengths = [len(features.token_ids[i]) for i in indices]
     b, t = len(indices), max(lengths)
     width = features.captured[indices[0]].shape[-1]
@@ -227,7 +276,52 @@ def make_batch(features: Features, indices: Sequence[int], index: torch.Tensor) 
         valid[row, features.answer_start[i] - 1 : n - 1] = True
     labels = torch.where(valid, labels, torch.full_like(labels, -1))
     targets = torch.where(valid, index[labels.clamp(min=0)], torch.full_like(labels, -100))
-    return Batch(tokens, captured, targets, valid, labels)
+    if not (distill_weight > 0 and distill_top_k):
+        return Batch(tokens, captured, targets, valid, labels)
+    k = distill_top_k
+    if k > features.top_k:
+        raise ValueError(f"distill_top_k {k} exceeds the {features.top_k} tokens kept per row")
+    soft_targets = torch.zeros(b, t, k, dtype=torch.long)
+    soft_probs = torch.zeros(b, t, k, dtype=torch.float32)
+    for row, i in enumerate(indices):
+        n = lengths[row]
+        drafted = index[features.top_ids[i][:, :k].long()]  # -100 outside the draft vocabulary
+        inside = drafted >= 0
+        soft_targets[row, :n] = torch.where(inside, drafted, torch.zeros_like(drafted))
+        soft_probs[row, :n] = torch.where(inside, features.top_probs[i][:, :k].float(), 0.0)
+    soft_probs *= valid[..., None] * distill_weight
+    return Batch(tokens, captured, targets, valid, labels, soft_targets, soft_probs)
+
+
+def _position_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    soft: tuple[torch.Tensor, torch.Tensor, int] | None,
+) -> torch.Tensor:
+    """One draft position's loss: cross-entropy on ``targets`` (``[B, T']``, -100
+    ignored) plus, with ``soft`` (:func:`_soft`: top-K draft indices ``[B, T', K]``, their
+    probabilities already weighted and zero where not trained, and the number of trained
+    rows), HASS's top-K distillation ``-sum p log q`` averaged over the trained rows
+    (Zhang et al. 2024, Eq. 4)."""
+    flat = logits.float().flatten(0, 1)
+    loss = F.cross_entropy(flat, targets.flatten(), ignore_index=-100)
+    if soft is None or not soft[2]:
+        return loss
+    soft_targets, soft_probs, rows = soft
+    logq = torch.log_softmax(flat, dim=-1).gather(-1, soft_targets.flatten(0, 1))
+    return loss - (soft_probs.flatten(0, 1) * logq).sum() / rows
+
+
+def _soft(batch: Batch, shift: int, skip: int = 0):
+    """``batch``'s soft targets of rows ``shift ..`` with the first ``skip`` of them
+    zeroed, and how many of those rows are trained (answer rows); ``None`` without."""
+    if batch.soft_targets is None:
+        return None
+    probs = batch.soft_probs[:, shift:].clone()
+    probs[:, :skip] = 0.0
+    rows = batch.valid[:, shift:].clone()
+    rows[:, :skip] = False
+    return batch.soft_targets[:, shift:], probs, int(rows.sum())
 
 
 def ttt_mask(n: int, step: int) -> torch.Tensor:
@@ -284,7 +378,7 @@ def eagle_loss(head: EagleHead, batch: Batch, steps: int) -> tuple[torch.Tensor,
     for s, logits in enumerate(eagle_forward(head, batch, steps)):
         rows = targets.clone()
         rows[:, :s] = -100  # a chain needs s rows of context before it
-        loss = F.cross_entropy(logits.float().flatten(0, 1), rows.flatten(), ignore_index=-100)
+        loss = _position_loss(logits, rows, _soft(batch, 1, skip=s))
         if torch.isfinite(loss):
             total = total + (STEP_DECAY**s) * loss
         with torch.no_grad():
@@ -323,7 +417,7 @@ def medusa_loss(head: MedusaHead, batch: Batch, steps: int | None = None):
         targets = batch.targets[:, shift:]
         labels = batch.labels[:, shift:]
         valid = batch.valid[:, shift:]
-        loss = F.cross_entropy(lg.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss = _position_loss(lg, targets, _soft(batch, shift))
         if torch.isfinite(loss):
             total = total + (STEP_DECAY**k) * loss
         with torch.no_grad():
@@ -391,7 +485,7 @@ def parallel_loss(head: ParallelHead, batch: Batch, steps: int | None = None):
         targets = batch.targets[:, shift:]
         labels = batch.labels[:, shift:]
         valid = batch.valid[:, shift:]
-        loss = F.cross_entropy(lg.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss = _position_loss(lg, targets, _soft(batch, shift))
         if torch.isfinite(loss):
             total = total + (STEP_DECAY**s) * loss
         with torch.no_grad():
@@ -476,6 +570,10 @@ class TrainConfig:
         checkpoint_every: steps between checkpoints.
         seed: shuffling and initialization seed.
         bf16: bfloat16 autocast.
+        distill_top_k: HASS's harmonized objective distillation over the target's
+            ``distill_top_k`` most probable tokens per row (kept by the features stage;
+            0: off, cross-entropy on the target's greedy token only; HASS used 10).
+        distill_weight: the distillation term's weight (>= 0; HASS's default 1.0).
     """
 
     steps: int = 2000
@@ -488,6 +586,8 @@ class TrainConfig:
     checkpoint_every: int = 100
     seed: int = 0
     bf16: bool = True
+    distill_top_k: int = 0
+    distill_weight: float = 1.0
 
 
 def batches_by_length(
@@ -574,6 +674,11 @@ def train(
         gen.set_state(saved["generator"])
     loss_fn, steps_per_pos = loss_function(head)
     steps_per_pos = steps_per_pos or config.ttt_steps
+    if config.distill_top_k and train_set.top_k < config.distill_top_k:
+        raise ValueError(
+            f"distillation over the target's top {config.distill_top_k} tokens needs features "
+            f"that kept them (these kept {train_set.top_k}): extract_features(top_k=...)"
+        )
 
     def lr_at(step: int, elapsed: float = 0.0) -> float:
         """Linear warm-up, then cosine decay to 10% over the run: the run's end is
@@ -596,7 +701,7 @@ def train(
             state["position"] = 0
         indices = batches[state["position"]]
         state["position"] += 1
-        batch = make_batch(train_set, indices, index)
+        batch = make_batch(train_set, indices, index, config.distill_top_k, config.distill_weight)
         lr = lr_at(state["step"], time.perf_counter() - start_time)
         for group in opt.param_groups:
             group["lr"] = lr
