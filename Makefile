@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
 .PHONY: setup demo test test-vllm test-ray docs lint clean bench-quick bench bench-trees bench-drafters bench-adaptive \
-	datastore train-setup train-heads bench-heads train-parallel bench-parallel
+	datastore train-setup train-heads bench-heads train-parallel bench-parallel train-hydra
 
 setup: $(STAMP)
 
@@ -167,6 +167,15 @@ train-heads: train-setup
 train-parallel: train-setup
 	$(VENV)/bin/specdec train-head --kind parallel --out out/heads/parallel --work out/heads/work \
 		--init-from src/specdec/heads/data/smollm2-135m-instruct-eagle --max-minutes 25
+
+# The Hydra head and, beside it, a Medusa head on the same data and steps (the comparison
+# in benchmarks/hydra_cpu): a smaller data set of its own (out/heads/hydra-work, 1,200
+# prompts asked), 300 optimizer steps each.
+train-hydra: train-setup
+	$(VENV)/bin/specdec train-head --kind hydra --out out/heads/hydra --work out/heads/hydra-work \
+		--num-prompts 1200 --draft-vocab 4096 --steps 300
+	$(VENV)/bin/specdec train-head --kind medusa --out out/heads/medusa-1200 \
+		--work out/heads/hydra-work --num-prompts 1200 --draft-vocab 4096 --steps 300
 
 # Parallel drafting vs EAGLE vs suffix vs plain decoding on Spec-Bench (benchmarks/parallel_cpu).
 PARALLEL_METHODS := parallel:k=4 parallel@dynamic:top_k=4,depth=4,budget=12 eagle:k=4 suffix:k=24

@@ -502,6 +502,12 @@ def _medusa(context: DrafterContext, options: opts.MedusaOptions):
     return MedusaDrafter(context.target, _head(context, "medusa", options), options)
 
 
+def _hydra(context: DrafterContext, options: opts.HydraOptions):
+    from specdec.drafters.hydra import HydraDrafter
+
+    return HydraDrafter(context.target, _head(context, "hydra", options), options)
+
+
 def _parallel(context: DrafterContext, options: opts.ParallelOptions):
     from specdec.drafters.parallel import ParallelDrafter
 
@@ -583,6 +589,13 @@ for _entry in (
         opts.MedusaOptions,
         _medusa,
         "Medusa: trained heads on the target's last hidden state guess further tokens",
+        samples=True,
+    ),
+    DrafterEntry(
+        "hydra",
+        opts.HydraOptions,
+        _hydra,
+        "Hydra: Medusa's heads, each also reading the tokens drafted before it",
         samples=True,
     ),
     DrafterEntry(

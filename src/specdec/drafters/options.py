@@ -457,6 +457,29 @@ class EagleOptions:
 
 
 @dataclass(frozen=True)
+class HydraOptions:
+    """Hydra drafting with trained sequentially dependent heads (arXiv:2402.05109); see
+    :mod:`specdec.drafters.hydra`.
+
+    Attributes:
+        head: folder of heads trained for the target by ``specdec train-head --kind
+            hydra``; ``""`` (default) uses the heads shipped for the embedded model.
+        confidence: stop a chain draft before a token whose draft probability is below
+            this, in [0, 1) (``0``: never).
+        quantization: the head's weights at inference (see :class:`EagleOptions`).
+    """
+
+    head: str = option("", "head folder from specdec train-head; empty: the shipped head")
+    confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
+    quantization: str = option(
+        "auto", "head weights: auto (q8_0 on the CPU), none (float), q8_0 or q4_1"
+    )
+
+    def __post_init__(self) -> None:
+        _check_head_options("hydra", self.head, self.confidence, self.quantization)
+
+
+@dataclass(frozen=True)
 class ParallelOptions:
     """Parallel (block) drafting with a trained head (PARD, arXiv:2504.18583; DFlash,
     arXiv:2602.06036); see :mod:`specdec.drafters.parallel`.

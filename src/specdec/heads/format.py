@@ -25,6 +25,7 @@ SHIPPED = {
     "eagle": ("smollm2-135m-instruct-eagle",),
     "medusa": ("smollm2-135m-instruct-medusa",),
     "parallel": ("smollm2-135m-instruct-parallel",),
+    "hydra": ("smollm2-135m-instruct-hydra",),
 }
 
 

@@ -29,6 +29,13 @@ draft distribution, so output stays lossless.
   residual blocks ``h_k = f + SiLU(W_k f)`` on the target's final-normed state ``f`` of the
   last verified token; head ``k`` predicts the token ``k + 2`` positions ahead. Here the
   heads share one trimmed LM head (Medusa gives each head a copy of the target's).
+* :class:`HydraHead` (Hydra, Ankner et al. 2024, arXiv:2402.05109, Sec. 3): Medusa's
+  heads made sequentially dependent. Head ``k`` reads the same state ``f`` and the
+  embeddings of the pending token and of the ``k`` draft tokens before its position,
+  ``u = SiLU(W_k [f, n(e_0), .., n(e_k)])``, ``h_k = f + U_k u`` (``n``: an RMSNorm), and
+  predicts the token ``k + 2`` positions ahead, so a wrong guess at one position changes
+  the guesses after it, where Medusa's heads guess every position blind. The heads share
+  one trimmed LM head.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ("eagle", "medusa", "parallel")
+KINDS = ("eagle", "medusa", "parallel", "hydra")
 
 #: Token id that stands for mask row ``i`` in :meth:`ParallelHead.step` is ``MASK - i + 1``
 #: (``-1`` is mask row 1, ``-2`` mask row 2, ...).
@@ -52,7 +59,7 @@ class HeadConfig:
     """A head's architecture and the target it belongs to (``config.json`` of a head).
 
     Attributes:
-        kind: ``"eagle"``, ``"medusa"`` or ``"parallel"``.
+        kind: ``"eagle"``, ``"medusa"``, ``"parallel"`` or ``"hydra"``.
         target_name: the target's name when the head was trained.
         target_fingerprint: :func:`specdec.heads.format.target_fingerprint` of it.
         num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
@@ -61,7 +68,8 @@ class HeadConfig:
         capture: hidden-state indices the head reads (see
             :attr:`~specdec.models.base.ForwardOutput.captured`).
         draft_vocab_size: size of the draft vocabulary (``vocab_map``'s length).
-        medusa_heads: number of Medusa heads (``kind == "medusa"``).
+        medusa_heads: number of Medusa or Hydra heads (``kind`` ``"medusa"`` or
+            ``"hydra"``).
         block_size: tokens one forward proposes (``kind == "parallel"``: the pending
             token's row plus ``block_size - 1`` mask rows).
         training: a summary of how it was trained (free-form, for reports).
@@ -118,13 +126,13 @@ class HeadConfig:
 
 def default_capture(kind: str, num_layers: int) -> list[int]:
     """EAGLE-3's low, middle and high layers (the outputs of layers 1, L/2 - 1 and L - 4,
-    as SpecForge picks them), or the final-normed state for Medusa.
+    as SpecForge picks them), or the final-normed state for Medusa and Hydra.
 
     Example:
-        >>> default_capture("eagle", 30), default_capture("medusa", 30)
+        >>> default_capture("eagle", 30), default_capture("hydra", 30)
         ([2, 15, 27], [30])
     """
-    if kind == "medusa" or num_layers < 4:  # parallel reads EAGLE-3's layers
+    if kind in ("medusa", "hydra") or num_layers < 4:  # parallel reads EAGLE-3's layers
         return [num_layers]
     return [2, num_layers // 2, num_layers - 3]
 
@@ -403,6 +411,101 @@ class MedusaHead(nn.Module):
         return self.lm_head(self.norm(hs))
 
 
+class HydraHead(nn.Module):
+    """Hydra's sequentially dependent heads over one shared trimmed LM head (see the
+    module docstring).
+
+    Args:
+        config: the head's :class:`HeadConfig` (``kind == "hydra"``; ``medusa_heads`` is
+            the number of heads ``K``).
+
+    The token embedding is bound with :meth:`bind` (the target's, never trained).
+    """
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        c = config
+        d = c.hidden_size
+        self.config = c
+        self.embed_norm = _RMSNorm(d, c.rms_eps)
+        self.inputs = nn.ModuleList(
+            nn.Linear((k + 2) * d, d, bias=False) for k in range(c.medusa_heads)
+        )
+        self.outputs = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(c.medusa_heads))
+        self.norm = _RMSNorm(d, c.rms_eps)
+        self.lm_head = nn.Linear(d, c.draft_vocab_size, bias=False)
+        self.register_buffer("vocab_map", torch.arange(c.draft_vocab_size), persistent=True)
+        for lin in self.outputs:  # every head starts as the identity on f, like Medusa's
+            nn.init.zeros_(lin.weight)
+        self.embed: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its norm's weight; quantized layers too)."""
+        return self.norm.weight.dtype
+
+    def bind(self, embed: torch.Tensor) -> HydraHead:
+        """Use the target's ``[vocab_size, hidden_size]`` token embedding.
+
+        Raises:
+            ValueError: the embedding's shape is not the target's.
+        """
+        if tuple(embed.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(
+                f"embedding {tuple(embed.shape)} does not match the head's target "
+                f"({self.config.vocab_size}, {self.config.hidden_size})"
+            )
+        self.embed = embed
+        return self
+
+    def position_logits(self, features: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Head ``k = P - 1``'s draft logits.
+
+        Args:
+            features: ``[..., D]`` the target's final-normed states (one per row).
+            token_ids: ``[..., P]`` int64 per row: the pending token, then the ``P - 1``
+                draft tokens before the position (``1 <= P <= K``).
+
+        Returns:
+            ``[..., draft_vocab_size]`` logits of the token ``P + 1`` places after the
+            last verified one.
+
+        Raises:
+            ValueError: ``P`` is 0 or above the number of heads.
+        """
+        k = token_ids.shape[-1] - 1
+        if not 0 <= k < len(self.inputs):
+            raise ValueError(f"a Hydra head reads 1 to {len(self.inputs)} tokens, got {k + 1}")
+        e = self.embed_norm(
+            F.embedding(token_ids.to(features.device), self.embed).to(features.dtype)
+        )
+        x = torch.cat([features, e.flatten(-2)], dim=-1)
+        h = features + self.outputs[k](F.silu(self.inputs[k](x)))
+        return self.lm_head(self.norm(h))
+
+    def forward(self, features: torch.Tensor, token_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced logits of every head over a sequence.
+
+        Args:
+            features: ``[B, T, D]`` final-normed target states of rows ``0 .. T - 1``.
+            token_ids: ``[B, T]`` the tokens (row ``j``'s pending token is ``j + 1``).
+
+        Returns:
+            per head ``k``, ``[B, T - 1 - k, draft_vocab_size]``: row ``j`` reads ``f_j``
+            and tokens ``j + 1 .. j + 1 + k`` and predicts token ``j + k + 2`` (the label
+            of row ``j + k + 1``).
+        """
+        t = token_ids.shape[-1]
+        out = []
+        for k in range(len(self.inputs)):
+            n = t - 1 - k
+            if n <= 0:
+                break
+            window = torch.stack([token_ids[:, 1 + i : 1 + i + n] for i in range(k + 1)], -1)
+            out.append(self.position_logits(features[:, :n], window))
+        return out
+
+
 def spread_logits(draft_logits: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int):
     """``[N, V']`` draft-vocabulary logits -> ``[N, vocab_size]`` float32 target-vocabulary
     logits, ``-inf`` outside the draft vocabulary (draft probability 0 there, whatever the
@@ -417,7 +520,7 @@ def spread_logits(draft_logits: torch.Tensor, vocab_map: torch.Tensor, vocab_siz
     return out
 
 
-def make_head(config: HeadConfig) -> EagleHead | MedusaHead | ParallelHead:
+def make_head(config: HeadConfig) -> EagleHead | MedusaHead | ParallelHead | HydraHead:
     """An untrained head of ``config.kind``.
 
     Raises:
@@ -429,6 +532,8 @@ def make_head(config: HeadConfig) -> EagleHead | MedusaHead | ParallelHead:
         return MedusaHead(config)
     if config.kind == "parallel":
         return ParallelHead(config)
+    if config.kind == "hydra":
+        return HydraHead(config)
     raise ValueError(f"unknown head kind {config.kind!r}; known: {', '.join(KINDS)}")
 
 
@@ -538,6 +643,9 @@ def init_from_target(head: EagleHead | MedusaHead, view) -> None:
                 nn.init.normal_(lin.weight, std=std)
             for lin in (head.o, head.down):
                 nn.init.normal_(lin.weight, std=std / 4)
+        if isinstance(head, HydraHead):
+            for lin in head.inputs:
+                nn.init.normal_(lin.weight, std=1.0 / math.sqrt(lin.in_features))
         if isinstance(head, ParallelHead):  # mask rows start as an average token
             embed = view.embed.float()
             head.mask_embed.copy_(embed.mean(0).expand_as(head.mask_embed))

@@ -81,6 +81,7 @@ _NEEDS = {
     "sparse-kv": "the target's own layers and KV cache",
     "eagle": "the target's hidden states",
     "medusa": "the target's hidden states",
+    "hydra": "the target's hidden states",
     "parallel": "the target's hidden states",
     "recycling": "the target's logits after every verification",
     "lookahead": "extra rows in the verification forward",

@@ -33,7 +33,10 @@ def add_parser(sub) -> None:
         "chatterbot-corpus (make train-setup).",
     )
     p.add_argument(
-        "--kind", choices=("eagle", "medusa", "parallel"), default="eagle", help="head type"
+        "--kind",
+        choices=("eagle", "medusa", "parallel", "hydra"),
+        default="eagle",
+        help="head type",
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default: {DEFAULT_MODEL})")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the head to")
@@ -90,7 +93,7 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     p.add_argument(
         "--medusa-heads", type=int, default=recipe.medusa_heads, metavar="K",
-        help=f"Medusa heads (default: {recipe.medusa_heads})",
+        help=f"Medusa or Hydra heads (default: {recipe.medusa_heads})",
     )  # fmt: skip
     p.add_argument(
         "--block-size", type=int, default=recipe.block_size, metavar="K",

@@ -20,6 +20,9 @@ loop with EAGLE-3's training-time test, and held-out acceptance per position.
   ``s``'s loss is weighted ``0.8 ** s``.
 * **Medusa** (:func:`medusa_loss`): head ``k`` at row ``j`` learns the label of row
   ``j + k + 1`` (Medusa, Cai et al. 2024, Sec. 2.2), weights ``0.8 ** k``.
+* **Hydra** (:func:`hydra_loss`): head ``k`` at row ``j`` reads ``f_j`` and the true
+  tokens ``j + 1 .. j + 1 + k`` (teacher forcing, Hydra Sec. 3.2) and learns the label of
+  row ``j + k + 1``, weights ``0.8 ** k``.
 * **Parallel** (:func:`parallel_loss`): row ``j`` reads ``(f_j, t_{j+1})`` and learns
   the label of row ``j + 1`` as in EAGLE; for every anchor ``a``, mask row ``i`` (``i = 1
   .. block_size - 1``) reads ``(f_a, mask_i)`` at position ``a + i``, sees the target rows
@@ -55,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec.heads.modules import EagleHead, MedusaHead, ParallelHead
+from specdec.heads.modules import EagleHead, HydraHead, MedusaHead, ParallelHead
 
 #: Loss weight decay per training-time-test step (EAGLE-3) or Medusa head.
 STEP_DECAY = 0.8
@@ -432,6 +435,36 @@ def medusa_loss(head: MedusaHead, batch: Batch, steps: int | None = None):
     return total, stats
 
 
+def hydra_loss(head: HydraHead, batch: Batch, steps: int | None = None):
+    """Weighted loss of every Hydra head (head ``k`` at row ``j`` reads the true tokens
+    ``j + 1 .. j + 1 + k`` and learns the label of row ``j + k + 1``); the statistics of
+    :func:`medusa_loss` (head ``k`` counted where heads ``< k`` were right, which is when
+    the tokens it read are the ones a chain would have drafted)."""
+    n = batch.tokens.shape[1]
+    features = batch.captured.to(head.lm_head.weight.dtype)
+    total = 0.0
+    stats = []
+    chain_ok = None
+    for k, lg in enumerate(head(features, batch.tokens)):
+        shift = k + 1
+        targets = batch.targets[:, shift:]
+        labels = batch.labels[:, shift:]
+        valid = batch.valid[:, shift:]
+        loss = _position_loss(lg, targets, _soft(batch, shift))
+        if torch.isfinite(loss):
+            total = total + (STEP_DECAY**k) * loss
+        with torch.no_grad():
+            hit = (head.vocab_map[lg.argmax(-1)] == labels) & valid
+            ok = valid if chain_ok is None else valid & chain_ok[:, : n - shift]
+            stats.append({
+                "loss": float(loss) if torch.isfinite(loss) else float("nan"),
+                "correct": int((hit & ok).sum()),
+                "counted": int(ok.sum()),
+            })  # fmt: skip
+            chain_ok = hit & ok
+    return total, stats
+
+
 def parallel_mask(n: int, block: int) -> torch.Tensor:
     """``[block * n, block * n]`` bool attention of :func:`parallel_forward`: rows
     ``0 .. n-1`` are the target rows (causal); rows ``i * n + a`` are mask row ``i`` of
@@ -506,6 +539,8 @@ def loss_function(head) -> tuple[Callable, int]:
         return parallel_loss, head.config.block_size
     if isinstance(head, EagleHead):
         return eagle_loss, 0
+    if isinstance(head, HydraHead):
+        return hydra_loss, head.config.medusa_heads
     return medusa_loss, head.config.medusa_heads
 
 
