@@ -32,7 +32,7 @@ def test_sampling_params_defaults_and_normalisation():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"method": "hydra"}, "unknown drafter"),
+        ({"method": "cerberus"}, "unknown drafter"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": 2.5}, "num_speculative_tokens"),
         ({"method": "ngram:min_n=0"}, "min_n must be an integer >= 1"),
