@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import DrafterBase, DraftProposal
+from specdec.drafters.base import DrafterBase, DraftProposal, VerificationFeedback
 from specdec.heads.modules import spread_logits
 from specdec.sampling import logits_to_probs, sample
 
@@ -42,6 +42,37 @@ class HeadDrafterBase(DrafterBase):
         """``[N, V']`` draft-vocabulary logits -> ``[N, V]`` float32 target-vocabulary
         logits, ``-inf`` outside the draft vocabulary (:func:`spread_logits`)."""
         return spread_logits(draft_logits, self.vocab_map, self.vocab_size)
+
+
+class LastStateSequence(DrafterBase):
+    """A sequence of a drafter that reads only the target's state of the last verified
+    token (Medusa, Hydra): the prompt's last row after prefill, then the last accepted row
+    of each verification (whose logits gave the pending token).
+
+    Args:
+        drafter: the head drafter.
+        params: the request's sampling parameters.
+    """
+
+    observes = True
+    confidence_stop = True
+
+    def __init__(self, drafter: HeadDrafterBase, params: SamplingParams) -> None:
+        self.drafter = drafter
+        self.params = params
+        self._state: torch.Tensor | None = None  # [1, D] last verified token's state
+
+    def _set_state(self, state: torch.Tensor) -> None:
+        self._state = state
+
+    def observe_prefill(self, start: int, hidden: torch.Tensor) -> None:
+        self._set_state(hidden[-1:])
+
+    def observe(self, feedback: VerificationFeedback) -> None:
+        if feedback.hidden is None:
+            name = type(self.drafter).__name__.removesuffix("Drafter")
+            raise ValueError(f"the {name} drafter needs the target's hidden states (captures)")
+        self._set_state(feedback.hidden[feedback.accepted_rows[-1]][None])
 
 
 def chain_from_positions(

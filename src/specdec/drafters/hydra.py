@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import DrafterBase, DraftProposal, VerificationFeedback
+from specdec.drafters.base import DraftProposal
 from specdec.drafters.draft_model import expansions_from_logits
-from specdec.drafters.head import HeadDrafterBase
+from specdec.drafters.head import HeadDrafterBase, LastStateSequence
 from specdec.sampling import logits_to_probs, sample
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
@@ -50,24 +50,8 @@ class HydraDrafter(HeadDrafterBase):
         return HydraSequence(self, params)
 
 
-class HydraSequence(DrafterBase):
-    """One sequence: the target's last verified state."""
-
-    observes = True
-    confidence_stop = True
-
-    def __init__(self, drafter: HydraDrafter, params: SamplingParams) -> None:
-        self.drafter = drafter
-        self.params = params
-        self._state: torch.Tensor | None = None  # [1, D] last verified token's state
-
-    def observe_prefill(self, start: int, hidden: torch.Tensor) -> None:
-        self._state = hidden[-1:]
-
-    def observe(self, feedback: VerificationFeedback) -> None:
-        if feedback.hidden is None:
-            raise ValueError("the Hydra drafter needs the target's hidden states (captures)")
-        self._state = feedback.hidden[feedback.accepted_rows[-1]][None]
+class HydraSequence(LastStateSequence):
+    """One sequence: the target's last verified state (paths are passed per call)."""
 
     @torch.inference_mode()
     def position_logits(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:

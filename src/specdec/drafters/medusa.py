@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import DrafterBase, DraftProposal, VerificationFeedback
+from specdec.drafters.base import DraftProposal
 from specdec.drafters.draft_model import expansions_from_logits
-from specdec.drafters.head import HeadDrafterBase, chain_from_positions
+from specdec.drafters.head import HeadDrafterBase, LastStateSequence, chain_from_positions
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
 
@@ -51,25 +51,15 @@ class MedusaDrafter(HeadDrafterBase):
         return MedusaSequence(self, params)
 
 
-class MedusaSequence(DrafterBase):
+class MedusaSequence(LastStateSequence):
     """One sequence: the target's last verified state and the heads' logits on it."""
 
-    observes = True
-    confidence_stop = True
-
     def __init__(self, drafter: MedusaDrafter, params: SamplingParams) -> None:
-        self.drafter = drafter
-        self.params = params
-        self._state: torch.Tensor | None = None  # [1, D] last verified token's state
+        super().__init__(drafter, params)
         self._logits: torch.Tensor | None = None
 
-    def observe_prefill(self, start: int, hidden: torch.Tensor) -> None:
-        self._state, self._logits = hidden[-1:], None
-
-    def observe(self, feedback: VerificationFeedback) -> None:
-        if feedback.hidden is None:
-            raise ValueError("the Medusa drafter needs the target's hidden states (captures)")
-        self._state, self._logits = feedback.hidden[feedback.accepted_rows[-1]][None], None
+    def _set_state(self, state: torch.Tensor) -> None:
+        self._state, self._logits = state, None
 
     @torch.inference_mode()
     def head_logits(self) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from specdec.option import option
 
@@ -429,7 +430,23 @@ def _check_head_options(drafter: str, head: str, confidence: float, quantization
 
 
 @dataclass(frozen=True)
-class EagleOptions:
+class _HeadOptions:
+    """The options every trained-head drafter takes (see :class:`EagleOptions`); each
+    subclass names its head ``kind``, which a given folder must hold."""
+
+    kind: ClassVar[str] = ""
+    head: str = option("", "head folder from specdec train-head; empty: the shipped head")
+    confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
+    quantization: str = option(
+        "auto", "head weights: auto (q8_0 on the CPU), none (float), q8_0 or q4_1"
+    )
+
+    def __post_init__(self) -> None:
+        _check_head_options(self.kind, self.head, self.confidence, self.quantization)
+
+
+@dataclass(frozen=True)
+class EagleOptions(_HeadOptions):
     """EAGLE drafting with a trained head (EAGLE-3, arXiv:2503.01840); see
     :mod:`specdec.drafters.eagle`.
 
@@ -446,18 +463,11 @@ class EagleOptions:
             proposals.
     """
 
-    head: str = option("", "head folder from specdec train-head; empty: the shipped head")
-    confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
-    quantization: str = option(
-        "auto", "head weights: auto (q8_0 on the CPU), none (float), q8_0 or q4_1"
-    )
-
-    def __post_init__(self) -> None:
-        _check_head_options("eagle", self.head, self.confidence, self.quantization)
+    kind: ClassVar[str] = "eagle"
 
 
 @dataclass(frozen=True)
-class HydraOptions:
+class HydraOptions(_HeadOptions):
     """Hydra drafting with trained sequentially dependent heads (arXiv:2402.05109); see
     :mod:`specdec.drafters.hydra`.
 
@@ -469,18 +479,11 @@ class HydraOptions:
         quantization: the head's weights at inference (see :class:`EagleOptions`).
     """
 
-    head: str = option("", "head folder from specdec train-head; empty: the shipped head")
-    confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
-    quantization: str = option(
-        "auto", "head weights: auto (q8_0 on the CPU), none (float), q8_0 or q4_1"
-    )
-
-    def __post_init__(self) -> None:
-        _check_head_options("hydra", self.head, self.confidence, self.quantization)
+    kind: ClassVar[str] = "hydra"
 
 
 @dataclass(frozen=True)
-class ParallelOptions:
+class ParallelOptions(_HeadOptions):
     """Parallel (block) drafting with a trained head (PARD, arXiv:2504.18583; DFlash,
     arXiv:2602.06036); see :mod:`specdec.drafters.parallel`.
 
@@ -492,18 +495,11 @@ class ParallelOptions:
         quantization: the head's weights at inference (see :class:`EagleOptions`).
     """
 
-    head: str = option("", "head folder from specdec train-head; empty: the shipped head")
-    confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
-    quantization: str = option(
-        "auto", "head weights: auto (q8_0 on the CPU), none (float), q8_0 or q4_1"
-    )
-
-    def __post_init__(self) -> None:
-        _check_head_options("parallel", self.head, self.confidence, self.quantization)
+    kind: ClassVar[str] = "parallel"
 
 
 @dataclass(frozen=True)
-class MedusaOptions:
+class MedusaOptions(_HeadOptions):
     """Medusa drafting with trained heads (arXiv:2401.10774); see
     :mod:`specdec.drafters.medusa`.
 
@@ -515,11 +511,4 @@ class MedusaOptions:
         quantization: the head's weights at inference (see :class:`EagleOptions`).
     """
 
-    head: str = option("", "head folder from specdec train-head; empty: the shipped head")
-    confidence: float = option(0.0, "end a chain draft below this draft probability; 0: off")
-    quantization: str = option(
-        "auto", "head weights: auto (q8_0 on the CPU), none (float), q8_0 or q4_1"
-    )
-
-    def __post_init__(self) -> None:
-        _check_head_options("medusa", self.head, self.confidence, self.quantization)
+    kind: ClassVar[str] = "medusa"

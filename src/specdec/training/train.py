@@ -402,6 +402,23 @@ def eagle_loss(head: EagleHead, batch: Batch, steps: int) -> tuple[torch.Tensor,
     return total, stats
 
 
+def _position_stats(head, logits, labels, valid, chain_ok, loss):
+    """One draft position's statistics for heads whose positions are separate outputs
+    (Medusa, Hydra, parallel): ``({"loss", "correct", "counted"}, chain_ok)``, a row
+    counted where it is valid and every earlier position of its chain was right
+    (``chain_ok``: the previous position's ``[B, T']`` rows still right, ``None`` at the
+    first position, cut to this position's length)."""
+    with torch.no_grad():
+        hit = (head.vocab_map[logits.argmax(-1)] == labels) & valid
+        ok = valid if chain_ok is None else valid & chain_ok[:, : valid.shape[1]]
+        entry = {
+            "loss": float(loss) if torch.isfinite(loss) else float("nan"),
+            "correct": int((hit & ok).sum()),
+            "counted": int(ok.sum()),
+        }
+    return entry, hit & ok
+
+
 def medusa_loss(head: MedusaHead, batch: Batch, steps: int | None = None):
     """Weighted cross-entropy of every Medusa head (head ``k`` at row ``j`` learns the
     label of row ``j + k + 1``); the same statistics as :func:`eagle_loss`, head ``k``
@@ -423,15 +440,8 @@ def medusa_loss(head: MedusaHead, batch: Batch, steps: int | None = None):
         loss = _position_loss(lg, targets, _soft(batch, shift))
         if torch.isfinite(loss):
             total = total + (STEP_DECAY**k) * loss
-        with torch.no_grad():
-            hit = (head.vocab_map[lg.argmax(-1)] == labels) & valid
-            ok = valid if chain_ok is None else valid & chain_ok[:, : n - shift]
-            stats.append({
-                "loss": float(loss) if torch.isfinite(loss) else float("nan"),
-                "correct": int((hit & ok).sum()),
-                "counted": int(ok.sum()),
-            })  # fmt: skip
-            chain_ok = hit & ok if chain_ok is None else (hit & ok)
+        entry, chain_ok = _position_stats(head, lg, labels, valid, chain_ok, loss)
+        stats.append(entry)
     return total, stats
 
 
@@ -440,7 +450,6 @@ def hydra_loss(head: HydraHead, batch: Batch, steps: int | None = None):
     ``j + 1 .. j + 1 + k`` and learns the label of row ``j + k + 1``); the statistics of
     :func:`medusa_loss` (head ``k`` counted where heads ``< k`` were right, which is when
     the tokens it read are the ones a chain would have drafted)."""
-    n = batch.tokens.shape[1]
     features = batch.captured.to(head.lm_head.weight.dtype)
     total = 0.0
     stats = []
@@ -453,15 +462,8 @@ def hydra_loss(head: HydraHead, batch: Batch, steps: int | None = None):
         loss = _position_loss(lg, targets, _soft(batch, shift))
         if torch.isfinite(loss):
             total = total + (STEP_DECAY**k) * loss
-        with torch.no_grad():
-            hit = (head.vocab_map[lg.argmax(-1)] == labels) & valid
-            ok = valid if chain_ok is None else valid & chain_ok[:, : n - shift]
-            stats.append({
-                "loss": float(loss) if torch.isfinite(loss) else float("nan"),
-                "correct": int((hit & ok).sum()),
-                "counted": int(ok.sum()),
-            })  # fmt: skip
-            chain_ok = hit & ok
+        entry, chain_ok = _position_stats(head, lg, labels, valid, chain_ok, loss)
+        stats.append(entry)
     return total, stats
 
 
@@ -521,15 +523,8 @@ def parallel_loss(head: ParallelHead, batch: Batch, steps: int | None = None):
         loss = _position_loss(lg, targets, _soft(batch, shift))
         if torch.isfinite(loss):
             total = total + (STEP_DECAY**s) * loss
-        with torch.no_grad():
-            hit = (head.vocab_map[lg.argmax(-1)] == labels) & valid
-            ok = valid if chain_ok is None else valid & chain_ok[:, : n + 1 - shift]
-            stats.append({
-                "loss": float(loss) if torch.isfinite(loss) else float("nan"),
-                "correct": int((hit & ok).sum()),
-                "counted": int(ok.sum()),
-            })  # fmt: skip
-            chain_ok = hit & ok
+        entry, chain_ok = _position_stats(head, lg, labels, valid, chain_ok, loss)
+        stats.append(entry)
     return total, stats
 
 
