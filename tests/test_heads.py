@@ -739,6 +739,10 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
     recipe.train = TrainConfig(steps=2, batch_tokens=512, warmup=1, bf16=False, distill_top_k=3)
     distilled = train_head(target, None, tmp_path / "hass", recipe, work)
     assert distilled["train_config"]["distill_top_k"] == 3
+    # other settings in the same work folder train afresh (their own checkpoint), where the
+    # same settings resume: the first head's 6 steps are not this one's 2
+    assert distilled["training"]["steps"] == 2
+    assert len(list(work.glob("checkpoint-eagle-*.pt"))) == 2
     saved = torch.load(work / "features-1-2.pt", weights_only=False)["features"]
     assert saved.top_k == 3
     recipe.train.distill_top_k = 2
@@ -752,6 +756,13 @@ def test_train_head_pipeline_resumes_and_reports(target, tmp_path, monkeypatch):
     assert hydra["capture"] == [target.num_layers] and len(hydra["held_out"]["acceptance"]) == 2
     loaded = load_head(tmp_path / "hydra", target.head_view(), "hydra")
     assert loaded.config.medusa_heads == 2 and len(loaded.inputs) == 2
+    recipe.medusa_heads = 3  # another shape in the same work folder: trained afresh
+    assert len(train_head(target, None, tmp_path / "hydra3", recipe, work)["held_out"]
+               ["acceptance"]) == 3  # fmt: skip
+    # a head reading one state cannot start from EAGLE's fused layers: refused up front
+    recipe.init_from = str(tmp_path / "head")
+    with pytest.raises(ValueError, match="a hydra head reads one .its last."):
+        train_head(target, None, tmp_path / "hydra4", recipe, work)
 
 
 def test_train_head_needs_spec_bench_before_anything_runs(tmp_path, capsys, monkeypatch):
@@ -781,6 +792,8 @@ def test_train_head_needs_spec_bench_before_anything_runs(tmp_path, capsys, monk
         (["--distill-top-k", "-1"], "--distill-top-k must be >= 0"),
         (["--distill-weight", "nan"], "--distill-weight must be a finite number >= 0"),
         (["--distill-weight", "-0.5"], "--distill-weight must be a finite number >= 0"),
+        (["--distill-weight", "2"], "--distill-weight has no effect without --distill-top-k"),
+        (["--kind", "hydra", "--layers", "2,15,27"], "a hydra head reads one hidden state"),
         (["--out", ""], "--out is empty"),
         (["--kind", "parallel", "--block-size", "1"], "--block-size must be in [2, 16]"),
         (["--init-from", "/nonexistent/head"], "does not exist"),
@@ -793,6 +806,24 @@ def test_train_head_refuses_bad_options_before_loading(tmp_path, capsys, extra, 
     code = main(["train-head", "--out", str(tmp_path / "h"), *extra])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_train_head_refuses_a_distillation_wider_than_the_vocabulary(tmp_path, capsys, monkeypatch):
+    """Checked once the target is loaded, before the hour of data stages."""
+    from specdec.cli import main
+
+    pytest.importorskip("chitchat_dataset")
+    pytest.importorskip("chatterbot_corpus")
+    stand_in = tmp_path / "question.jsonl"
+    stand_in.write_text(json.dumps({"question_id": 1, "category": "writing",
+                                    "turns": ["Write a haiku."]}) + "\n")  # fmt: skip
+    monkeypatch.setenv("SPECDEC_SPEC_BENCH", str(stand_in))
+    code = main(["train-head", "--out", str(tmp_path / "h"), "--distill-top-k", "100000"])
+    assert code == 2
+    assert "--distill-top-k 100000 exceeds the target's vocabulary (49152 tokens)" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "h" / "work" / "prompts.jsonl").exists()
 
 
 def test_train_head_refuses_an_output_that_is_a_file(tmp_path, capsys):

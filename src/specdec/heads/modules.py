@@ -49,6 +49,9 @@ from torch import nn
 
 KINDS = ("eagle", "medusa", "parallel", "hydra")
 
+#: Head kinds that read one hidden state (the target's last, final-normed), not a fusion.
+SINGLE_STATE_KINDS = ("medusa", "hydra")
+
 #: Token id that stands for mask row ``i`` in :meth:`ParallelHead.step` is ``MASK - i + 1``
 #: (``-1`` is mask row 1, ``-2`` mask row 2, ...).
 MASK = -1
@@ -132,7 +135,7 @@ def default_capture(kind: str, num_layers: int) -> list[int]:
         >>> default_capture("eagle", 30), default_capture("hydra", 30)
         ([2, 15, 27], [30])
     """
-    if kind in ("medusa", "hydra") or num_layers < 4:  # parallel reads EAGLE-3's layers
+    if kind in SINGLE_STATE_KINDS or num_layers < 4:  # parallel reads EAGLE-3's layers
         return [num_layers]
     return [2, num_layers // 2, num_layers - 3]
 

@@ -22,13 +22,14 @@ def add_parser(sub) -> None:
     recipe, tc = HeadRecipe(), TrainConfig()
     p = sub.add_parser(
         "train-head",
-        help="train an EAGLE, Medusa or parallel draft head for a target (CPU is enough)",
+        help="train an EAGLE, Medusa, Hydra or parallel draft head for a target (CPU is enough)",
         description="Train a draft head against a target: prompts from offline corpora and "
         "from the target itself (Magpie), the target's own greedy answers, its hidden "
-        "states, then the head (EAGLE-3 with training-time test, Medusa, or a parallel "
-        "head proposing a block of tokens per forward, PARD/DFlash-style). Every stage "
-        "is kept under OUT/work and resumed by running the same command again. Writes "
-        "OUT/config.json and OUT/head.safetensors (use with --drafter eagle:head=OUT), "
+        "states, then the head (EAGLE-3 with training-time test, Medusa, Hydra, or a "
+        "parallel head proposing a block of tokens per forward, PARD/DFlash-style). Every "
+        "stage is kept under OUT/work and resumed by running the same command again "
+        "(other training settings in the same work folder train afresh). Writes "
+        "OUT/config.json and OUT/head.safetensors (use with --drafter KIND:head=OUT), "
         "OUT/report.json and OUT/training.png. Needs: pip install chitchat-dataset "
         "chatterbot-corpus (make train-setup).",
     )
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
         "--kind",
         choices=("eagle", "medusa", "parallel", "hydra"),
         default="eagle",
-        help="head type",
+        help="head type (default: eagle)",
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default: {DEFAULT_MODEL})")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the head to")
@@ -88,8 +89,9 @@ def add_parser(sub) -> None:
         f"{tc.distill_top_k}, off: the greedy token only)",
     )  # fmt: skip
     p.add_argument(
-        "--distill-weight", type=float, default=tc.distill_weight, metavar="W",
-        help=f"weight of the distillation term (default: {tc.distill_weight})",
+        "--distill-weight", type=float, default=None, metavar="W",
+        help=f"weight of the distillation term (with --distill-top-k; default: "
+        f"{tc.distill_weight})",
     )  # fmt: skip
     p.add_argument(
         "--medusa-heads", type=int, default=recipe.medusa_heads, metavar="K",
@@ -109,7 +111,7 @@ def add_parser(sub) -> None:
         default=None,
         metavar="I,J,K",
         help="hidden-state indices the head reads (default: EAGLE-3's low, middle and high "
-        "layers; Medusa: the last)",
+        "layers; Medusa and Hydra: the last, and only one)",
     )
     p.add_argument(
         "--draft-vocab",
@@ -169,10 +171,15 @@ def recipe_from_args(args: argparse.Namespace):
     check_quantization(args.quantization, args.backend)
     _positive("--lr", args.lr)
     _positive("--distill-top-k", args.distill_top_k, allow_zero=True)
-    if not (math.isfinite(args.distill_weight) and args.distill_weight >= 0):
-        raise ValueError(
-            f"--distill-weight must be a finite number >= 0, got {args.distill_weight}"
-        )
+    distill_weight = TrainConfig.distill_weight
+    if args.distill_weight is not None:
+        if not (math.isfinite(args.distill_weight) and args.distill_weight >= 0):
+            raise ValueError(
+                f"--distill-weight must be a finite number >= 0, got {args.distill_weight}"
+            )
+        if not args.distill_top_k:
+            raise ValueError("--distill-weight has no effect without --distill-top-k K")
+        distill_weight = args.distill_weight
     if not 0.0 <= args.magpie_share <= 1.0:
         raise ValueError(f"--magpie-share must be in [0, 1], got {args.magpie_share}")
     capture = None
@@ -183,10 +190,17 @@ def recipe_from_args(args: argparse.Namespace):
             raise ValueError(
                 f"--layers must be integers like 2,15,27, got {args.layers!r}"
             ) from None
+        from specdec.heads.modules import SINGLE_STATE_KINDS
+
+        if args.kind in SINGLE_STATE_KINDS and len(capture) != 1:
+            raise ValueError(
+                f"a {args.kind} head reads one hidden state; --layers {args.layers} names "
+                f"{len(capture)}"
+            )
     train = TrainConfig(
         steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, ttt_steps=args.ttt_steps,
         max_minutes=args.max_minutes, seed=args.seed, warmup=min(100, max(1, args.steps // 10)),
-        distill_top_k=args.distill_top_k, distill_weight=args.distill_weight,
+        distill_top_k=args.distill_top_k, distill_weight=distill_weight,
     )  # fmt: skip
     recipe = HeadRecipe(
         kind=args.kind, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
@@ -239,6 +253,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from specdec.models.base import check_capture
 
         check_capture(recipe.capture, target.num_layers)
+    if recipe.train.distill_top_k > target.vocab_size:
+        raise ValueError(
+            f"--distill-top-k {recipe.train.distill_top_k} exceeds the target's vocabulary "
+            f"({target.vocab_size} tokens)"
+        )
     llm = LLM(target)
     report = train_head(target, llm, out, recipe, args.work)
     held = report["held_out"]

@@ -10,7 +10,10 @@ continues where it stopped with the same command):
    training (the report counts what remains: 0 shared 8-grams).
 4. ``features-LAYERS.pt``: the target's captured hidden states and greedy labels (computed
    again when the target's dtype or quantization changed).
-5. ``checkpoint-KIND.pt``: training (:mod:`specdec.training.train`), saved every 100 steps.
+5. ``checkpoint-KIND-HASH.pt``: training (:mod:`specdec.training.train`), saved every 100
+   steps; ``HASH`` names the head's shape and the training settings (all but the step and
+   time limits, :func:`checkpoint_name`), so the same command resumes it, a longer run
+   continues it, and other settings in the same work folder train afresh.
 6. ``OUT/config.json`` + ``OUT/head.safetensors`` (the head), ``OUT/report.json`` and
    ``OUT/training.png`` (loss and acceptance per position).
 """
@@ -28,7 +31,13 @@ from pathlib import Path
 import torch
 
 from specdec.heads.format import save_head, target_fingerprint
-from specdec.heads.modules import HeadConfig, default_capture, init_from_target, make_head
+from specdec.heads.modules import (
+    SINGLE_STATE_KINDS,
+    HeadConfig,
+    default_capture,
+    init_from_target,
+    make_head,
+)
 from specdec.training import data as D
 from specdec.training.contamination import OUTSIDE_PROMPTS
 from specdec.training.train import (
@@ -227,12 +236,43 @@ def check_init_from(recipe: HeadRecipe, view) -> None:
     config = read_config(recipe.init_from)
     check_target(config, view, f"--init-from {recipe.init_from}")
     capture = recipe.capture or default_capture(recipe.kind, view.num_layers)
+    if recipe.kind in SINGLE_STATE_KINDS and len(config.capture) != 1:
+        raise ValueError(
+            f"--init-from {recipe.init_from} is {config.kind} head reading hidden states "
+            f"{config.capture}; a {recipe.kind} head reads one (its last), so start it "
+            f"from a medusa or hydra head, or from nothing"
+        )
     if list(config.capture) != list(capture):
         raise ValueError(
             f"--init-from {recipe.init_from} reads hidden states {config.capture}, this "
             f"{recipe.kind} head {list(capture)}; pass --layers "
             f"{','.join(str(i) for i in config.capture)} to match"
         )
+
+
+def checkpoint_name(recipe: HeadRecipe, config: HeadConfig) -> str:
+    """``checkpoint-KIND-HASH.pt``: ``HASH`` (8 hex digits) of what makes a training run
+    another one: the head's config (kind, layers read, heads, block size, draft
+    vocabulary), the warm start and every training setting but ``steps``,
+    ``max_minutes`` and ``checkpoint_every`` (a longer run continues a shorter one).
+
+    Example:
+        >>> from specdec.heads.modules import HeadConfig
+        >>> c = HeadConfig("eagle", "m", "f", 2, 8, 2, 1, 4, 16, 32, 1e-6, 1e4, [1], 16)
+        >>> a = checkpoint_name(HeadRecipe(), c)
+        >>> a == checkpoint_name(HeadRecipe(train=TrainConfig(steps=5)), c), a[:17]
+        (True, 'checkpoint-eagle-')
+        >>> a == checkpoint_name(HeadRecipe(train=TrainConfig(distill_top_k=10)), c)
+        False
+    """
+    import hashlib
+
+    head = {k: v for k, v in config.to_dict().items() if k not in ("training", "target_name")}
+    train = {k: v for k, v in asdict(recipe.train).items()
+             if k not in ("steps", "max_minutes", "checkpoint_every")}  # fmt: skip
+    key = json.dumps({"head": head, "train": train, "init_from": recipe.init_from},
+                     sort_keys=True)  # fmt: skip
+    return f"checkpoint-{config.kind}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.pt"
 
 
 def warm_start(head, folder: str | Path, view) -> int:
@@ -391,7 +431,7 @@ def train_head(
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
 
         result = train(
-            head, train_set, held_out, recipe.train, str(work / f"checkpoint-{recipe.kind}.pt"),
+            head, train_set, held_out, recipe.train, str(work / checkpoint_name(recipe, config)),
             progress=progress,
         )  # fmt: skip
     timings["train_s"] = time.perf_counter() - t2
