@@ -419,30 +419,33 @@ def _position_stats(head, logits, labels, valid, chain_ok, loss):
     return entry, hit & ok
 
 
+def _positions_loss(head, batch: Batch, positions) -> tuple[torch.Tensor, list[dict]]:
+    """The weighted loss and statistics of heads whose draft positions are separate
+    outputs (Medusa, Hydra, parallel): ``positions`` yields, per position ``k``, the
+    ``[B, T - k - 1, V']`` logits whose row ``j`` predicts the label of row ``j + k + 1``;
+    weights ``0.8 ** k``, statistics of :func:`_position_stats`."""
+    total = 0.0
+    stats = []
+    chain_ok = None
+    for k, lg in enumerate(positions):
+        shift = k + 1
+        loss = _position_loss(lg, batch.targets[:, shift:], _soft(batch, shift))
+        if torch.isfinite(loss):
+            total = total + (STEP_DECAY**k) * loss
+        labels, valid = batch.labels[:, shift:], batch.valid[:, shift:]
+        entry, chain_ok = _position_stats(head, lg, labels, valid, chain_ok, loss)
+        stats.append(entry)
+    return total, stats
+
+
 def medusa_loss(head: MedusaHead, batch: Batch, steps: int | None = None):
     """Weighted cross-entropy of every Medusa head (head ``k`` at row ``j`` learns the
     label of row ``j + k + 1``); the same statistics as :func:`eagle_loss`, head ``k``
     counted where heads ``< k`` were right."""
-    k_heads = head.config.medusa_heads
     n = batch.tokens.shape[1]
     logits = head(batch.captured.to(head.lm_head.weight.dtype))  # [B, T, K, V']
-    total = 0.0
-    stats = []
-    chain_ok = None
-    for k in range(k_heads):
-        shift = k + 1
-        if shift >= n:
-            break
-        lg = logits[:, : n - shift, k]
-        targets = batch.targets[:, shift:]
-        labels = batch.labels[:, shift:]
-        valid = batch.valid[:, shift:]
-        loss = _position_loss(lg, targets, _soft(batch, shift))
-        if torch.isfinite(loss):
-            total = total + (STEP_DECAY**k) * loss
-        entry, chain_ok = _position_stats(head, lg, labels, valid, chain_ok, loss)
-        stats.append(entry)
-    return total, stats
+    heads = range(min(head.config.medusa_heads, n - 1))
+    return _positions_loss(head, batch, (logits[:, : n - k - 1, k] for k in heads))
 
 
 def hydra_loss(head: HydraHead, batch: Batch, steps: int | None = None):
@@ -451,20 +454,7 @@ def hydra_loss(head: HydraHead, batch: Batch, steps: int | None = None):
     :func:`medusa_loss` (head ``k`` counted where heads ``< k`` were right, which is when
     the tokens it read are the ones a chain would have drafted)."""
     features = batch.captured.to(head.lm_head.weight.dtype)
-    total = 0.0
-    stats = []
-    chain_ok = None
-    for k, lg in enumerate(head(features, batch.tokens)):
-        shift = k + 1
-        targets = batch.targets[:, shift:]
-        labels = batch.labels[:, shift:]
-        valid = batch.valid[:, shift:]
-        loss = _position_loss(lg, targets, _soft(batch, shift))
-        if torch.isfinite(loss):
-            total = total + (STEP_DECAY**k) * loss
-        entry, chain_ok = _position_stats(head, lg, labels, valid, chain_ok, loss)
-        stats.append(entry)
-    return total, stats
+    return _positions_loss(head, batch, head(features, batch.tokens))
 
 
 def parallel_mask(n: int, block: int) -> torch.Tensor:
@@ -509,23 +499,8 @@ def parallel_loss(head: ParallelHead, batch: Batch, steps: int | None = None):
     :func:`eagle_loss` (position ``s`` counted where positions ``< s`` of the same anchor
     were right)."""
     n = batch.tokens.shape[1] - 1
-    total = 0.0
-    stats = []
-    chain_ok = None
-    for s, logits in enumerate(parallel_forward(head, batch)):
-        shift = s + 1
-        if shift > n:
-            break
-        lg = logits[:, : n + 1 - shift]
-        targets = batch.targets[:, shift:]
-        labels = batch.labels[:, shift:]
-        valid = batch.valid[:, shift:]
-        loss = _position_loss(lg, targets, _soft(batch, shift))
-        if torch.isfinite(loss):
-            total = total + (STEP_DECAY**s) * loss
-        entry, chain_ok = _position_stats(head, lg, labels, valid, chain_ok, loss)
-        stats.append(entry)
-    return total, stats
+    positions = parallel_forward(head, batch)[:n]
+    return _positions_loss(head, batch, (lg[:, : n - s] for s, lg in enumerate(positions)))
 
 
 def loss_function(head) -> tuple[Callable, int]:
