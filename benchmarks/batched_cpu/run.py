@@ -156,7 +156,7 @@ def run_vllm(ids: list[list[int]], counts: dict[int, int], max_new: int, folder:
 
     # no prefix caching: every level decodes the same prompts again (and the warm-up
     # batches are timed prompts), so a cached engine would skip their prefill, which
-    # specdec (no prefix cache) computes every time
+    # specdec (its prefix cache off, the default) computes every time
     llm = LLM(
         model=folder, dtype="bfloat16", max_model_len=2048, seed=0, enable_prefix_caching=False
     )
@@ -207,7 +207,7 @@ def report(specs: list[dict] | dict, vllm: dict | None, max_new: int, alone_n: i
         f"{spec['backend']} {spec['dtype']} ({kernels}{spec['threads']} threads)"
         + (
             f", vLLM {vllm['version']} bfloat16 ({vllm['threads']} threads, prefix cache off: "
-            "the levels repeat the prompts, and specdec has no prefix cache)"
+            "the levels repeat the prompts; specdec's is off too)"
             if vllm
             else ""
         )

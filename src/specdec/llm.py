@@ -14,8 +14,9 @@ from specdec.control.base import SpeculationController
 from specdec.control.cost import CostModel
 from specdec.drafters.base import Drafter, check_drafter
 from specdec.drafters.prediction import PredictionDrafter
-from specdec.engine.engine import Engine, EngineConfig, check_prompt_fits
+from specdec.engine.engine import Engine, EngineConfig, check_prompt_fits, new_prefix_cache
 from specdec.engine.generate import generate_steps
+from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.stops import StopChecker
 from specdec.metrics import SpecStats
 from specdec.models.base import Backend
@@ -232,6 +233,8 @@ class LLM:
         self._tree_builders: dict[SpeculativeConfig, TreeBuilder] = {}
         self._controllers: dict[tuple, SpeculationController] = {}
         self.engine_config = engine_config or EngineConfig()
+        self._prefix_cache: PrefixCache | None = None
+        self.prefix_cache()  # refused now on a backend that cannot share prompt KV
         #: what verification forwards and drafts cost here, learned from every generation
         #: (the adaptive controllers read it; see :mod:`specdec.control.cost`)
         self.cost_model = CostModel()
@@ -254,6 +257,26 @@ class LLM:
             if config not in self._drafters:
                 self._drafters[config] = self._build_drafter(config)
             return self._drafters[config]
+
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prompt-chunk KV shared by this LLM's generations with
+        ``engine_config.enable_prefix_caching`` (``None`` without): one
+        :class:`~specdec.engine.PrefixCache`, made again if ``engine_config`` changes its
+        block (``prefill_chunk``) or budget.
+
+        Raises:
+            ValueError: prefix caching on the transformers backend.
+        """
+        config = self.engine_config
+        if not config.enable_prefix_caching:
+            return None
+        cache = self._prefix_cache
+        if cache is None or (cache.block_size, cache.max_bytes) != (
+            config.prefill_chunk,
+            config.prefix_cache_bytes,
+        ):
+            cache = self._prefix_cache = new_prefix_cache(self.target, config)
+        return cache
 
     def controller(self, config: SpeculativeConfig) -> SpeculationController:
         """The speculation controller for ``config`` (one per controller and options, so
@@ -549,7 +572,7 @@ class LLM:
             self.prediction_drafter(p, c) for p, c in zip(predictions, configs, strict=True)
         ]
         with self._lock:
-            engine = Engine(self.target, self.engine_config, self.cost_model)
+            engine = Engine(self.target, self.engine_config, self.cost_model, self.prefix_cache())
             sequences = [
                 engine.add_request(str(i), ids, params, **self._request(config, params, drafter))
                 for i, (ids, params, config, drafter) in enumerate(
@@ -654,6 +677,7 @@ class LLM:
             cost_model=self.cost_model,
             verifier=request["verifier"],
             grammar=request["grammar"],
+            prefix_cache=self.prefix_cache(),
         )
         return prompt_ids, self._locked(steps)
 

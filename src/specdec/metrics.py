@@ -44,6 +44,8 @@ class SpecStats:
         verifier: the chain verifier (``SpeculativeConfig.verifier``).
         lossy: a lossy verifier verified sampled steps: the output does not follow the
             target's distribution.
+        num_cached_tokens: prompt tokens taken from the prefix cache instead of computed
+            (``EngineConfig.enable_prefix_caching``; vLLM's ``num_cached_tokens``).
     """
 
     num_steps: int = 0
@@ -62,6 +64,7 @@ class SpecStats:
     trace: list = field(default_factory=list, repr=False)
     verifier: str = "rejection"
     lossy: bool = False
+    num_cached_tokens: int = 0
 
     def snapshot(self) -> SpecStats:
         """A copy that later steps do not change (counts and histograms copied; the trace
@@ -169,6 +172,7 @@ class SpecStats:
             "num_steps_off": self.num_steps_off,
             "verifier": self.verifier,
             "lossy": self.lossy,
+            "num_cached_tokens": self.num_cached_tokens,
         }
 
 

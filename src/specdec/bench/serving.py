@@ -23,7 +23,7 @@ vllm.entrypoints.openai.api_server``, its default multi-process engine) is measu
 same way on the same prompts, after specdec's server has exited: the baseline a
 deployment would otherwise run, with its prefix cache off (every level sends the same
 prompts again; a cached vLLM would skip from the second level on the prefill that
-specdec, which has no prefix cache, computes every time).
+specdec, whose prefix cache is off by default as in this run, computes every time).
 """
 
 from __future__ import annotations
@@ -419,7 +419,7 @@ def report_markdown(result: ServingResult) -> str:
         lines += [
             "",
             f"Against vLLM{version}'s OpenAI server (plain decoding, its default; prefix "
-            "cache off: the levels repeat the prompts, and specdec has no prefix cache), "
+            "cache off: the levels repeat the prompts; specdec's is off too), "
             "same prompts and levels, measured after specdec's server exited:",
             "",
             "| concurrency | vLLM tokens/s | specdec off / vLLM | specdec on / vLLM | TTFT ms "

@@ -46,6 +46,7 @@ def generate_steps(
     cost_model: CostModel | None = None,
     verifier: str = "rejection",
     grammar=None,
+    prefix_cache=None,
 ) -> Iterator[StepOutput]:
     """Run speculative decoding for one sequence, yielding after every step.
 
@@ -72,6 +73,9 @@ def generate_steps(
         verifier: ``"rejection"`` or ``"block"`` (see :meth:`Engine.add_request`).
         grammar: the grammar state of ``params.structured_outputs`` (see
             :meth:`Engine.add_request`).
+        prefix_cache: with ``engine_config.enable_prefix_caching``, the
+            :class:`~specdec.engine.prefix_cache.PrefixCache` to read and fill (default: a
+            new one).
 
     Yields:
         :class:`StepOutput` per step; the last one has a ``finish_reason``.
@@ -80,7 +84,7 @@ def generate_steps(
         ValueError: empty prompt, a prompt that fills the context, or a tree with a
             drafter that cannot draft trees (see :meth:`Engine.add_request`).
     """
-    engine = Engine(target, engine_config, cost_model)
+    engine = Engine(target, engine_config, cost_model, prefix_cache)
     seq = engine.add_request(
         "0", prompt_ids, params, drafter=drafter, num_speculative_tokens=num_speculative_tokens,
         tree_builder=tree_builder, stop_checker=stop_checker, generator=generator,

@@ -82,6 +82,44 @@ class NativeKVCache:
         self.kv = old.new_zeros((*old.shape[:3], capacity, old.shape[4]))
         self.kv[:, :, :, : self.num_tokens] = old[:, :, :, : self.num_tokens]
 
+    @torch.inference_mode()
+    def read_slots(self, start: int, end: int) -> torch.Tensor:
+        """A copy of slots ``[start, end)`` of every layer (what the prefix cache keeps).
+
+        Returns:
+            ``[num_layers, 2, num_kv_heads, end - start, head_dim]`` in the cache's dtype.
+
+        Raises:
+            ValueError: a range outside the slots in use.
+        """
+        if not 0 <= start <= end <= self.num_tokens:
+            raise ValueError(f"slots [{start}, {end}) outside a cache of {self.num_tokens} tokens")
+        return self.kv[:, :, :, start:end].clone()
+
+    @torch.inference_mode()
+    def append_slots(self, kv: torch.Tensor) -> None:
+        """Write ``kv`` (from :meth:`read_slots`, of the same model) at the cursor and move
+        the cursor past it.
+
+        Raises:
+            ValueError: a tensor of another shape or dtype than this cache's slots.
+        """
+        own = self.kv.shape
+        if (
+            kv.dim() != 5
+            or kv.shape[:3] != own[:3]
+            or kv.shape[4] != own[4]
+            or (kv.dtype != self.kv.dtype)
+        ):
+            raise ValueError(
+                f"KV of shape {tuple(kv.shape)} ({kv.dtype}) does not fit this cache's slots "
+                f"{tuple(own[:3])} x n x {own[4]} ({self.kv.dtype})"
+            )
+        start, n = self.num_tokens, kv.shape[3]
+        self.reserve(start + n)
+        self.kv[:, :, :, start : start + n] = kv.to(self.kv.device)
+        self.num_tokens = start + n
+
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` slots (rollback after a partial acceptance).
 

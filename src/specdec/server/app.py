@@ -247,7 +247,10 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
         body.prompt_logprobs,
         body.logprobs if echo and not chat else None,
     )
-    usage = Usage(sum(len(ids) for ids in prompts), streams, drafters)
+    usage = Usage(
+        sum(len(ids) for ids in prompts), streams, drafters, best_of,
+        llm.engine_config.enable_prefix_caching,
+    )  # fmt: skip
     meta = dict(id=response_id, created=int(time.time()), model=name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -268,13 +271,25 @@ def _prediction(llm: LLM, body, speculative: SpeculativeConfig):
 
 
 class Usage:
-    """A response's ``usage``: prompt and completion tokens (every choice), and with a
+    """A response's ``usage``: prompt and completion tokens (every choice), with a
     ``prediction`` OpenAI's ``completion_tokens_details`` (``accepted_prediction_tokens``,
     ``rejected_prediction_tokens``, summed over the choices; see
-    :meth:`~specdec.drafters.prediction.PredictionDrafter.usage`)."""
+    :meth:`~specdec.drafters.prediction.PredictionDrafter.usage`), and with prefix caching
+    on OpenAI's ``prompt_tokens_details.cached_tokens`` (per prompt, the most any of its
+    candidates took from the prefix cache)."""
 
-    def __init__(self, num_prompt: int, streams: list, drafters: list) -> None:
+    def __init__(
+        self, num_prompt: int, streams: list, drafters: list, per_prompt: int = 1,
+        caching: bool = False,
+    ) -> None:  # fmt: skip
         self.num_prompt, self.streams, self.drafters = num_prompt, streams, drafters
+        self.per_prompt, self.caching = per_prompt, caching
+        self.cached: dict[int, int] = {}
+
+    def record(self, index: int, update) -> None:
+        """Keep candidate ``index``'s cached prompt tokens from its final update."""
+        if update.stats is not None:
+            self.cached[index] = update.stats.num_cached_tokens
 
     def body(self) -> dict:
         generated = sum(len(s.ids) for s in self.streams)
@@ -283,6 +298,12 @@ class Usage:
             "completion_tokens": generated,
             "total_tokens": self.num_prompt + generated,
         }
+        if self.caching:
+            per_prompt: dict[int, int] = {}
+            for index, cached in self.cached.items():
+                prompt = index // self.per_prompt
+                per_prompt[prompt] = max(per_prompt.get(prompt, 0), cached)
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(per_prompt.values())}
         if any(d is not None for d in self.drafters):
             counts = [
                 d.usage(s.ids)
@@ -317,6 +338,8 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
     if not finished:  # nobody to answer; the engine is freed
         return JSONResponse(error_body("client disconnected"), status_code=499)
     finals = [task.result() for task in tasks]
+    for index, update in enumerate(finals):
+        usage.record(index, update)
     errors = [u for u in finals if u.error]
     if errors:
         status = max(u.status for u in errors)
@@ -468,6 +491,7 @@ async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage
                 pending[index].extend(update.logprobs)
             if update.finish_reason is not None:
                 live.discard(index)
+                usage.record(index, update)
             if text or update.finish_reason is not None or first:
                 delta = {"content": text} if chat else text
                 choice = _chunk(index, delta, update.finish_reason, chat)

@@ -91,7 +91,7 @@ class AsyncEngine:
     ):
         self.llm = llm
         self.stats = stats
-        self.engine = Engine(llm.target, llm.engine_config, llm.cost_model)
+        self.engine = Engine(llm.target, llm.engine_config, llm.cost_model, llm.prefix_cache())
         self.max_waiting = max_waiting
         self.metrics = metrics or ServerMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -300,5 +300,8 @@ class AsyncEngine:
             engine.num_kv_tokens_used / engine.config.max_kv_tokens,
         )  # fmt: skip
         m.set_load(*load)
+        cache = engine.prefix_cache
+        if cache is not None:
+            m.set_prefix_cache(cache.num_queried_tokens, cache.num_hit_tokens)
         if self.stats is not None:
             self.stats.tick(*load)

@@ -13,7 +13,9 @@ finished, or the engine failed).
 
 The load gauges are also exposed under vLLM's own names and labels
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-``vllm:kv_cache_usage_perc``, labelled ``model_name`` and ``engine``), beside the
+``vllm:kv_cache_usage_perc``, and with prefix caching the counters
+``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` in prompt tokens, labelled
+``model_name`` and ``engine``), beside the
 ``specdec:`` ones, so tools that scrape a vLLM server unchanged (the Gateway API inference
 extension and llm-d's endpoint picker, AIPerf, vLLM's Grafana dashboards) read a specdec
 server too.
@@ -66,6 +68,23 @@ class ServerMetrics:
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
             list(labels), registry=r,
         ).labels(**labels)  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "specdec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            registry=r,
+        )  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            "specdec:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
+        )
+        self.vllm_prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            list(labels), registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.vllm_prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            list(labels), registry=r,
+        ).labels(**labels)  # fmt: skip
+        self._prefix_seen = (0, 0)
         self.num_drafts = Counter(
             "specdec:spec_decode_num_drafts", "Steps that drafted at least one token.",
             registry=r,
@@ -119,6 +138,23 @@ class ServerMetrics:
             (self.vllm_kv_cache_usage, kv_usage),
         ):
             gauge.set(value)
+
+    def set_prefix_cache(self, queried: int, hit: int) -> None:
+        """Advance the prefix-cache counters, under both names, to the cache's totals.
+
+        Args:
+            queried, hit: prompt tokens looked up and found since the server started
+                (:class:`~specdec.engine.PrefixCache` counts them).
+        """
+        seen_queried, seen_hit = self._prefix_seen
+        for counters, delta in (
+            ((self.prefix_cache_queries, self.vllm_prefix_cache_queries), queried - seen_queried),
+            ((self.prefix_cache_hits, self.vllm_prefix_cache_hits), hit - seen_hit),
+        ):
+            if delta > 0:
+                for counter in counters:
+                    counter.inc(delta)
+        self._prefix_seen = (queried, hit)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
