@@ -155,30 +155,64 @@ def test_prompt_logprobs_requests_run_cold_and_match(model):
 
 class _HeadLike(NgramDrafter):
     """An n-gram drafter that says it reads the target's last hidden state, as a draft
-    head does (the engine then hands it the prompt's hidden states)."""
+    head does (the engine then hands it the prompt's hidden states), and keeps them."""
 
     def __init__(self, layer: int):
         super().__init__()
         self.captures = (layer,)
-        self.prefill_rows = 0
+        self.prompt_states: list[list[tuple[int, torch.Tensor]]] = []
 
     def start(self, prompt_ids, params):
         state = super().start(prompt_ids, params)
-        outer = self
-
-        def observe_prefill(start, hidden):
-            outer.prefill_rows += hidden.shape[0]
-
-        state.observe_prefill = observe_prefill
+        seen = []
+        self.prompt_states.append(seen)
+        state.observe_prefill = lambda start, hidden: seen.append((start, hidden.clone()))
         state.observe = lambda feedback: None
         return state
 
 
-def test_drafters_that_read_the_prompts_hidden_states_run_cold(model):
-    drafter = _HeadLike(model.num_layers - 1)
-    warm, _ = _run(model, [PROMPTS[0], PROMPTS[1]], _config(True), drafter=drafter, k=2)
-    assert [s.stats.num_cached_tokens for s in warm] == [0, 0]
-    assert drafter.prefill_rows == len(PROMPTS[0]) - 1 + len(PROMPTS[1]) - 1
+def test_draft_heads_get_the_prompts_hidden_states_from_the_cache(model):
+    """A request that reads hidden states shares only blocks that hold those of its
+    layers, and then gets them bit for bit as a cold prefill computes them."""
+    layer = model.num_layers - 1
+    cold_head, warm_head = _HeadLike(layer), _HeadLike(layer)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    cold, _ = _run(model, prompts, _config(False), drafter=cold_head, k=2)
+    cache = PrefixCache(CHUNK, 1 << 20)
+    _run(model, [PROMPTS[0]], _config(True), prefix_cache=cache)  # KV only, no states
+    warm, _ = _run(model, prompts, _config(True), drafter=warm_head, k=2, prefix_cache=cache)
+    assert [s.stats.num_cached_tokens for s in warm] == [0, 16, 16]
+    for a, b in zip(cold, warm, strict=True):
+        _same(a, b)
+    for seen_cold, seen_warm in zip(cold_head.prompt_states, warm_head.prompt_states, strict=True):
+        assert [start for start, _ in seen_warm] == [start for start, _ in seen_cold]
+        assert torch.equal(
+            torch.cat([h for _, h in seen_cold]), torch.cat([h for _, h in seen_warm])
+        )
+
+
+def test_an_eagle_head_drafts_the_same_with_the_cache(tmp_path):
+    """A trained EAGLE head's drafts read the prompt's hidden states: with the cache its
+    outputs, logprobs and accepted drafts are those of the cold run."""
+    from test_heads import tiny_head
+
+    from specdec.heads.format import save_head
+
+    model = NativeModel(tiny_hf("llama"), exact=True)
+    head, _, _ = tiny_head(model, "eagle", steps=40)
+    spec = SpeculativeConfig(method=f"eagle:head={save_head(head, tmp_path / 'eagle')}")
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=1)
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(model, speculative=spec, engine_config=_config(caching))
+        runs[caching] = [llm.generate(p, params) for p in PROMPTS[:3]]
+    for a, b in zip(runs[False], runs[True], strict=True):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+        assert (a.metrics.num_draft_tokens, a.metrics.num_accepted_tokens) == (
+            b.metrics.num_draft_tokens, b.metrics.num_accepted_tokens,
+        )  # fmt: skip
+    assert [o.metrics.num_cached_tokens for o in runs[True]] == [0, 16, 16]
 
 
 def test_blocks_are_keyed_by_every_token_before_them():
@@ -194,7 +228,7 @@ def test_blocks_are_keyed_by_every_token_before_them():
 
     a, b = [1, 2, 3, 4, 5], [9, 2, 3, 4, 5]  # same second block, other first block
     cache.insert(a, 4, reader(a))
-    assert [t[0, 0, 0, 0, 0].item() for t in cache.lookup(a)] == [2.0, 4.0]
+    assert [kv[0, 0, 0, 0, 0].item() for kv, _ in cache.lookup(a)] == [2.0, 4.0]
     assert cache.lookup(b) == []
     assert len(cache.lookup([1, 2, 3, 9, 9])) == 1
     assert cache.lookup([1, 2, 3]) != [] and cache.lookup([1, 2]) == []  # pending token

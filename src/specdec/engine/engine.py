@@ -123,9 +123,10 @@ class EngineConfig:
             the what-if simulator.
         enable_prefix_caching: share prompt-chunk KV across requests
             (:mod:`specdec.engine.prefix_cache`; native backend; vLLM's
-            ``enable_prefix_caching``). Outputs are unchanged bit for bit; a block is one
-            prefill chunk, so ``prefill_chunk`` then defaults to
-            :data:`PREFIX_CACHE_CHUNK` (256).
+            ``enable_prefix_caching``). A hit changes no bit: outputs equal those with the
+            cache off at the same ``prefill_chunk``. A block is one prefill chunk, so
+            ``prefill_chunk`` then defaults to :data:`PREFIX_CACHE_CHUNK` (256), which like
+            any chunk size gives some outputs other bits than the default 2048.
         prefix_cache_bytes: most bytes of KV the prefix cache keeps (default 1 GiB).
 
     Raises:
@@ -436,7 +437,9 @@ class Engine:
             seq.num_prefilled = end
             seq.stats.prefill_s += forward_s
             if self.prefix_cache is not None and end - start == self.config.prefill_chunk:
-                self.prefix_cache.insert(seq.prompt_ids, end, seq.cache.read_slots)
+                self.prefix_cache.insert(
+                    seq.prompt_ids, end, seq.cache.read_slots, seq.captures, hidden
+                )
             if seq.num_to_prefill == 0:
                 seq.status = SequenceStatus.RUNNING
         outputs = []
@@ -608,15 +611,18 @@ class Engine:
         seq.cache = self.target.new_cache(capacity)
         seq.num_prefilled = 0
         seq.num_kv_reserved = need
-        if self.prefix_cache is not None and _may_share(seq):
-            for kv in self.prefix_cache.lookup(seq.prompt_ids):
+        seq.drafter_state = seq.drafter.start(seq.tokens, seq.params)
+        if getattr(seq.drafter, "uses_target_cache", False):
+            seq.drafter_state.attach_cache(seq.cache)
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+            # (prompt_logprobs need the prompt's logits, which the cache does not keep)
+            for kv, hidden in self.prefix_cache.lookup(seq.prompt_ids, seq.captures):
+                if hidden is not None:  # a draft head reads the prompt's hidden states
+                    seq.drafter_state.observe_prefill(seq.cache.num_tokens, hidden)
                 seq.cache.append_slots(kv)
             seq.num_prefilled = seq.cache.num_tokens
             if not seq.num_preemptions:
                 seq.stats.num_cached_tokens = seq.num_prefilled
-        seq.drafter_state = seq.drafter.start(seq.tokens, seq.params)
-        if getattr(seq.drafter, "uses_target_cache", False):
-            seq.drafter_state.attach_cache(seq.cache)
         seq.status = SequenceStatus.PREFILL if seq.num_to_prefill else SequenceStatus.RUNNING
         self.running.append(seq)
         seq.stats.draft_s += time.perf_counter() - t0
@@ -835,13 +841,6 @@ def check_prefix_cache(target: Backend, config: EngineConfig, cache=None) -> Non
             f"the prefix cache's blocks hold {cache.block_size} tokens but prefill_chunk is "
             f"{config.prefill_chunk}: a block must be one prefill chunk"
         )
-
-
-def _may_share(seq: Sequence) -> bool:
-    """Whether a sequence may start from cached KV: not when it needs what a prefill
-    computes besides the KV (the prompt's hidden states for a draft head, the prompt's
-    logits for ``prompt_logprobs``)."""
-    return not seq.captures and seq.params.prompt_logprobs is None
 
 
 def _emitted_logprobs(draft, logits: torch.Tensor, result, step: StepOutput, top: int) -> list:

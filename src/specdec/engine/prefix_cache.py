@@ -16,11 +16,15 @@ computed as prompt chunks: block ``i`` of a prompt is the KV of chunk
 prompt runs cold or after a hit. A hit copies those slots into the new sequence's cache
 and its prefill resumes at the next chunk, exactly where a cold run's would stand; the
 last, partial chunk (and the pending token) always run. So every output, logprob and
-prompt logprob is the same with the cache on or off (tested bit for bit), and only the
-chunks' compute is saved. What it cannot reuse: KV that verification or decoding
+prompt logprob is the same with the cache on or off at the same ``prefill_chunk`` (tested
+bit for bit), and only the chunks' compute is saved. (The chunk size itself is part of
+what a prompt computes: 256-token chunks give some outputs other bits than 2048-token
+ones, cache or not.) What it cannot reuse: KV that verification or decoding
 computed (an earlier answer resent in a later turn's prompt runs again as a prompt
-chunk, whose bits differ), and the prompt's hidden states, which draft heads read
-(their requests run cold but still fill the cache).
+chunk, whose bits differ). A draft head reads the prompt's hidden states too
+(:attr:`~specdec.engine.Sequence.captures`): a block keeps those of the layers a request
+captured when it computed the chunk, and a request that captures the same layers shares
+only blocks that hold them.
 
 Storage is a copy (one ``[num_layers, 2, num_kv_heads, C, head_dim]`` tensor per block,
 on the cache's device), not shared pages: the runtime's KV is one contiguous buffer per
@@ -45,6 +49,12 @@ class _Block:
     parent: int
     key: tuple[int, tuple[int, ...]]
     children: set[int] = field(default_factory=set)
+    hidden: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [self.kv, *self.hidden.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class PrefixCache:
@@ -86,30 +96,44 @@ class PrefixCache:
         (pending) token."""
         return max(0, num_prompt_tokens - 1) // self.block_size
 
-    def lookup(self, prompt_ids: Sequence[int]) -> list[torch.Tensor]:
-        """The cached blocks that begin ``prompt_ids``, longest chain first to last.
+    def lookup(
+        self, prompt_ids: Sequence[int], captures: tuple[int, ...] = ()
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The cached blocks that begin ``prompt_ids``, first to last.
 
         Args:
             prompt_ids: ``[L]`` the prompt.
+            captures: the hidden-state layers the request reads (a draft head's): only
+                blocks that hold them count.
 
         Returns:
-            per block ``i`` found, ``[num_layers, 2, num_kv_heads, block_size, head_dim]``
-            of slots ``[i * block_size, (i + 1) * block_size)`` (the cache's own tensors:
-            copy, do not modify). Counted in ``num_queried_tokens`` / ``num_hit_tokens``.
+            per block ``i`` found, its KV ``[num_layers, 2, num_kv_heads, block_size,
+            head_dim]`` of slots ``[i * block_size, (i + 1) * block_size)`` and, with
+            ``captures``, its hidden states ``[block_size, len(captures) * hidden_size]``
+            (else ``None``); the cache's own tensors: copy, do not modify. Counted in
+            ``num_queried_tokens`` / ``num_hit_tokens``.
         """
         found, parent = [], -1
         for i in range(self.num_full_blocks(len(prompt_ids))):
             block_id = self._ids.get(self._key(parent, prompt_ids, i))
-            if block_id is None:
+            if block_id is None or (captures and captures not in self._blocks[block_id].hidden):
                 break
             found.append(block_id)
             parent = block_id
         self._touch(found)
         self.num_queried_tokens += len(prompt_ids)
         self.num_hit_tokens += len(found) * self.block_size
-        return [self._blocks[b].kv for b in found]
+        blocks = [self._blocks[b] for b in found]
+        return [(b.kv, b.hidden[captures] if captures else None) for b in blocks]
 
-    def insert(self, prompt_ids: Sequence[int], num_cached: int, read_slots) -> None:
+    def insert(
+        self,
+        prompt_ids: Sequence[int],
+        num_cached: int,
+        read_slots,
+        captures: tuple[int, ...] = (),
+        hidden: torch.Tensor | None = None,
+    ) -> None:
         """Keep every full block of ``prompt_ids`` within its first ``num_cached`` tokens
         that is not kept yet.
 
@@ -118,6 +142,9 @@ class PrefixCache:
             num_cached: its tokens whose KV the sequence's cache holds as prompt chunks.
             read_slots: ``read_slots(start, end)`` -> a copy of the sequence's KV of
                 slots ``[start, end)`` (``NativeKVCache.read_slots``).
+            captures, hidden: the layers the request captured and ``[block_size,
+                len(captures) * hidden_size]``, their states over the chunk that just
+                ended at ``num_cached`` (kept with its block).
         """
         if self.max_bytes == 0:
             return
@@ -129,6 +156,12 @@ class PrefixCache:
             if block_id is None:
                 kv = read_slots(i * self.block_size, (i + 1) * self.block_size)
                 block_id = self._add(key, parent, kv)
+            block = self._blocks[block_id]
+            last = (i + 1) * self.block_size == num_cached
+            if last and captures and hidden is not None and captures not in block.hidden:
+                before = block.num_bytes
+                block.hidden[captures] = hidden.detach().clone()
+                self.num_bytes += block.num_bytes - before
             chain.append(block_id)
             parent = block_id
         self._touch(chain)
@@ -149,11 +182,11 @@ class PrefixCache:
     def _add(self, key, parent: int, kv: torch.Tensor) -> int:
         block_id = self._next_id
         self._next_id += 1
-        self._blocks[block_id] = _Block(kv, parent, key)
+        self._blocks[block_id] = block = _Block(kv, parent, key)
         self._ids[key] = block_id
         if parent >= 0:
             self._blocks[parent].children.add(block_id)
-        self.num_bytes += kv.numel() * kv.element_size()
+        self.num_bytes += block.num_bytes
         return block_id
 
     def _touch(self, chain: list[int]) -> None:
@@ -173,4 +206,4 @@ class PrefixCache:
         del self._ids[block.key]
         if block.parent in self._blocks:
             self._blocks[block.parent].children.discard(block_id)
-        self.num_bytes -= block.kv.numel() * block.kv.element_size()
+        self.num_bytes -= block.num_bytes

@@ -71,9 +71,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
         help="share the KV of prompt chunks across requests whose prompts begin alike (a "
-        "system prompt, a document asked about again): their first token comes sooner and "
-        "no output changes, bit for bit; prompts then run in chunks of 256 tokens, the "
-        "cache's block (native backend; vLLM's flag; default: off)",
+        "system prompt, a document asked about again): their first token comes sooner, and "
+        "each output is the one a cold run gives, bit for bit. Prompts then run in chunks "
+        "of 256 tokens (the cache's block) instead of 2048, which like any chunk size "
+        "changes the bits of some outputs (native backend; vLLM's flag; default: off)",
     )  # fmt: skip
     p.add_argument(
         "--prefix-cache-gib", type=float, default=1.0, metavar="GIB",
