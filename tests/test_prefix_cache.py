@@ -382,3 +382,30 @@ def test_serve_options_reach_the_engine():
     assert not config.enable_prefix_caching and config.prefill_chunk == 2048
     with pytest.raises(ValueError, match="--prefix-cache-gib"):
         check_serve_args(parser.parse_args(["--prefix-cache-gib", "-1"]))
+
+
+def test_a_conversation_reuses_each_earlier_turns_prompt(model):
+    """Turn n + 1's prompt is turn n's prompt, its answer and a new message: it shares the
+    full chunks of turn n's prompt (computed as prompt chunks), not the answer's KV
+    (computed while decoding), and every turn equals its cold run."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
+    cache = PrefixCache(CHUNK, 1 << 20)
+    prompt, turns = SHARED[:12], []
+    for turn in range(3):
+        (warm,), _ = _run(model, [prompt], _config(True), params=params, prefix_cache=cache)
+        (cold,), _ = _run(model, [prompt], _config(False), params=params)
+        _same(cold, warm)
+        turns.append((len(prompt), warm.stats.num_cached_tokens))
+        prompt = prompt + warm.output_ids + [7 + turn, 8 + turn, 9 + turn]
+    lengths = [n for n, _ in turns]
+    assert [c for _, c in turns] == [0] + [(n - 1) // CHUNK * CHUNK for n in lengths[:-1]]
+
+
+def test_reset_prefix_cache(model):
+    llm = LLM(model, engine_config=_config(True))
+    params = SamplingParams(max_new_tokens=2)
+    llm.generate(PROMPTS[0], params)
+    assert llm.generate(PROMPTS[0], params).metrics.num_cached_tokens == 24
+    assert llm.reset_prefix_cache() and len(llm.prefix_cache()) == 0
+    assert llm.generate(PROMPTS[0], params).metrics.num_cached_tokens == 0
+    assert not LLM(model, engine_config=_config(False)).reset_prefix_cache()

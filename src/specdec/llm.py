@@ -300,6 +300,19 @@ class LLM:
             self._drafters.clear()
             self._controllers.clear()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every block of the prefix cache (vLLM's ``LLM.reset_prefix_cache``), e.g.
+        to time cold prompts again; requests running keep what they hold.
+
+        Returns:
+            whether prefix caching is on (``False``: there was nothing to drop).
+        """
+        with self._lock:
+            cache = self.prefix_cache()
+            if cache is not None:
+                cache.clear()
+            return cache is not None
+
     def has_draft_model(self, config: SpeculativeConfig) -> bool:
         """Whether ``config`` names a draft model or this LLM was given one."""
         return config.draft_model is not None or self._draft_source is not None
