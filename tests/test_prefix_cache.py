@@ -380,8 +380,42 @@ def test_serve_options_reach_the_engine():
     assert config.prefill_chunk == PREFIX_CACHE_CHUNK
     _, config = check_serve_args(parser.parse_args([]))
     assert not config.enable_prefix_caching and config.prefill_chunk == 2048
-    with pytest.raises(ValueError, match="--prefix-cache-gib"):
-        check_serve_args(parser.parse_args(["--prefix-cache-gib", "-1"]))
+    with pytest.raises(ValueError, match="needs the native backend"):
+        check_serve_args(parser.parse_args(["--enable-prefix-caching", "--backend", "hf"]))
+    for bad, match in (
+        (["--enable-prefix-caching", "--prefix-cache-gib", "-1"], "must be a number > 0"),
+        (["--enable-prefix-caching", "--prefix-cache-gib", "0"], "must be a number > 0"),
+        (["--prefix-cache-gib", "2"], "add --enable-prefix-caching"),
+        (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            check_serve_args(parser.parse_args(bad))
+    _, config = check_serve_args(
+        parser.parse_args(["--enable-prefix-caching", "--prefill-chunk", "64"])
+    )
+    assert config.prefill_chunk == 64 and config.prefix_cache_bytes == 1 << 30
+
+
+def test_the_stats_line_gives_the_intervals_hit_rate():
+    from specdec.server.metrics import StatsLog
+
+    now, lines = [0.0], []
+    log = StatsLog(10, write=lines.append, clock=lambda: now[0])
+    log.add(prompt=100)
+    now[0] = 10
+    assert log.tick(1, 0, 0.1, (100, 0)).endswith("prefix cache hit rate 0.0%")
+    log.add(prompt=100)
+    now[0] = 20
+    assert log.tick(1, 0, 0.1, (300, 150)).endswith("prefix cache hit rate 75.0%")
+    log.add(prompt=100)
+    now[0] = 30
+    assert "prefix" not in log.tick(1, 0, 0.1)
+
+
+def test_a_budget_below_one_block_is_logged(model, caplog):
+    with caplog.at_level("WARNING"):
+        Engine(model, _config(True, prefix_cache_bytes=100))
+    assert "holds no block" in caplog.text
 
 
 def test_a_conversation_reuses_each_earlier_turns_prompt(model):

@@ -39,6 +39,7 @@ sequence.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections import deque
@@ -77,6 +78,8 @@ from specdec.structured import GrammarState
 from specdec.trees.builders import TreeBuilder, TreeProposal
 from specdec.trees.tree import TokenTree
 from specdec.verify.tree import verify_tree
+
+logger = logging.getLogger(__name__)
 
 #: KV accounting granularity (slots).
 KV_BLOCK = 16
@@ -819,6 +822,13 @@ def new_prefix_cache(target: Backend, config: EngineConfig) -> PrefixCache:
         ValueError: prefix caching on a backend other than the native runtime.
     """
     check_prefix_cache(target, config)
+    block = getattr(target.new_cache(1), "bytes_per_token", 0) * config.prefill_chunk
+    if config.prefix_cache_bytes < block:
+        logger.warning(
+            "prefix cache: a budget of %d bytes holds no block (%d bytes: %d tokens of KV); "
+            "nothing will be cached",
+            config.prefix_cache_bytes, block, config.prefill_chunk,
+        )  # fmt: skip
     return PrefixCache(config.prefill_chunk, config.prefix_cache_bytes)
 
 
@@ -832,8 +842,8 @@ def check_prefix_cache(target: Backend, config: EngineConfig, cache=None) -> Non
     """
     if getattr(target, "backend", None) != "native":
         raise ValueError(
-            "prefix caching needs the native backend (--backend native or auto on a "
-            f"supported model); {getattr(target, 'name', 'the target')} runs on "
+            "prefix caching needs the native backend (backend='native', or 'auto' on a "
+            f"model it supports); {getattr(target, 'name', 'the target')} runs on "
             f"{getattr(target, 'backend', 'another backend')!r}"
         )
     if cache is not None and cache.block_size != config.prefill_chunk:

@@ -300,8 +300,9 @@ class AsyncEngine:
             engine.num_kv_tokens_used / engine.config.max_kv_tokens,
         )  # fmt: skip
         m.set_load(*load)
-        cache = engine.prefix_cache
+        cache, prefix = engine.prefix_cache, None
         if cache is not None:
-            m.set_prefix_cache(cache.num_queried_tokens, cache.num_hit_tokens)
+            prefix = (cache.num_queried_tokens, cache.num_hit_tokens)
+            m.set_prefix_cache(*prefix)
         if self.stats is not None:
-            self.stats.tick(*load)
+            self.stats.tick(*load, prefix)

@@ -41,6 +41,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         stats_interval=None if args.disable_log_stats else args.log_stats_interval,
     )  # fmt: skip
     ran_on = describe_target(target_meta(llm.target, threads.num_threads))
+    if config.enable_prefix_caching:
+        ran_on += (
+            f", prefix caching on ({config.prefix_cache_bytes / (1 << 30):g} GiB, blocks of "
+            f"{config.prefill_chunk} tokens)"
+        )
     print(
         f"specdec: serving {args.model} ({ran_on}) on http://{args.host}:{args.port}/v1",
         flush=True,

@@ -170,11 +170,13 @@ class StatsLog:
     work happened in between (an idle server stays quiet), e.g.::
 
         specdec: prompt 812.4 tokens/s, generation 151.0 tokens/s, running 32, waiting 0,
-        KV cache 11.2%; speculation: 210 drafts, mean acceptance length 2.35 per draft,
-        acceptance rate 41.3%
+        KV cache 11.2%, prefix cache hit rate 61.0%; speculation: 210 drafts, mean
+        acceptance length 2.35 per draft, acceptance rate 41.3%
 
-    (one line). Mean acceptance length is 1 + accepted / drafts (vLLM's), per step that
-    drafted ("per draft"; a response's ``mean_acceptance_length`` counts every step).
+    (one line; the prefix cache's part with ``--enable-prefix-caching``: prompt tokens
+    found over prompt tokens looked up in the interval). Mean acceptance length is 1 +
+    accepted / drafts (vLLM's), per step that drafted ("per draft"; a response's
+    ``mean_acceptance_length`` counts every step).
 
     Args:
         interval: seconds between lines (> 0).
@@ -192,6 +194,7 @@ class StatsLog:
         self.clock = clock or time.monotonic
         self.last = self.clock()
         self.prompt = self.generation = self.drafts = self.drafted = self.accepted = 0
+        self._prefix_seen = (0, 0)
 
     def add(self, prompt=0, generation=0, drafts=0, drafted=0, accepted=0) -> None:
         """Count one step's (or one admission's) tokens."""
@@ -201,8 +204,16 @@ class StatsLog:
         self.drafted += drafted
         self.accepted += accepted
 
-    def tick(self, running: int, waiting: int, kv_usage: float) -> str | None:
-        """Write (and return) a line if one is due, then start the next interval."""
+    def tick(
+        self, running: int, waiting: int, kv_usage: float, prefix: tuple[int, int] | None = None
+    ) -> str | None:
+        """Write (and return) a line if one is due, then start the next interval.
+
+        Args:
+            running, waiting, kv_usage: the load (see :meth:`ServerMetrics.set_load`).
+            prefix: with prefix caching, the cache's prompt tokens looked up and found
+                since the server started.
+        """
         now = self.clock()
         elapsed = now - self.last
         if elapsed < self.interval:
@@ -215,6 +226,11 @@ class StatsLog:
                 f"generation {self.generation / elapsed:.1f} tokens/s, running {running}, "
                 f"waiting {waiting}, KV cache {100 * kv_usage:.1f}%"
             )
+            if prefix is not None:
+                queried = prefix[0] - self._prefix_seen[0]
+                hit = prefix[1] - self._prefix_seen[1]
+                rate = 100 * hit / queried if queried else 0.0
+                line += f", prefix cache hit rate {rate:.1f}%"
             if self.drafts:
                 line += (
                     f"; speculation: {self.drafts} drafts, mean acceptance length "
@@ -223,5 +239,7 @@ class StatsLog:
                 )
             self.write(line)
         self.last = now
+        if prefix is not None:
+            self._prefix_seen = prefix
         self.prompt = self.generation = self.drafts = self.drafted = self.accepted = 0
         return line

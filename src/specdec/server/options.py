@@ -70,16 +70,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-        help="share the KV of prompt chunks across requests whose prompts begin alike (a "
-        "system prompt, a document asked about again): their first token comes sooner, and "
-        "each output is the one a cold run gives, bit for bit. Prompts then run in chunks "
-        "of 256 tokens (the cache's block) instead of 2048, which like any chunk size "
-        "changes the bits of some outputs (native backend; vLLM's flag; default: off)",
+        help="reuse the KV of full prompt chunks across requests whose prompts begin alike "
+        "(a system prompt, a document asked about again): their first token comes sooner, "
+        "with the output of a cold run in the same chunks (native backend; vLLM's flag; "
+        "default: off). Prompts then run in chunks of 256 tokens, the cache's block",
     )  # fmt: skip
     p.add_argument(
-        "--prefix-cache-gib", type=float, default=1.0, metavar="GIB",
+        "--prefix-cache-gib", type=float, default=None, metavar="GIB",
         help="with --enable-prefix-caching: most GiB of KV it keeps, least recently used "
         "blocks dropped first (default: 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-chunk", type=int, default=None, metavar="TOKENS",
+        help="prompt tokens per prefill forward, and the prefix cache's block (default: "
+        "2048; 256 with --enable-prefix-caching). Outputs depend on it bit for bit",
     )  # fmt: skip
     p.add_argument(
         "--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
@@ -124,8 +128,18 @@ def check_serve_args(args: argparse.Namespace):
         raise ValueError(
             f"--log-stats-interval must be a number of seconds > 0, got {args.log_stats_interval}"
         )
-    if not 0 <= args.prefix_cache_gib < float("inf"):
-        raise ValueError(f"--prefix-cache-gib must be a number >= 0, got {args.prefix_cache_gib}")
+    if args.enable_prefix_caching and args.backend == "hf":
+        raise ValueError(
+            "--enable-prefix-caching needs the native backend (--backend native or auto): "
+            "its blocks are exact only where prompt chunks are computed the same way every time"
+        )
+    gib = args.prefix_cache_gib
+    if gib is not None and not args.enable_prefix_caching:
+        raise ValueError("--prefix-cache-gib sets the prefix cache: add --enable-prefix-caching")
+    if gib is not None and not 0 < gib < float("inf"):
+        raise ValueError(f"--prefix-cache-gib must be a number > 0, got {gib}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if getattr(args, "replicas", 1) < 1:
@@ -143,7 +157,8 @@ def check_serve_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_kv_tokens=args.max_kv_tokens,
+        prefill_chunk=args.prefill_chunk,
         enable_prefix_caching=args.enable_prefix_caching,
-        prefix_cache_bytes=int(args.prefix_cache_gib * (1 << 30)),
+        prefix_cache_bytes=int((1.0 if gib is None else gib) * (1 << 30)),
     )
     return speculative, config
