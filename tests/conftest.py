@@ -215,6 +215,13 @@ def make_server_llm():
     )
 
 
+def sse_events(text: str) -> list[dict]:
+    """The JSON objects of a server-sent event stream's ``data:`` lines (``[DONE]`` left out)."""
+    import json
+
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
 def free_port() -> int:
     """A loopback TCP port nothing listens on right now."""
     import socket

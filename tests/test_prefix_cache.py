@@ -316,12 +316,11 @@ def test_the_server_reports_cached_tokens_and_counts_hits(stream):
     """``--enable-prefix-caching`` on the server: the second request with the same
     beginning reports ``prompt_tokens_details.cached_tokens``, its text equals a server
     without the cache, and /metrics counts queried and hit tokens under vLLM's names."""
-    import json
 
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from conftest import make_server_llm, uvicorn_thread
+    from conftest import make_server_llm, sse_events, uvicorn_thread
     from specdec.server import create_app
 
     prompt = " ".join(f"w{1 + 5 * i % 27}" for i in range(30))
@@ -341,11 +340,7 @@ def test_the_server_reports_cached_tokens_and_counts_hits(stream):
                 response = httpx.post(f"{url}/v1/completions", json=body)
                 assert response.status_code == 200, response.text
                 if stream:
-                    chunks = [
-                        json.loads(line[6:])
-                        for line in response.text.splitlines()
-                        if line.startswith("data: {")
-                    ]
+                    chunks = sse_events(response.text)
                     usage = chunks[-1]["usage"]
                     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
                 else:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import re
 import time
 
@@ -17,7 +16,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import free_port, make_model, make_server_llm, make_tokenizer, uvicorn_thread
+from conftest import (
+    free_port,
+    make_model,
+    make_server_llm,
+    make_tokenizer,
+    sse_events,
+    uvicorn_thread,
+)
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.server import create_app
 
@@ -486,11 +492,7 @@ def test_usage_and_speculation_metrics_count_what_was_emitted(server, llm, strea
         response = httpx.post(f"{url}/v1/completions", json=body)
         assert response.status_code == 200, response.text
         if stream:
-            chunks = [
-                json.loads(line[6:])
-                for line in response.text.splitlines()
-                if line.startswith("data: {")
-            ]
+            chunks = sse_events(response.text)
             usage = chunks[-1]["usage"]
             metrics = [c["metrics"] for c in chunks if "metrics" in c]
             assert len(metrics) == 1 and chunks[-2]["choices"][0]["finish_reason"] == "length"

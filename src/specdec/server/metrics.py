@@ -56,18 +56,19 @@ class ServerMetrics:
         )
         # vLLM's names and labels (vllm/v1/metrics/loggers.py), one engine per server.
         labels = {"model_name": model_name, "engine": "0"}
-        self.vllm_num_requests_running = Gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.",
-            list(labels), registry=r,
-        ).labels(**labels)  # fmt: skip
-        self.vllm_num_requests_waiting = Gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-            list(labels), registry=r,
-        ).labels(**labels)  # fmt: skip
-        self.vllm_kv_cache_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-            list(labels), registry=r,
-        ).labels(**labels)  # fmt: skip
+
+        def vllm(kind, name: str, text: str):
+            return kind(name, text, list(labels), registry=r).labels(**labels)
+
+        self.vllm_num_requests_running = vllm(
+            Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.vllm_num_requests_waiting = vllm(
+            Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.vllm_kv_cache_usage = vllm(
+            Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
         self.prefix_cache_queries = Counter(
             "specdec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
             registry=r,
@@ -75,15 +76,14 @@ class ServerMetrics:
         self.prefix_cache_hits = Counter(
             "specdec:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
         )
-        self.vllm_prefix_cache_queries = Counter(
-            "vllm:prefix_cache_queries",
+        self.vllm_prefix_cache_queries = vllm(
+            Counter, "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-            list(labels), registry=r,
-        ).labels(**labels)  # fmt: skip
-        self.vllm_prefix_cache_hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-            list(labels), registry=r,
-        ).labels(**labels)  # fmt: skip
+        )  # fmt: skip
+        self.vllm_prefix_cache_hits = vllm(
+            Counter, "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+        )  # fmt: skip
         self._prefix_seen = (0, 0)
         self.num_drafts = Counter(
             "specdec:spec_decode_num_drafts", "Steps that drafted at least one token.",
