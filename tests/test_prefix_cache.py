@@ -351,6 +351,12 @@ def test_the_server_reports_cached_tokens_and_counts_hits(stream):
                 else:
                     assert "prompt_tokens_details" not in usage
             metrics = httpx.get(f"{url}/metrics").text
+            reset = httpx.post(f"{url}/reset_prefix_cache")
+            if caching:
+                assert reset.status_code == 200 and len(llm.prefix_cache()) == 0
+            else:
+                assert reset.status_code == 400
+                assert "--enable-prefix-caching" in reset.json()["error"]["message"]
         families = {f.name: f for f in text_string_to_metric_families(metrics)}
         if caching:
             hits = families["vllm:prefix_cache_hits"].samples[0]

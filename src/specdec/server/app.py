@@ -111,6 +111,13 @@ def create_app(
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's route: drop every block of the prefix cache (between the engine's steps)."""
+        if not await asyncio.to_thread(llm.reset_prefix_cache):
+            raise BadRequest("prefix caching is off: start the server with --enable-prefix-caching")
+        return {"reset": True}
+
     _add_generation_routes(app, llm, engine, name)
     return app
 
