@@ -395,6 +395,10 @@ def test_serve_options_reach_the_engine():
         parser.parse_args(["--enable-prefix-caching", "--prefill-chunk", "64"])
     )
     assert config.prefill_chunk == 64 and config.prefix_cache_bytes == 1 << 30
+    _, config = check_serve_args(
+        parser.parse_args(["--enable-prefix-caching", "--invariant-prefill"])
+    )
+    assert config.invariant_prefill and config.prefill_chunk == 2048
 
 
 def test_the_stats_line_gives_the_intervals_hit_rate():
@@ -444,3 +448,88 @@ def test_reset_prefix_cache(model):
     assert llm.reset_prefix_cache() and len(llm.prefix_cache()) == 0
     assert llm.generate(PROMPTS[0], params).metrics.num_cached_tokens == 0
     assert not LLM(model, engine_config=_config(False)).reset_prefix_cache()
+
+
+# ---------------------------------------------------------------- invariant prefill
+
+
+def _invariant(cache: bool, chunk: int = CHUNK, **kwargs) -> EngineConfig:
+    return EngineConfig(
+        prefill_chunk=chunk, enable_prefix_caching=cache, invariant_prefill=True, **kwargs
+    )
+
+
+@pytest.mark.parametrize("drafter,k,tree", [("none", 0, None), ("ngram", 3, None),
+                                            ("ngram", 0, "static:tree-8")])  # fmt: skip
+def test_invariant_prefill_makes_a_tokens_kv_the_same_whoever_computed_it(model, drafter, k, tree):
+    """With ``invariant_prefill`` the KV a generation leaves (prompt chunks, verified
+    chains or tree paths) is bit for bit the KV of prefilling the same tokens in any
+    chunks, and the outputs do not depend on the chunk size."""
+    from specdec.models.base import BatchItem
+    from specdec.trees.builders import make_tree_builder
+
+    outputs = {}
+    for chunk in (3, 8, 64):
+        engine = Engine(model, _invariant(False, chunk))
+        seq = engine.add_request(
+            "a", PROMPTS[0], SamplingParams(max_new_tokens=14, ignore_eos=True, logprobs=2),
+            drafter=NgramDrafter() if drafter == "ngram" else NoDrafter(),
+            num_speculative_tokens=k, tree_builder=make_tree_builder(tree) if tree else None,
+        )  # fmt: skip
+        kept = {}
+        original = engine._release
+
+        def keep(s, original=original, kept=kept):
+            if s.cache is not None:
+                kept["kv"] = s.cache.read_slots(0, s.cache.num_tokens)
+            original(s)
+
+        engine._release = keep
+        while engine.has_unfinished():
+            engine.step()
+        outputs[chunk] = (seq.output_ids, [x.logprob for x in seq.logprobs])
+        n = kept["kv"].shape[3]
+        fresh = model.new_cache(n + 8)
+        for start in range(0, n, 5):  # chunks of 5, computed as decoding rows
+            ids = seq.tokens[start : min(start + 5, n)]
+            model.forward_batch([BatchItem(ids, fresh, num_logits=1, prefill=False)])
+        assert torch.equal(fresh.read_slots(0, n), kept["kv"]), chunk
+    assert outputs[3] == outputs[8] == outputs[64]
+
+
+def test_invariant_prefill_shares_blocks_of_answers_and_small_prefixes(model):
+    """A conversation's next turn reuses the previous turn's prompt *and* answer in blocks
+    of 16 tokens, and every turn equals its cold run."""
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=1)
+    cache = PrefixCache(16, 1 << 20)
+    prompt, turns, expected = SHARED[:12], [], [0]
+    for turn in range(3):
+        (warm,), _ = _run(model, [prompt], _invariant(True), params=params, prefix_cache=cache)
+        (cold,), _ = _run(model, [prompt], _invariant(False), params=params)
+        _same(cold, warm)
+        turns.append(warm.stats.num_cached_tokens)
+        history = prompt + warm.output_ids  # the KV of all but the last token is cached
+        expected.append((len(history) - 1) // 16 * 16)
+        prompt = history + [7 + turn, 8 + turn]
+    assert turns == expected[:3] and turns[1] > 12  # turn 2 reused part of turn 1's answer
+
+
+def test_invariant_prefill_after_preemption_readmits_from_the_cache(model):
+    config = _invariant(True, max_num_batched_tokens=24, max_kv_tokens=96)
+    cache = PrefixCache(4, 1 << 20)
+    engine = Engine(model, config, prefix_cache=cache)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=2)
+    seqs = [
+        engine.add_request(str(i), p, params, drafter=NgramDrafter(), num_speculative_tokens=3)
+        for i, p in enumerate(PROMPTS)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_preemptions > 0
+    cold, _ = _run(
+        model, PROMPTS, _invariant(False, max_num_batched_tokens=24, max_kv_tokens=96),
+        drafter=NgramDrafter(), k=3, params=params,
+    )  # fmt: skip
+    for a, b in zip(cold, seqs, strict=True):
+        _same(a, b)
+    assert cache.num_hit_tokens > 0

@@ -87,6 +87,9 @@ KV_BLOCK = 16
 #: smaller chunks share more (measured on the Zen 4 VM, bfloat16: a cold prefill of 0.5-2k
 #: tokens costs 5-9% more in chunks of 256 than of 2048, 0-4% in chunks of 512).
 PREFIX_CACHE_CHUNK = 256
+#: The prefix cache's block with ``invariant_prefill`` (where a block need not be a chunk):
+#: vLLM's default block size.
+INVARIANT_BLOCK = 16
 #: A new sequence's cache starts with room for this many tokens beyond its prompt (or
 #: its whole budget if smaller), then grows by doubling.
 INITIAL_HEADROOM = 512
@@ -131,6 +134,14 @@ class EngineConfig:
             ``prefill_chunk`` then defaults to :data:`PREFIX_CACHE_CHUNK` (256), which like
             any chunk size gives some outputs other bits than the default 2048.
         prefix_cache_bytes: most bytes of KV the prefix cache keeps (default 1 GiB).
+        invariant_prefill: compute prompt chunks with the batch-invariant arithmetic of
+            decoding rows (``BatchItem.prefill=False``) instead of one product of the
+            chunk's own (native backend, exact mode): a token's KV is then the same bits
+            whatever chunk, batch or step computed it, prompt or output, so outputs no
+            longer depend on ``prefill_chunk``, and the prefix cache shares blocks of
+            :data:`INVARIANT_BLOCK` tokens of any earlier sequence, its output included (a
+            conversation's next turn reuses the previous answer). Prompts cost more to
+            compute: 1.5x for a 1.5k-token prompt on the Zen 4 VM.
 
     Raises:
         ValueError: a limit that is not a positive integer, or ``prefill_chunk`` above
@@ -144,11 +155,15 @@ class EngineConfig:
     record_trace: bool = False
     enable_prefix_caching: bool = False
     prefix_cache_bytes: int = 1 << 30
+    invariant_prefill: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.invariant_prefill, bool):
+            raise ValueError(f"invariant_prefill must be a bool, got {self.invariant_prefill!r}")
         if self.prefill_chunk is None:
             limit = self.max_num_batched_tokens
-            chunk = PREFIX_CACHE_CHUNK if self.enable_prefix_caching else 2048
+            chunked = self.enable_prefix_caching and not self.invariant_prefill
+            chunk = PREFIX_CACHE_CHUNK if chunked else 2048
             if isinstance(limit, int) and not isinstance(limit, bool):
                 chunk = min(chunk, limit)
             object.__setattr__(self, "prefill_chunk", chunk)
@@ -416,7 +431,7 @@ class Engine:
                 None,
                 None,
                 0 if _scores(s, end) else 1,
-                end < len(s.prompt_ids),
+                end < len(s.prompt_ids) and not self.config.invariant_prefill,
             )
             for s, start, end in chunks
         ]  # a chunk of the prompt, or of earlier output recomputed after preemption
@@ -439,9 +454,10 @@ class Engine:
                 seq.stats.draft_s += time.perf_counter() - t0
             seq.num_prefilled = end
             seq.stats.prefill_s += forward_s
-            if self.prefix_cache is not None and end - start == self.config.prefill_chunk:
+            block = self.prefix_cache.block_size if self.prefix_cache is not None else 0
+            if block and end // block > start // block:  # a block is complete
                 self.prefix_cache.insert(
-                    seq.prompt_ids, end, seq.cache.read_slots, seq.captures, hidden
+                    self._shared_tokens(seq), end, seq.cache.read_slots, seq.captures, hidden
                 )
             if seq.num_to_prefill == 0:
                 seq.status = SequenceStatus.RUNNING
@@ -619,7 +635,7 @@ class Engine:
             seq.drafter_state.attach_cache(seq.cache)
         if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
             # (prompt_logprobs need the prompt's logits, which the cache does not keep)
-            for kv, hidden in self.prefix_cache.lookup(seq.prompt_ids, seq.captures):
+            for kv, hidden in self.prefix_cache.lookup(self._shared_tokens(seq), seq.captures):
                 if hidden is not None:  # a draft head reads the prompt's hidden states
                     seq.drafter_state.observe_prefill(seq.cache.num_tokens, hidden)
                 seq.cache.append_slots(kv)
@@ -644,7 +660,17 @@ class Engine:
         else:
             self.waiting.insert(position, seq)
 
+    def _shared_tokens(self, seq: Sequence) -> list[int]:
+        """What the prefix cache may key ``seq``'s KV by: its prompt, or with
+        ``invariant_prefill`` (every token's KV computed alike) all its tokens."""
+        return seq.tokens if self.config.invariant_prefill else seq.prompt_ids
+
     def _release(self, seq: Sequence) -> None:
+        cache = self.prefix_cache
+        if cache is not None and self.config.invariant_prefill and seq.cache is not None:
+            # finished, aborted or preempted: its verified tokens' KV, for later requests
+            # (a conversation's next turn) or for its own readmission
+            cache.insert(seq.tokens, seq.cache.num_tokens, seq.cache.read_slots)
         if seq.drafter_state is not None:
             seq.drafter_state.close()
             seq.drafter_state = None
@@ -822,14 +848,15 @@ def new_prefix_cache(target: Backend, config: EngineConfig) -> PrefixCache:
         ValueError: prefix caching on a backend other than the native runtime.
     """
     check_prefix_cache(target, config)
-    block = getattr(target.new_cache(1), "bytes_per_token", 0) * config.prefill_chunk
+    tokens = INVARIANT_BLOCK if config.invariant_prefill else config.prefill_chunk
+    block = getattr(target.new_cache(1), "bytes_per_token", 0) * tokens
     if config.prefix_cache_bytes < block:
         logger.warning(
             "prefix cache: a budget of %d bytes holds no block (%d bytes: %d tokens of KV); "
             "nothing will be cached",
-            config.prefix_cache_bytes, block, config.prefill_chunk,
+            config.prefix_cache_bytes, block, tokens,
         )  # fmt: skip
-    return PrefixCache(config.prefill_chunk, config.prefix_cache_bytes)
+    return PrefixCache(tokens, config.prefix_cache_bytes)
 
 
 def check_prefix_cache(target: Backend, config: EngineConfig, cache=None) -> None:
@@ -846,7 +873,11 @@ def check_prefix_cache(target: Backend, config: EngineConfig, cache=None) -> Non
             f"model it supports); {getattr(target, 'name', 'the target')} runs on "
             f"{getattr(target, 'backend', 'another backend')!r}"
         )
-    if cache is not None and cache.block_size != config.prefill_chunk:
+    if (
+        cache is not None
+        and not config.invariant_prefill
+        and cache.block_size != config.prefill_chunk
+    ):
         raise ValueError(
             f"the prefix cache's blocks hold {cache.block_size} tokens but prefill_chunk is "
             f"{config.prefill_chunk}: a block must be one prefill chunk"

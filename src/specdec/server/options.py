@@ -81,6 +81,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "blocks dropped first (default: 1)",
     )  # fmt: skip
     p.add_argument(
+        "--invariant-prefill", action="store_true",
+        help="compute prompts with decoding's batch-invariant arithmetic: a token's KV is "
+        "then the same whatever computed it, so outputs no longer depend on --prefill-chunk "
+        "and the prefix cache shares blocks of 16 tokens, answers included (a "
+        "conversation's next turn reuses the previous answer); prompts cost about 1.5x to "
+        "compute (native backend, exact mode)",
+    )  # fmt: skip
+    p.add_argument(
         "--prefill-chunk", type=int, default=None, metavar="TOKENS",
         help="prompt tokens per prefill forward, and the prefix cache's block (default: "
         "2048; 256 with --enable-prefix-caching). Outputs depend on it bit for bit",
@@ -158,6 +166,7 @@ def check_serve_args(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_kv_tokens=args.max_kv_tokens,
         prefill_chunk=args.prefill_chunk,
+        invariant_prefill=args.invariant_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_bytes=int((1.0 if gib is None else gib) * (1 << 30)),
     )
