@@ -448,6 +448,10 @@ def test_reset_prefix_cache(model):
     assert llm.reset_prefix_cache() and len(llm.prefix_cache()) == 0
     assert llm.generate(PROMPTS[0], params).metrics.num_cached_tokens == 0
     assert not LLM(model, engine_config=_config(False)).reset_prefix_cache()
+    llm = LLM(model, engine_config=_invariant(True))  # blocks of 16, kept across calls
+    llm.generate(PROMPTS[0], params)
+    assert llm.generate(PROMPTS[0], params).metrics.num_cached_tokens == 16
+    assert llm.prefix_cache() is llm.prefix_cache()
 
 
 # ---------------------------------------------------------------- invariant prefill

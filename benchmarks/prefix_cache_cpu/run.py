@@ -57,21 +57,28 @@ QUESTIONS = [
 ]
 
 
-def build_prompts(doc_tokens: int, questions: int) -> tuple[list[dict], str]:
-    """Chat prompts (token ids) per document and question, and the Hugging Face folder
-    of the embedded model (what vLLM loads)."""
+def document_bodies(tokenizer, doc_tokens: int) -> dict[str, str]:
+    """Each document's text cut to its first ``doc_tokens`` tokens."""
     import sysconfig
 
-    from specdec.models.loading import cached_gguf_conversion, embedded_gguf_path, load
-
-    tokenizer = load("smollm2-135m-instruct").tokenizer
-    prompts = []
+    bodies = {}
     for name, path in DOCUMENTS.items():
         file = Path(path)
         if not file.exists():  # python installed elsewhere: this interpreter's library
             file = Path(sysconfig.get_paths()["stdlib"]) / file.name
         text = file.read_text(encoding="utf-8", errors="replace")
-        body = tokenizer.decode(tokenizer.encode(text, chat=False)[:doc_tokens])
+        bodies[name] = tokenizer.decode(tokenizer.encode(text, chat=False)[:doc_tokens])
+    return bodies
+
+
+def build_prompts(doc_tokens: int, questions: int) -> tuple[list[dict], str]:
+    """Chat prompts (token ids) per document and question, and the Hugging Face folder
+    of the embedded model (what vLLM loads)."""
+    from specdec.models.loading import cached_gguf_conversion, embedded_gguf_path, load
+
+    tokenizer = load("smollm2-135m-instruct").tokenizer
+    prompts = []
+    for name, body in document_bodies(tokenizer, doc_tokens).items():
         for q, question in enumerate(QUESTIONS[:questions]):
             message = {"role": "user", "content": f"{body}\n\n{question}"}
             prompts.append({"document": name, "question": q, "ids": tokenizer.encode([message])})

@@ -14,7 +14,13 @@ from specdec.control.base import SpeculationController
 from specdec.control.cost import CostModel
 from specdec.drafters.base import Drafter, check_drafter
 from specdec.drafters.prediction import PredictionDrafter
-from specdec.engine.engine import Engine, EngineConfig, check_prompt_fits, new_prefix_cache
+from specdec.engine.engine import (
+    Engine,
+    EngineConfig,
+    check_prompt_fits,
+    new_prefix_cache,
+    prefix_block_size,
+)
 from specdec.engine.generate import generate_steps
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.stops import StopChecker
@@ -272,7 +278,7 @@ class LLM:
             return None
         cache = self._prefix_cache
         if cache is None or (cache.block_size, cache.max_bytes) != (
-            config.prefill_chunk,
+            prefix_block_size(config),
             config.prefix_cache_bytes,
         ):
             cache = self._prefix_cache = new_prefix_cache(self.target, config)

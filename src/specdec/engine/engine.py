@@ -841,6 +841,12 @@ class Engine:
         return step
 
 
+def prefix_block_size(config: EngineConfig) -> int:
+    """The prefix cache's block (tokens) under ``config``: one prefill chunk, or
+    :data:`INVARIANT_BLOCK` with ``invariant_prefill``."""
+    return INVARIANT_BLOCK if config.invariant_prefill else config.prefill_chunk
+
+
 def new_prefix_cache(target: Backend, config: EngineConfig) -> PrefixCache:
     """An empty :class:`PrefixCache` for ``config`` (its block: ``config.prefill_chunk``).
 
@@ -848,7 +854,7 @@ def new_prefix_cache(target: Backend, config: EngineConfig) -> PrefixCache:
         ValueError: prefix caching on a backend other than the native runtime.
     """
     check_prefix_cache(target, config)
-    tokens = INVARIANT_BLOCK if config.invariant_prefill else config.prefill_chunk
+    tokens = prefix_block_size(config)
     block = getattr(target.new_cache(1), "bytes_per_token", 0) * tokens
     if config.prefix_cache_bytes < block:
         logger.warning(

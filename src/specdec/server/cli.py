@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from specdec.engine.engine import INVARIANT_BLOCK
+    from specdec.engine.engine import prefix_block_size
     from specdec.server.app import create_app
 
     speculative, config = check_serve_args(args)
@@ -43,10 +43,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )  # fmt: skip
     ran_on = describe_target(target_meta(llm.target, threads.num_threads))
     if config.enable_prefix_caching:
-        block = INVARIANT_BLOCK if config.invariant_prefill else config.prefill_chunk
         ran_on += (
             f", prefix caching on ({config.prefix_cache_bytes / (1 << 30):g} GiB, blocks of "
-            f"{block} tokens)"
+            f"{prefix_block_size(config)} tokens)"
         )
     if config.invariant_prefill:
         ran_on += ", invariant prefill"
