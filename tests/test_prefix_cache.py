@@ -191,6 +191,24 @@ def test_draft_heads_get_the_prompts_hidden_states_from_the_cache(model):
         )
 
 
+def test_hidden_states_under_invariant_prefill_are_cut_to_their_blocks(model):
+    """Chunks of 10 rows, blocks of 4: each block keeps its own rows of the chunk's
+    hidden states, and a later request gets them bit for bit."""
+    layer = model.num_layers - 1
+    cold_head, warm_head = _HeadLike(layer), _HeadLike(layer)
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    cold, _ = _run(model, prompts, _invariant(False, 10), drafter=cold_head, k=2)
+    cache = PrefixCache(4, 1 << 20)
+    warm, _ = _run(model, prompts, _invariant(True, 10), drafter=warm_head, k=2, prefix_cache=cache)
+    assert warm[1].stats.num_cached_tokens == 20  # PROMPTS[1] shares 21 tokens: 5 blocks
+    for a, b in zip(cold, warm, strict=True):
+        _same(a, b)
+    for seen_cold, seen_warm in zip(cold_head.prompt_states, warm_head.prompt_states, strict=True):
+        assert torch.equal(
+            torch.cat([h for _, h in seen_cold]), torch.cat([h for _, h in seen_warm])
+        )
+
+
 def test_an_eagle_head_drafts_the_same_with_the_cache(tmp_path):
     """A trained EAGLE head's drafts read the prompt's hidden states: with the cache its
     outputs, logprobs and accepted drafts are those of the cold run."""

@@ -454,11 +454,8 @@ class Engine:
                 seq.stats.draft_s += time.perf_counter() - t0
             seq.num_prefilled = end
             seq.stats.prefill_s += forward_s
-            block = self.prefix_cache.block_size if self.prefix_cache is not None else 0
-            if block and end // block > start // block:  # a block is complete
-                self.prefix_cache.insert(
-                    self._shared_tokens(seq), end, seq.cache.read_slots, seq.captures, hidden
-                )
+            if self.prefix_cache is not None:
+                self._share_chunk(seq, start, end, hidden)
             if seq.num_to_prefill == 0:
                 seq.status = SequenceStatus.RUNNING
         outputs = []
@@ -660,6 +657,24 @@ class Engine:
         else:
             self.waiting.insert(position, seq)
 
+    def _share_chunk(self, seq: Sequence, start: int, end: int, hidden) -> None:
+        """Give the prefix cache the blocks a prompt chunk ``[start, end)`` completed, and
+        the hidden states it captured (a block straddling two chunks gets the rows of
+        both: the tail of the one before is carried in ``seq.hidden_carry``)."""
+        block, carry = self.prefix_cache.block_size, seq.hidden_carry
+        hidden_start = start
+        if hidden is not None and carry is not None and carry[0] + len(carry[1]) == start:
+            hidden, hidden_start = torch.cat([carry[1], hidden]), carry[0]
+        if end // block > start // block:  # a block is complete
+            self.prefix_cache.insert(
+                self._shared_tokens(seq), end, seq.cache.read_slots, seq.captures, hidden,
+                hidden_start,
+            )  # fmt: skip
+        boundary = end // block * block
+        seq.hidden_carry = None
+        if hidden is not None and boundary < end:
+            seq.hidden_carry = (boundary, hidden[boundary - hidden_start :])
+
     def _shared_tokens(self, seq: Sequence) -> list[int]:
         """What the prefix cache may key ``seq``'s KV by: its prompt, or with
         ``invariant_prefill`` (every token's KV computed alike) all its tokens."""
@@ -671,6 +686,7 @@ class Engine:
             # finished, aborted or preempted: its verified tokens' KV, for later requests
             # (a conversation's next turn) or for its own readmission
             cache.insert(seq.tokens, seq.cache.num_tokens, seq.cache.read_slots)
+        seq.hidden_carry = None
         if seq.drafter_state is not None:
             seq.drafter_state.close()
             seq.drafter_state = None

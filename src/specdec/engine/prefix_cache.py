@@ -26,6 +26,12 @@ chunk, whose bits differ). A draft head reads the prompt's hidden states too
 captured when it computed the chunk, and a request that captures the same layers shares
 only blocks that hold them.
 
+With ``EngineConfig.invariant_prefill`` the runtime computes prompt chunks with decoding's
+batch-invariant arithmetic, so a token's KV is the same bits whatever chunk, batch or step
+computed it: blocks then need not be chunks (16 tokens), and a sequence's whole KV, its
+output included, is kept when it ends (or is preempted), so a conversation's next turn
+reuses the previous answer and a preempted sequence is readmitted from its own blocks.
+
 Storage is a copy (one ``[num_layers, 2, num_kv_heads, C, head_dim]`` tensor per block,
 on the cache's device), not shared pages: the runtime's KV is one contiguous buffer per
 sequence. Eviction is least-recently-used under a byte budget, leaves before the blocks
@@ -133,6 +139,7 @@ class PrefixCache:
         read_slots,
         captures: tuple[int, ...] = (),
         hidden: torch.Tensor | None = None,
+        hidden_start: int = 0,
     ) -> None:
         """Keep every full block of ``prompt_ids`` within its first ``num_cached`` tokens
         that is not kept yet.
@@ -142,9 +149,10 @@ class PrefixCache:
             num_cached: its tokens whose KV the sequence's cache holds as prompt chunks.
             read_slots: ``read_slots(start, end)`` -> a copy of the sequence's KV of
                 slots ``[start, end)`` (``NativeKVCache.read_slots``).
-            captures, hidden: the layers the request captured and ``[block_size,
-                len(captures) * hidden_size]``, their states over the chunk that just
-                ended at ``num_cached`` (kept with its block).
+            captures, hidden, hidden_start: the layers the request captured and ``[n,
+                len(captures) * hidden_size]``, their states over the chunk of positions
+                ``[hidden_start, hidden_start + n)`` that just ran (kept with the blocks
+                that lie inside it).
         """
         if self.max_bytes == 0:
             return
@@ -157,10 +165,11 @@ class PrefixCache:
                 kv = read_slots(i * self.block_size, (i + 1) * self.block_size)
                 block_id = self._add(key, parent, kv)
             block = self._blocks[block_id]
-            last = (i + 1) * self.block_size == num_cached
-            if last and captures and hidden is not None and captures not in block.hidden:
+            first, end = i * self.block_size - hidden_start, (i + 1) * self.block_size
+            inside = hidden is not None and first >= 0 and end - hidden_start <= len(hidden)
+            if captures and inside and captures not in block.hidden:
                 before = block.num_bytes
-                block.hidden[captures] = hidden.detach().clone()
+                block.hidden[captures] = hidden[first : end - hidden_start].detach().clone()
                 self.num_bytes += block.num_bytes - before
             chain.append(block_id)
             parent = block_id

@@ -64,6 +64,9 @@ class Sequence:
             captures them in every forward of this sequence, hands the prompt's to the
             drafter state's ``observe_prefill`` and each verification's in the feedback.
         num_preemptions: times its cache was dropped to make room (then recomputed).
+        hidden_carry: with a prefix cache, ``(position, [n, D])``: the captured hidden
+            states of its last prompt chunk's rows after the chunk's last full block (the
+            start of a block the next chunk completes).
         control: its speculation controller state (see :mod:`specdec.control`), made from
             ``control_info``.
         last_cap, last_draft_s: the step's cap on draft tokens and its draft seconds.
@@ -103,6 +106,7 @@ class Sequence:
     finish_reason: str | None = None
     text_end: int | None = None
     num_preemptions: int = 0
+    hidden_carry: tuple[int, torch.Tensor] | None = None
     control: SequenceControl | None = None
     control_info: SequenceInfo | None = None
     last_cap: int = 0
