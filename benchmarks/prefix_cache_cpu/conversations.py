@@ -113,7 +113,10 @@ def run_vllm(firsts: list[dict], turns: int, max_new: int, folder: str, caching:
     for first in firsts:
         messages = [{"role": "user", "content": first["text"]}]
         for turn in range(turns):
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
             prompt = [TokensPrompt(prompt_token_ids=list(ids))]
             start = time.perf_counter()
             llm.generate(prompt, one, use_tqdm=False)
@@ -201,6 +204,8 @@ def main() -> int:
     else:
         firsts = first_messages(args.doc_tokens)
         result = {"specdec": run_specdec(firsts, args.turns, args.max_new_tokens)}
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result))  # kept if vLLM's part fails
         if args.vllm_python:
             from specdec.models.loading import cached_gguf_conversion, embedded_gguf_path
 

@@ -134,19 +134,21 @@ class PrefixCache:
 
     def insert(
         self,
-        prompt_ids: Sequence[int],
+        token_ids: Sequence[int],
         num_cached: int,
         read_slots,
         captures: tuple[int, ...] = (),
         hidden: torch.Tensor | None = None,
         hidden_start: int = 0,
     ) -> None:
-        """Keep every full block of ``prompt_ids`` within its first ``num_cached`` tokens
+        """Keep every full block of ``token_ids`` within its first ``num_cached`` tokens
         that is not kept yet.
 
         Args:
-            prompt_ids: ``[L]`` the prompt.
-            num_cached: its tokens whose KV the sequence's cache holds as prompt chunks.
+            token_ids: ``[L]`` the prompt (with ``invariant_prefill``: a sequence's
+                tokens, output included).
+            num_cached: its tokens whose KV the sequence's cache holds (as prompt chunks,
+                or computed in any way with ``invariant_prefill``).
             read_slots: ``read_slots(start, end)`` -> a copy of the sequence's KV of
                 slots ``[start, end)`` (``NativeKVCache.read_slots``).
             captures, hidden, hidden_start: the layers the request captured and ``[n,
@@ -157,9 +159,9 @@ class PrefixCache:
         if self.max_bytes == 0:
             return
         chain, parent = [], -1
-        limit = min(num_cached, len(prompt_ids) - 1) // self.block_size
+        limit = min(num_cached, len(token_ids) - 1) // self.block_size
         for i in range(limit):
-            key = self._key(parent, prompt_ids, i)
+            key = self._key(parent, token_ids, i)
             block_id = self._ids.get(key)
             if block_id is None:
                 kv = read_slots(i * self.block_size, (i + 1) * self.block_size)
