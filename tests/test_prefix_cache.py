@@ -284,6 +284,11 @@ def test_bad_settings_are_clear_errors(model):
         Engine(model, _config(True), prefix_cache=PrefixCache(16, 1 << 20))
     with pytest.raises(ValueError, match="prefix_cache_bytes"):
         EngineConfig(enable_prefix_caching=True, prefix_cache_bytes=-1)
+    for fast in (hf, NativeModel(tiny_hf("llama"), exact=False)):
+        with pytest.raises(ValueError, match="invariant_prefill needs the native backend"):
+            Engine(fast, EngineConfig(invariant_prefill=True))
+        with pytest.raises(ValueError, match="invariant_prefill needs the native backend"):
+            LLM(fast, engine_config=EngineConfig(invariant_prefill=True))
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(enable_prefix_caching="yes")
     with pytest.raises(ValueError, match="block_size"):
@@ -417,6 +422,12 @@ def test_serve_options_reach_the_engine():
         parser.parse_args(["--enable-prefix-caching", "--invariant-prefill"])
     )
     assert config.invariant_prefill and config.prefill_chunk == 2048
+    for bad, match in (
+        (["--invariant-prefill", "--backend", "hf"], "--invariant-prefill needs the native"),
+        (["--invariant-prefill", "--no-exact"], "drop --no-exact"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            check_serve_args(parser.parse_args(bad))
 
 
 def test_the_stats_line_gives_the_intervals_hit_rate():
@@ -555,3 +566,20 @@ def test_invariant_prefill_after_preemption_readmits_from_the_cache(model):
     for a, b in zip(cold, seqs, strict=True):
         _same(a, b)
     assert cache.num_hit_tokens > 0
+
+
+def test_llm_chat_is_generate_on_conversations():
+    """vLLM's ``LLM.chat``: one conversation or a batch, as ``generate`` gives them."""
+    from conftest import SERVER_CHAT_TEMPLATE
+
+    llm = LLM(NativeModel(tiny_hf("llama"), exact=True))
+    llm.tokenizer.hf.chat_template = SERVER_CHAT_TEMPLATE
+    params = SamplingParams(max_new_tokens=5)
+    talk = [{"role": "user", "content": "w1 w2 w3"}]
+    other = [*talk, {"role": "assistant", "content": "w4"}, {"role": "user", "content": "w5"}]
+    assert llm.chat(talk, params).token_ids == llm.generate(talk, params).token_ids
+    both = llm.chat([talk, other], params)
+    assert [o.token_ids for o in both] == [llm.generate(c, params).token_ids for c in (talk, other)]
+    for bad in ([], [[]], ["w1"], [talk, "w1"]):
+        with pytest.raises(ValueError, match="conversation"):
+            llm.chat(bad, params)

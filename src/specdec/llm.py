@@ -17,6 +17,7 @@ from specdec.drafters.prediction import PredictionDrafter
 from specdec.engine.engine import (
     Engine,
     EngineConfig,
+    check_invariant_prefill,
     check_prompt_fits,
     new_prefix_cache,
     prefix_block_size,
@@ -241,6 +242,8 @@ class LLM:
         self.engine_config = engine_config or EngineConfig()
         self._prefix_cache: PrefixCache | None = None
         self.prefix_cache()  # refused now on a backend that cannot share prompt KV
+        if self.engine_config.invariant_prefill:
+            check_invariant_prefill(self.target)
         #: what verification forwards and drafts cost here, learned from every generation
         #: (the adaptive controllers read it; see :mod:`specdec.control.cost`)
         self.cost_model = CostModel()
@@ -641,6 +644,29 @@ class LLM:
         """
         spec = params.structured_outputs
         return None if spec is None else self.grammars.matcher(spec)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        speculative: SpeculativeConfig | list[SpeculativeConfig] | None = None,
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """vLLM's ``LLM.chat``: :meth:`generate` on one conversation (a list of
+        ``{"role", "content"}`` messages, the chat template applied) or on a batch of them.
+
+        Raises:
+            ValueError: a conversation that is not a non-empty list of messages, or what
+                :meth:`generate` refuses.
+        """
+        batch = bool(messages) and all(isinstance(m, list) for m in messages)
+        for conversation in messages if batch else [messages]:
+            if not conversation or not all(isinstance(m, dict) for m in conversation):
+                raise ValueError(
+                    "chat takes a conversation (a non-empty list of {'role', 'content'} "
+                    "messages) or a list of conversations"
+                )
+        return self.generate(messages, sampling_params, speculative=speculative, chat=True)
 
     def stream(
         self,

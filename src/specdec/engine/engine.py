@@ -215,6 +215,8 @@ class Engine:
         self.target = target
         self.config = config or EngineConfig()
         self.prefix_cache = None
+        if self.config.invariant_prefill:
+            check_invariant_prefill(target)
         if self.config.enable_prefix_caching:
             self.prefix_cache = (
                 new_prefix_cache(target, self.config) if prefix_cache is None else prefix_cache
@@ -879,6 +881,25 @@ def new_prefix_cache(target: Backend, config: EngineConfig) -> PrefixCache:
             config.prefix_cache_bytes, block, tokens,
         )  # fmt: skip
     return PrefixCache(tokens, config.prefix_cache_bytes)
+
+
+def check_invariant_prefill(target: Backend) -> None:
+    """Refuse ``invariant_prefill`` where decoding's arithmetic is not batch-invariant.
+
+    Raises:
+        ValueError: a backend other than the native runtime, or its fast mode
+            (``exact=False``).
+    """
+    if getattr(target, "backend", None) != "native" or not getattr(target, "exact", False):
+        where = (
+            "the native runtime's fast mode (exact=False)"
+            if getattr(target, "backend", None) == "native"
+            else f"the {getattr(target, 'backend', 'other')!r} backend"
+        )
+        raise ValueError(
+            "invariant_prefill needs the native backend in exact mode (the default): "
+            f"{where} computes a row's bits differently in different batches"
+        )
 
 
 def check_prefix_cache(target: Backend, config: EngineConfig, cache=None) -> None:

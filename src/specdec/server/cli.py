@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /metrics) with batched speculative decoding.",
+        "/v1/models, /health, /metrics, /reset_prefix_cache) with batched speculative "
+        "decoding.",
     )
     add_serve_arguments(p)
     p.set_defaults(func=_cmd_serve)

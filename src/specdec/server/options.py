@@ -81,17 +81,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "blocks dropped first (default: 1)",
     )  # fmt: skip
     p.add_argument(
-        "--invariant-prefill", action="store_true",
+        "--invariant-prefill", action=argparse.BooleanOptionalAction, default=False,
         help="compute prompts with decoding's batch-invariant arithmetic: a token's KV is "
-        "then the same whatever computed it, so outputs no longer depend on --prefill-chunk "
-        "and the prefix cache shares blocks of 16 tokens, answers included (a "
-        "conversation's next turn reuses the previous answer); prompts cost about 1.5x to "
-        "compute (native backend, exact mode)",
+        "then the same whatever computed it, so outputs no longer depend on --prefill-chunk, "
+        "and with --enable-prefix-caching the cache shares blocks of 16 tokens, answers "
+        "included (a conversation's next turn reuses the previous answer); prompts cost "
+        "1.3-1.5x to compute (native backend, exact mode; default: off)",
     )  # fmt: skip
     p.add_argument(
         "--prefill-chunk", type=int, default=None, metavar="TOKENS",
-        help="prompt tokens per prefill forward, and the prefix cache's block (default: "
-        "2048; 256 with --enable-prefix-caching). Outputs depend on it bit for bit",
+        help="prompt tokens per prefill forward (default: 2048; 256 with "
+        "--enable-prefix-caching, whose block it then is). Outputs depend on it bit for bit, "
+        "unless --invariant-prefill",
     )  # fmt: skip
     p.add_argument(
         "--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
@@ -146,6 +147,10 @@ def check_serve_args(args: argparse.Namespace):
         raise ValueError("--prefix-cache-gib sets the prefix cache: add --enable-prefix-caching")
     if gib is not None and not 0 < gib < float("inf"):
         raise ValueError(f"--prefix-cache-gib must be a number > 0, got {gib}")
+    if args.invariant_prefill and args.backend == "hf":
+        raise ValueError("--invariant-prefill needs the native backend (--backend native or auto)")
+    if args.invariant_prefill and getattr(args, "exact", True) is False:
+        raise ValueError("--invariant-prefill needs exact mode: drop --no-exact")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.max_waiting < 1:
