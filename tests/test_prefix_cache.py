@@ -101,35 +101,6 @@ def test_a_prompt_wholly_cached_starts_verifying_at_once(model):
     _same(cold[0], warm[1])
 
 
-def test_batched_with_preemption_and_hits_equals_cold(model):
-    config = _config(True, max_num_batched_tokens=24, max_kv_tokens=96)
-    cache = PrefixCache(CHUNK, 1 << 20)
-    _run(model, [PROMPTS[0]], config, prefix_cache=cache)  # warm the cache
-    engine = Engine(model, config, prefix_cache=cache)
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=2)
-    seqs = [
-        engine.add_request(
-            str(i),
-            p,
-            params,
-            drafter=NgramDrafter(),
-            num_speculative_tokens=3,
-            generator=make_generator(0),
-        )  # fmt: skip
-        for i, p in enumerate(PROMPTS)
-    ]
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.num_preemptions > 0
-    cold, _ = _run(
-        model, PROMPTS, _config(False, max_num_batched_tokens=24, max_kv_tokens=96),
-        drafter=NgramDrafter(), k=3, params=params,
-    )  # fmt: skip
-    for a, b in zip(cold, seqs, strict=True):
-        _same(a, b)
-    assert sum(s.stats.num_cached_tokens for s in seqs) > 0
-
-
 def test_a_tiny_budget_evicts_and_changes_nothing(model):
     one_block = NativeKVCache(2, 2, 16, CHUNK, torch.float32, "cpu").bytes_per_token * CHUNK
     cold, _ = _run(model, PROMPTS, _config(False))
@@ -547,10 +518,16 @@ def test_invariant_prefill_shares_blocks_of_answers_and_small_prefixes(model):
     assert turns == expected[:3] and turns[1] > 12  # turn 2 reused part of turn 1's answer
 
 
-def test_invariant_prefill_after_preemption_readmits_from_the_cache(model):
-    config = _invariant(True, max_num_batched_tokens=24, max_kv_tokens=96)
-    cache = PrefixCache(4, 1 << 20)
-    engine = Engine(model, config, prefix_cache=cache)
+@pytest.mark.parametrize("invariant", [False, True], ids=["chunks", "invariant"])
+def test_batched_with_preemption_and_hits_equals_cold(model, invariant):
+    """A tight KV budget preempts; with invariant prefill a preempted sequence is
+    readmitted from its own blocks. Every output equals the cold batch's."""
+    make = _invariant if invariant else _config
+    limits = dict(max_num_batched_tokens=24, max_kv_tokens=96)
+    cache = PrefixCache(4 if invariant else CHUNK, 1 << 20)
+    if not invariant:
+        _run(model, [PROMPTS[0]], make(True, **limits), prefix_cache=cache)  # warm it
+    engine = Engine(model, make(True, **limits), prefix_cache=cache)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=2)
     seqs = [
         engine.add_request(str(i), p, params, drafter=NgramDrafter(), num_speculative_tokens=3)
@@ -560,9 +537,8 @@ def test_invariant_prefill_after_preemption_readmits_from_the_cache(model):
         engine.step()
     assert engine.num_preemptions > 0
     cold, _ = _run(
-        model, PROMPTS, _invariant(False, max_num_batched_tokens=24, max_kv_tokens=96),
-        drafter=NgramDrafter(), k=3, params=params,
-    )  # fmt: skip
+        model, PROMPTS, make(False, **limits), drafter=NgramDrafter(), k=3, params=params
+    )
     for a, b in zip(cold, seqs, strict=True):
         _same(a, b)
     assert cache.num_hit_tokens > 0
