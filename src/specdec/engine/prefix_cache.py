@@ -31,6 +31,8 @@ batch-invariant arithmetic, so a token's KV is the same bits whatever chunk, bat
 computed it: blocks then need not be chunks (16 tokens), and a sequence's whole KV, its
 output included, is kept when it ends (or is preempted), so a conversation's next turn
 reuses the previous answer and a preempted sequence is readmitted from its own blocks.
+In the runtime's fast mode (``exact=False``) a hit is only as close to a cold run as any
+batching is, as in vLLM (``invariant_prefill`` is refused there).
 
 Storage is a copy (one ``[num_layers, 2, num_kv_heads, C, head_dim]`` tensor per block,
 on the cache's device), not shared pages: the runtime's KV is one contiguous buffer per
