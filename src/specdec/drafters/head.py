@@ -1,6 +1,6 @@
-"""What the draft-head drafters (:mod:`.eagle`, :mod:`.medusa`, :mod:`.parallel`) share:
-the loaded head, the hidden-state indices it reads and the map from its draft vocabulary
-back to the target's."""
+"""What the draft-head drafters (:mod:`.eagle`, :mod:`.medusa`, :mod:`.hydra`,
+:mod:`.parallel`) share: the loaded head, the hidden-state indices it reads and the map
+from its draft vocabulary back to the target's."""
 
 from __future__ import annotations
 
@@ -42,6 +42,15 @@ class HeadDrafterBase(DrafterBase):
         """``[N, V']`` draft-vocabulary logits -> ``[N, V]`` float32 target-vocabulary
         logits, ``-inf`` outside the draft vocabulary (:func:`spread_logits`)."""
         return spread_logits(draft_logits, self.vocab_map, self.vocab_size)
+
+
+class LastStateDrafter(HeadDrafterBase):
+    """A head drafter whose heads read only the last verified token's state (Medusa,
+    Hydra): one head per draft position, ``num_heads`` (= ``max_draft_tokens``) of them."""
+
+    def __init__(self, target, head, options) -> None:
+        super().__init__(target, head, options)
+        self.num_heads = self.max_draft_tokens = head.config.medusa_heads
 
 
 class LastStateSequence(DrafterBase):

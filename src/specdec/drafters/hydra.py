@@ -27,13 +27,13 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.draft_model import expansions_from_logits
-from specdec.drafters.head import HeadDrafterBase, LastStateSequence
+from specdec.drafters.head import LastStateDrafter, LastStateSequence
 from specdec.sampling import logits_to_probs, sample
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
 
 
-class HydraDrafter(HeadDrafterBase):
+class HydraDrafter(LastStateDrafter):
     """Drafts with trained Hydra heads (see the module docstring).
 
     Args:
@@ -41,10 +41,6 @@ class HydraDrafter(HeadDrafterBase):
         head: a loaded :class:`~specdec.heads.modules.HydraHead` for this target.
         options: :class:`~specdec.drafters.options.HydraOptions`.
     """
-
-    def __init__(self, target, head, options) -> None:
-        super().__init__(target, head, options)
-        self.num_heads = self.max_draft_tokens = head.config.medusa_heads
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> HydraSequence:
         return HydraSequence(self, params)

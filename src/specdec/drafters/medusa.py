@@ -25,12 +25,12 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.draft_model import expansions_from_logits
-from specdec.drafters.head import HeadDrafterBase, LastStateSequence, chain_from_positions
+from specdec.drafters.head import LastStateDrafter, LastStateSequence, chain_from_positions
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
 
 
-class MedusaDrafter(HeadDrafterBase):
+class MedusaDrafter(LastStateDrafter):
     """Drafts with trained Medusa heads (see the module docstring).
 
     Args:
@@ -38,14 +38,6 @@ class MedusaDrafter(HeadDrafterBase):
         head: a loaded :class:`~specdec.heads.modules.MedusaHead` for this target.
         options: :class:`~specdec.drafters.options.MedusaOptions`.
     """
-
-    supports_trees = True
-    observes = True
-    confidence_stop = True
-
-    def __init__(self, target, head, options) -> None:
-        super().__init__(target, head, options)
-        self.num_heads = self.max_draft_tokens = head.config.medusa_heads
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> MedusaSequence:
         return MedusaSequence(self, params)
