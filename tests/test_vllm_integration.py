@@ -150,6 +150,7 @@ def test_vllm_suffix_fields_set_options_and_the_environment_overrides(monkeypatc
         ("parallel", "the target's hidden states"),
         ("layer-skip", "the target's own layers"),
         ("sparse-kv", "the target's own layers"),
+        ("quantized", "the target's own layers"),
     ],
 )
 def test_drafters_needing_more_than_token_ids_are_refused(monkeypatch, spec, need):

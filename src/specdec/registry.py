@@ -469,6 +469,12 @@ def _sparse_kv(context: DrafterContext, options: opts.SparseKVOptions):
     return SparseKVDrafter(context.target, options)
 
 
+def _quantized(context: DrafterContext, options: opts.QuantizedOptions):
+    from specdec.drafters.quantized import QuantizedDrafter
+
+    return QuantizedDrafter(context.target, options)
+
+
 def _head(context: DrafterContext, kind: str, options):
     """The head of ``options.head`` (or the shipped one), with ``options.quantization``."""
     from specdec.heads.format import load_head, shipped_head_path
@@ -575,6 +581,13 @@ for _entry in (
         opts.SparseKVOptions,
         _sparse_kv,
         "long-context self-speculative: the target over a sinks + recent KV window drafts",
+        samples=True,
+    ),
+    DrafterEntry(
+        "quantized",
+        opts.QuantizedOptions,
+        _quantized,
+        "self-speculative: the target with 4-bit weights (or 8-bit activations) drafts",
         samples=True,
     ),
     DrafterEntry(

@@ -66,6 +66,7 @@ DEFAULT_K = {
     "lookahead": 8,
     "retrieval": 10,
     "layer-skip": 5,
+    "quantized": 5,
 }
 
 

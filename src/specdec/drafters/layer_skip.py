@@ -280,6 +280,9 @@ class LayerSkipDrafter(DrafterBase):
                 "or auto on a model the runtime supports)"
             )
         self.target = target
+        #: the model whose forwards draft over the target's cache: the target itself
+        #: (:class:`~specdec.drafters.quantized.QuantizedDrafter` sets its quantized copy)
+        self.draft_target = target
         self.options = options = options or LayerSkipOptions()
         num_layers = target.num_layers
         self.search: SkipSetSearch | None = None
@@ -321,7 +324,7 @@ class LayerSkipSequence(DrafterBase):
 
     def __init__(self, drafter: LayerSkipDrafter, params: SamplingParams) -> None:
         self.drafter = drafter
-        self.target = drafter.target
+        self.target = drafter.draft_target  # runs the draft forwards
         self.params = params
         # a seeded sampled generation must not depend on earlier requests: it drafts with
         # the search's starting set and does not feed the search

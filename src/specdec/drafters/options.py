@@ -291,6 +291,68 @@ class SparseKVOptions:
             raise ValueError(f"confidence must be a number in [0, 1), got {value!r}")
 
 
+#: ``quantization`` values of the ``quantized`` drafter.
+DRAFT_QUANTIZATIONS = ("auto", "target", "q4_1", "q8_0", "gguf")
+#: ``kernel`` values of the ``quantized`` drafter (``specdec.runtime.quant.QUANT_KERNELS``).
+DRAFT_KERNELS = ("auto", "fma", "amx", "dpbf16", "q8")
+
+
+@dataclass(frozen=True)
+class QuantizedOptions:
+    """Quantized self-speculation: the target with quantized products drafts (ML-SpecQD,
+    Georganas et al. 2025, arXiv:2503.13565; QSpec, Zhao et al. 2025, arXiv:2410.11305);
+    see :mod:`specdec.drafters.quantized`.
+
+    Attributes:
+        quantization: the draft's blocks. ``auto`` (default): a dense target's weights in
+            its GGUF file's blocks when it came from one, else quantized to ``q4_1`` at
+            load; a quantized target's own blocks (``target``). ``q4_1`` / ``q8_0`` /
+            ``gguf``: as ``--quantization`` (dense targets only).
+        kernel: the draft's quantized product kernel: ``auto`` (default) is ``q8``
+            (activations rounded to 8 bits, integer dot products: the fastest one-row
+            product on the CPUs measured, and a draft's rounding never changes the
+            output; Spec-Bench on the embedded model's dense weights, bf16, 2-core AMD
+            Zen 4: 1.38x plain decoding on ``q8``, 1.22x on ``dpbf16``), ``fma``,
+            ``amx``, ``dpbf16`` (bfloat16 only) or ``q8``.
+        skip: decoder layers the draft also skips (as ``layer-skip:skip=``; ``""``:
+            none), for a cheaper draft at a lower acceptance.
+        confidence: end a chain draft before a token whose draft top-1 probability is
+            below this, in [0, 1); ``0`` (default) disables.
+    """
+
+    quantization: str = option(
+        "auto",
+        "the draft's blocks: auto (the GGUF's, else q4_1; a quantized target's own), "
+        "q4_1, q8_0, gguf",
+    )
+    kernel: str = option(
+        "auto", "the draft's product kernel: auto (= q8: 8-bit activations), fma, amx, dpbf16"
+    )
+    skip: str = option("", "decoder layers the draft also skips, e.g. 10-14; empty: none")
+    confidence: float = option(
+        0.0,
+        "end a chain draft before a token whose draft probability is below this, in [0, 1); 0: off",
+    )
+
+    def __post_init__(self) -> None:
+        if self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, got "
+                f"{self.quantization!r}"
+            )
+        if self.kernel not in DRAFT_KERNELS:
+            raise ValueError(
+                f"kernel must be one of {', '.join(DRAFT_KERNELS)}, got {self.kernel!r}"
+            )
+        if not isinstance(self.skip, str):
+            raise ValueError(f"skip must be a string like '10-14', got {self.skip!r}")
+        parse_layer_set(self.skip)
+        value = self.confidence
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not 0.0 <= value < 1.0:
+            raise ValueError(f"confidence must be a number in [0, 1), got {value!r}")
+
+
 @dataclass(frozen=True)
 class RetrievalOptions:
     """REST, retrieval-based speculative decoding (He et al. 2024, arXiv:2311.08252).

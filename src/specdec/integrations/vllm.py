@@ -79,6 +79,7 @@ _NEEDS = {
     "draft-model": "a draft model",
     "layer-skip": "the target's own layers and KV cache",
     "sparse-kv": "the target's own layers and KV cache",
+    "quantized": "the target's own layers and KV cache",
     "eagle": "the target's hidden states",
     "medusa": "the target's hidden states",
     "hydra": "the target's hidden states",

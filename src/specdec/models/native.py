@@ -3,6 +3,7 @@ models, behind the backend protocol (:class:`~specdec.models.base.Backend`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +22,12 @@ from specdec.runtime.cache import NativeKVCache
 from specdec.runtime.kernels import kernel_available
 from specdec.runtime.linear import KernelChoice
 from specdec.runtime.model import NativeDecoder
-from specdec.runtime.quant import QUANTIZATIONS, gguf_matrices, quantize
+from specdec.runtime.quant import (
+    QUANTIZATIONS,
+    available_quant_kernels,
+    gguf_matrices,
+    quantize,
+)
 from specdec.runtime.weights import extract_weights
 
 logger = logging.getLogger(__name__)
@@ -158,6 +164,73 @@ class NativeModel(BackendBase):
         """One forward over several sequences (a ragged batch); see
         :meth:`specdec.runtime.model.NativeDecoder.forward`."""
         return self.decoder.forward(items, exact)
+
+    def quantized_copy(self, quantization: str, kernel: str | None = None) -> NativeModel:
+        """This model with its products quantized (or on another quantized kernel): a
+        self-draft that runs on this model's KV caches (same architecture, dtype and
+        cache layout; see :mod:`specdec.drafters.quantized`).
+
+        The embedding, norms, biases and dense products are this model's own tensors
+        (shared, not copied); only the quantized blocks and their kernel's layout of them
+        are new (with ``quantization == "target"`` the blocks are this model's own and
+        only the layout is made). Made once per ``(quantization, kernel)`` and kept:
+        drafters built for several speculation configurations share it.
+
+        Args:
+            quantization: ``"q4_1"``, ``"q8_0"``, ``"gguf"`` (as :class:`NativeModel`'s,
+                from this model's dense weights or its GGUF file), or ``"target"`` (this
+                model's own blocks, for a model that is quantized already).
+            kernel: the quantized product kernel of every product (one of
+                :data:`~specdec.runtime.quant.QUANT_KERNELS` available here for this
+                dtype); ``None`` measures as at load.
+
+        Raises:
+            ValueError: ``"target"`` on a dense model, another quantization on a quantized
+                one, an unknown quantization, or a kernel that does not run here; and the
+                errors of :class:`NativeModel`'s ``quantization``.
+        """
+        key = (quantization, kernel)
+        copies = self.__dict__.setdefault("_quantized_copies", {})
+        if key not in copies:
+            copies[key] = self._quantized_copy(quantization, kernel)
+        return copies[key]
+
+    def _quantized_copy(self, quantization: str, kernel: str | None) -> NativeModel:
+        weights = self.decoder.weights
+        if quantization == "target":
+            if not weights.quantized:
+                raise ValueError(f"{self.name} runs dense products: it has no blocks to share")
+            blocks = weights.quantized
+        elif weights.quantized:
+            raise ValueError(
+                f"{self.name} already runs quantized products ({self.quantization}): a "
+                "quantized copy shares its blocks (quantization 'target')"
+            )
+        else:
+            blocks = quantized_products(self.hf, weights, quantization)
+            if blocks is None:
+                raise ValueError("a quantized copy needs a quantization, not 'none'")
+        kernels = None
+        if kernel is not None:
+            available = available_quant_kernels(self.dtype)
+            if kernel not in available:
+                dtype = str(self.dtype).replace("torch.", "")
+                raise ValueError(
+                    f"quantized kernel {kernel!r} does not run here for {dtype} activations; "
+                    f"available: {', '.join(available) or 'none (no C++ kernels)'}"
+                )
+            kernels = dict.fromkeys(blocks, kernel)
+        copy = object.__new__(NativeModel)
+        copy.__dict__.update(self.__dict__)
+        copy._quantized_copies = {}
+        copy.quantization = quantization if quantization != "target" else self.quantization
+        copy.decoder = NativeDecoder(
+            dataclasses.replace(weights, quantized=blocks),
+            self.exact,
+            self.decoder.choices,
+            quant_kernels=kernels,
+        )
+        return copy
 
 
 def quantized_products(hf: HFModel, weights, quantization: str) -> dict | None:

@@ -72,6 +72,9 @@ class NativeDecoder:
         prefill: when prompt chunks of a 16-bit model compute in float32
             (:mod:`specdec.runtime.prefill`); measured (or read from the on-disk table)
             when ``None``.
+        quant_kernels: the kernel of each quantized product (``{product: "fma" | "amx" |
+            "dpbf16" | "q8"}``, e.g. a quantized self-draft's own); measured (see
+            :func:`~specdec.runtime.quant.quant_kernel_choices`) when ``None``.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class NativeDecoder:
         exact: bool = True,
         choices: dict[str, KernelChoice] | None = None,
         prefill: PrefillPlan | None = None,
+        quant_kernels: dict[str, str] | None = None,
     ) -> None:
         self.weights = weights
         self.config = cfg = weights.config
@@ -95,7 +99,9 @@ class NativeDecoder:
         self.choices = choices or (kernel_choices(dense) if dense else {})
         self.dtype = weights.embed.dtype
         #: the kernel of each quantized product (measured once, see quant_kernel_choices)
-        self.quant_kernels = quant_kernel_choices(quantized, self.dtype) if quantized else {}
+        self.quant_kernels = quant_kernels or (
+            quant_kernel_choices(quantized, self.dtype) if quantized else {}
+        )
 
         def linear(name: str, index: int, weight, bias):
             if name in quantized:
