@@ -42,6 +42,14 @@ def q4(hf32):
     return NativeModel(hf32, exact=True, quantization="q4_1")
 
 
+def _small(num_layers: int):
+    """The statistical test's 8-token target (and a noisy copy), 32 wide: a block holds 32
+    weights (the conftest's ``small`` is 16 wide)."""
+    tokenizer = make_tokenizer(num_words=5)
+    target = make_model(tokenizer, seed=0, hidden_size=32, num_layers=num_layers, init_std=0.2)
+    return target, perturbed_copy(target, noise=0.08, seed=1)
+
+
 class TestQuantizedConformance(_NativeTargets, DrafterConformance):
     """A dense target's q4_1 copy on the q8 kernel drafts (the default)."""
 
@@ -50,10 +58,7 @@ class TestQuantizedConformance(_NativeTargets, DrafterConformance):
     @pytest.fixture(scope="class")
     @classmethod
     def small(cls):
-        """The statistical test's target, 32 wide (the blocks hold 32 weights)."""
-        tokenizer = make_tokenizer(num_words=5)
-        target = make_model(tokenizer, seed=0, hidden_size=32, num_layers=1, init_std=0.2)
-        return target, perturbed_copy(target, noise=0.08, seed=1)
+        return _small(num_layers=1)
 
 
 class TestQuantizedSkipConformance(_NativeTargets, DrafterConformance):
@@ -66,9 +71,7 @@ class TestQuantizedSkipConformance(_NativeTargets, DrafterConformance):
     @pytest.fixture(scope="class")
     @classmethod
     def small(cls):
-        tokenizer = make_tokenizer(num_words=5)
-        target = make_model(tokenizer, seed=0, hidden_size=32, num_layers=2, init_std=0.2)
-        return target, perturbed_copy(target, noise=0.08, seed=1)
+        return _small(num_layers=2)
 
 
 def _drafter(target, **options) -> QuantizedDrafter:

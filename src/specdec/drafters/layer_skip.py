@@ -317,6 +317,37 @@ class LayerSkipDrafter(DrafterBase):
         return LayerSkipSequence(self, params)
 
 
+class FixedSelfDrafter(LayerSkipDrafter):
+    """A self-draft with a fixed set of skipped layers (empty: every layer runs) and no
+    search: the base of :class:`~specdec.drafters.sparse_kv.SparseKVDrafter` and
+    :class:`~specdec.drafters.quantized.QuantizedDrafter`.
+
+    Args:
+        target: the target on the native backend.
+        name: the drafter's registry name (for the refusal).
+        why: why it needs the native backend (for the refusal).
+        skip: the fixed set (see :func:`~specdec.drafters.options.parse_layer_set`).
+        confidence: the chain's confidence stop, in [0, 1).
+
+    Raises:
+        ValueError: the target is not on the native backend, or ``skip`` names layers
+            outside the model or skips every layer.
+    """
+
+    def __init__(self, target, name: str, why: str, skip: str, confidence: float) -> None:
+        if getattr(target, "backend", None) != "native":
+            raise ValueError(
+                f"{name} needs the native backend (backend='native' / --backend native, "
+                f"or auto on a model the runtime supports): {why}"
+            )
+        options = LayerSkipOptions(
+            skip=skip, skip_ratio=0.0, confidence=confidence, search_rounds=0
+        )
+        super().__init__(target, options)
+        self.search = None  # nothing is searched
+        self.observes = False
+
+
 class LayerSkipSequence(DrafterBase):
     """One sequence's drafting over its own KV cache (attached by the engine)."""
 

@@ -246,6 +246,16 @@ class LayerSkipOptions:
         _check_int("seed", self.seed, 0)
 
 
+def _check_skip_confidence(skip, confidence) -> None:
+    """A fixed self-draft's ``skip`` (a layer set) and ``confidence`` (in [0, 1))."""
+    if not isinstance(skip, str):
+        raise ValueError(f"skip must be a string like '10-14', got {skip!r}")
+    parse_layer_set(skip)
+    ok = isinstance(confidence, (int, float)) and not isinstance(confidence, bool)
+    if not ok or not 0.0 <= confidence < 1.0:
+        raise ValueError(f"confidence must be a number in [0, 1), got {confidence!r}")
+
+
 @dataclass(frozen=True)
 class SparseKVOptions:
     """Long-context self-speculation with a sparse KV cache (StreamingLLM's window as the
@@ -282,13 +292,7 @@ class SparseKVOptions:
         _check_int("sinks", self.sinks, 0)
         _check_int("recent", self.recent, 1)
         _check_int("min_context", self.min_context, 0)
-        if not isinstance(self.skip, str):
-            raise ValueError(f"skip must be a string like '10-14', got {self.skip!r}")
-        parse_layer_set(self.skip)
-        value = self.confidence
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok or not 0.0 <= value < 1.0:
-            raise ValueError(f"confidence must be a number in [0, 1), got {value!r}")
+        _check_skip_confidence(self.skip, self.confidence)
 
 
 #: ``quantization`` values of the ``quantized`` drafter.
@@ -344,13 +348,7 @@ class QuantizedOptions:
             raise ValueError(
                 f"kernel must be one of {', '.join(DRAFT_KERNELS)}, got {self.kernel!r}"
             )
-        if not isinstance(self.skip, str):
-            raise ValueError(f"skip must be a string like '10-14', got {self.skip!r}")
-        parse_layer_set(self.skip)
-        value = self.confidence
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok or not 0.0 <= value < 1.0:
-            raise ValueError(f"confidence must be a number in [0, 1), got {value!r}")
+        _check_skip_confidence(self.skip, self.confidence)
 
 
 @dataclass(frozen=True)

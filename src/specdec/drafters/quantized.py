@@ -45,11 +45,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdec.config import SamplingParams
-from specdec.drafters.layer_skip import LayerSkipDrafter, LayerSkipSequence
-from specdec.drafters.options import LayerSkipOptions, QuantizedOptions
+from specdec.drafters.layer_skip import FixedSelfDrafter, LayerSkipSequence
+from specdec.drafters.options import QuantizedOptions
 
 
-class QuantizedDrafter(LayerSkipDrafter):
+class QuantizedDrafter(FixedSelfDrafter):
     """The target drafting with quantized products over its own KV cache (see the module
     docstring).
 
@@ -74,22 +74,9 @@ class QuantizedDrafter(LayerSkipDrafter):
     """
 
     def __init__(self, target, options: QuantizedOptions | None = None) -> None:
-        if getattr(target, "backend", None) != "native":
-            raise ValueError(
-                "quantized needs the native backend (backend='native' / --backend native, "
-                "or auto on a model the runtime supports): it runs the target's decoder on "
-                "quantized products over the runtime's KV cache"
-            )
         self.quantized_options = options = options or QuantizedOptions()
-        super().__init__(
-            target,
-            LayerSkipOptions(
-                skip=options.skip, skip_ratio=0.0, confidence=options.confidence,
-                search_rounds=0,
-            ),
-        )  # fmt: skip
-        self.search = None  # a fixed set (empty: every layer); nothing is searched
-        self.observes = False
+        why = "it runs the target's decoder on quantized products over the runtime's KV cache"
+        super().__init__(target, "quantized", why, options.skip, options.confidence)
         self.quantization, kernel = draft_plan(target, options)
         self.draft_target = target.quantized_copy(self.quantization, kernel)
         self.kernels = dict(self.draft_target.decoder.quant_kernels)

@@ -40,14 +40,14 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal
-from specdec.drafters.layer_skip import LayerSkipDrafter, LayerSkipSequence
-from specdec.drafters.options import LayerSkipOptions, SparseKVOptions
+from specdec.drafters.layer_skip import FixedSelfDrafter, LayerSkipSequence
+from specdec.drafters.options import SparseKVOptions
 from specdec.trees.builders import Expansion
 
 logger = logging.getLogger(__name__)
 
 
-class SparseKVDrafter(LayerSkipDrafter):
+class SparseKVDrafter(FixedSelfDrafter):
     """The target drafting over a sinks + recent window of its own KV cache (see the
     module docstring).
 
@@ -65,22 +65,9 @@ class SparseKVDrafter(LayerSkipDrafter):
     """
 
     def __init__(self, target, options: SparseKVOptions | None = None) -> None:
-        if getattr(target, "backend", None) != "native":
-            raise ValueError(
-                "sparse-kv needs the native backend (backend='native' / --backend native, "
-                "or auto on a model the runtime supports): it attends over a window of the "
-                "runtime's KV cache"
-            )
         self.sparse_options = options = options or SparseKVOptions()
-        super().__init__(
-            target,
-            LayerSkipOptions(
-                skip=options.skip, skip_ratio=0.0, confidence=options.confidence,
-                search_rounds=0,
-            ),
-        )  # fmt: skip
-        self.search = None  # a fixed set (empty: every layer); nothing is searched
-        self.observes = False
+        why = "it attends over a window of the runtime's KV cache"
+        super().__init__(target, "sparse-kv", why, options.skip, options.confidence)
         self.kv_window = (options.sinks, options.recent)
         self._told_short = False
 
