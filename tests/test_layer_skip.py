@@ -425,3 +425,83 @@ class TestSearchingLayerSkipConformance(_NativeTargets, DrafterConformance):
         tokenizer = make_tokenizer(num_words=5)
         target = make_model(tokenizer, seed=0, hidden_size=16, num_layers=4, init_std=0.2)
         return target, perturbed_copy(target, noise=0.08, seed=1)
+
+
+# ---------------------------------------------------------------- chains of several sequences
+
+
+def _batch_case(target, drafter, params, prompts, ks, stop=None):
+    """Each prompt's state over its own cache, the requests, and the solo proposals (made
+    first, each from a fresh generator seeded by its index)."""
+    from specdec.drafters.base import ChainRequest
+
+    states, solos = [], []
+    for i, prompt in enumerate(prompts):
+        state = drafter.start(prompt, params)
+        cache = target.new_cache(64)
+        target.forward(prompt[:-1], cache)
+        state.attach_cache(cache)
+        states.append(state)
+        solo = state.propose(prompt, ks[i], torch.Generator().manual_seed(i), stop_drafting=stop)
+        solos.append(solo)
+    requests = [
+        ChainRequest(state, prompt, k, torch.Generator().manual_seed(i), stop)
+        for i, (state, prompt, k) in enumerate(zip(states, prompts, ks, strict=True))
+    ]
+    return states, requests, solos
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_propose_batch_equals_each_sequence_alone(deep, params):
+    """propose_batch drafts every sequence's chain in shared forwards (one per draft step):
+    the proposals, their distributions and the caches equal each sequence drafting alone,
+    with different lengths, a zero-length request and a confidence stop."""
+    drafter = LayerSkipDrafter(deep, LayerSkipOptions(skip="2-3", confidence=0.0))
+    prompts = [PROMPT, [1, 9, 4, 4, 7], [1, 20, 21, 22, 23, 24, 20, 21], [1, 3]]
+    ks = [5, 3, 0, 6]
+    stop = (lambda i, c: i >= 4) if params.greedy else None
+    states, requests, solos = _batch_case(deep, drafter, params, prompts, ks, stop)
+    before = [s.cache.kv[:, :, :, : s.cache.num_tokens].clone() for s in states]
+    calls = []
+    forward = drafter.draft_target.forward_batch_full
+    drafter.draft_target.forward_batch_full = lambda items, **kw: (
+        calls.append(len(items)) or forward(items, **kw)
+    )
+    try:
+        batch = drafter.propose_batch(requests)
+    finally:
+        del drafter.draft_target.forward_batch_full
+    # the longest chain's forwards: 6, or 5 where position 4's forward is stopped
+    assert calls[0] == 3 and len(calls) == (5 if stop else 6)
+    for solo, got, state, kv in zip(solos, batch, states, before, strict=True):
+        assert got.token_ids == solo.token_ids
+        assert got.confidence == solo.confidence
+        if params.greedy:
+            assert got.draft_probs is None
+        elif solo.token_ids:
+            assert torch.equal(got.draft_probs, solo.draft_probs)
+        assert torch.equal(state.cache.kv[:, :, :, : state.cache.num_tokens], kv)
+
+
+def test_the_engine_drafts_a_batch_of_self_drafts_together(deep):
+    """Generating three prompts at once, a fixed layer-skip draft runs one draft forward
+    per draft step for all of them (not one per sequence), and every output equals
+    plain decoding."""
+    config = SpeculativeConfig(method="layer-skip:skip=2-3,confidence=0", num_speculative_tokens=3)
+    llm = LLM(deep, speculative=config)
+    drafter = llm.drafter(llm.speculative)
+    prompts = [PROMPT, [1, 9, 4, 4, 7], [1, 20, 21, 22, 23, 24, 20, 21]]
+    batches = []
+    forward = deep.forward_batch_full
+    deep.forward_batch_full = lambda items, **kw: (
+        batches.append((len(items), "layers" in kw)) or forward(items, **kw)
+    )
+    try:
+        outs = llm.generate(prompts, GREEDY)
+    finally:
+        del deep.forward_batch_full
+    assert drafter.draft_target is deep
+    drafts = [n for n, drafting in batches if drafting]  # (verifications pass no layers)
+    assert drafts.count(3) >= 3 * 3 and set(drafts) <= {1, 2, 3}
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _plain(deep, prompt, 40).token_ids

@@ -422,3 +422,21 @@ def test_dtype_auto_is_float32_on_the_transformers_backend(monkeypatch):
     monkeypatch.setattr(loading, "_load_hf", lambda name, dtype, device: dtype)
     assert loading.load("x", "auto", "cpu", "hf") == "float32"
     assert seen == ["float32"]
+
+
+def test_float16_on_cpu_is_refused_natively_and_runs_on_transformers_with_auto(caplog):
+    """The native runtime refuses float16 weights on CPU (its kernel timing alone took
+    minutes there) with a message naming bfloat16; backend auto falls back to
+    transformers and says so."""
+    from specdec.models.native import NativeModel
+    from specdec.runtime.weights import UnsupportedModel
+
+    model = make_model(make_tokenizer(), seed=0, device="cpu")
+    model.model.to(torch.float16)
+    with pytest.raises(UnsupportedModel, match="float16 on CPU.*--dtype bfloat16"):
+        NativeModel(model)
+    with pytest.raises(ValueError, match="--backend native cannot run .*float16 on CPU"):
+        loading.with_backend(model, "native")
+    with caplog.at_level("WARNING", logger="specdec.models.loading"):
+        assert loading.with_backend(model, "auto") is model
+    assert "runs on transformers (backend auto): float16 on CPU" in caplog.text

@@ -162,8 +162,12 @@ def test_refusals(hf32, dense, q4, monkeypatch):
         _drafter(dense, skip="0-2")
     monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "fma")
     on_fma = NativeModel(hf32, exact=True, quantization="q4_1")
-    with pytest.raises(ValueError, match="is the target itself"):
-        _drafter(on_fma, kernel="fma")
+    with pytest.raises(
+        ValueError,
+        match=r"is the target itself; choose another kernel "
+        r"\(quantized:kernel=q8\) or load the target dense \(quantization='none'",
+    ):
+        _drafter(on_fma, kernel="fma")  # float32: fma and q8 run here
     assert set(_drafter(on_fma).kernels.values()) == {"q8"}  # auto: another kernel
 
 

@@ -219,7 +219,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         "--dtype",
         default=DEFAULT_DTYPE,
         help="auto (default: bfloat16 where this machine runs it faster, else float32), "
-        "float32, bfloat16, float16, int8-dynamic",
+        "float32, bfloat16, float16 (on CPU: transformers only, slow), int8-dynamic",
     )
     parser.add_argument(
         "--draft-dtype",

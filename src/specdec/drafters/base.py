@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -31,6 +31,30 @@ class DraftProposal:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class ChainRequest:
+    """One sequence's part of a drafter's ``propose_batch(requests) ->
+    list[DraftProposal]`` (optional; self-drafts such as
+    :meth:`~specdec.drafters.layer_skip.LayerSkipDrafter.propose_batch` draft the chains
+    of several sequences in shared forwards): the arguments of the sequence's own
+    ``propose``.
+
+    Attributes:
+        state: the sequence's drafter state (started by the drafter that batches).
+        token_ids: the sequence's tokens (the last one is pending).
+        num_tokens: the most draft tokens (k).
+        generator: the sequence's generator (sampled drafts draw from it).
+        stop_drafting: ``stop(i, confidence)`` ends the chain before position i, or
+            ``None``.
+    """
+
+    state: object
+    token_ids: Sequence[int]
+    num_tokens: int
+    generator: torch.Generator
+    stop_drafting: Callable[[int, float], bool] | None = None
 
 
 @dataclass

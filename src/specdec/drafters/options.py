@@ -326,11 +326,13 @@ class QuantizedOptions:
 
     quantization: str = option(
         "auto",
-        "the draft's blocks: auto (the GGUF's, else q4_1; a quantized target's own), "
+        "the draft's blocks: auto (GGUF's, else q4_1; a quantized target's: target), "
         "q4_1, q8_0, gguf",
     )
     kernel: str = option(
-        "auto", "the draft's product kernel: auto (= q8: 8-bit activations), fma, amx, dpbf16"
+        "auto",
+        "the draft's product kernel: auto (= q8: 8-bit activations), q8, fma, amx, "
+        "dpbf16 (bf16 only)",
     )
     skip: str = option("", "decoder layers the draft also skips, e.g. 10-14; empty: none")
     confidence: float = option(

@@ -42,11 +42,14 @@ sampled drafts carry their distributions for rejection sampling.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from specdec.config import SamplingParams
 from specdec.drafters.layer_skip import FixedSelfDrafter, LayerSkipSequence
 from specdec.drafters.options import QuantizedOptions
+
+logger = logging.getLogger(__name__)
 
 
 class QuantizedDrafter(FixedSelfDrafter):
@@ -77,17 +80,28 @@ class QuantizedDrafter(FixedSelfDrafter):
         self.quantized_options = options = options or QuantizedOptions()
         why = "it runs the target's decoder on quantized products over the runtime's KV cache"
         super().__init__(target, "quantized", why, options.skip, options.confidence)
+        if target.device.type != "cpu":
+            raise ValueError(
+                f"quantized drafts on CPU only (specdec's quantized kernels are CPU "
+                f"kernels); the target is on {target.device}"
+            )
         self.quantization, kernel = draft_plan(target, options)
+        own = set(target.decoder.quant_kernels.values())
+        if self.quantization == "target" and own == {kernel}:
+            others = [k for k in target.available_quant_kernels() if k != kernel]
+            raise ValueError(
+                f"a quantized self-draft on the target's own blocks and kernel ({kernel}) "
+                f"is the target itself; choose another kernel (quantized:kernel="
+                f"{' or '.join(others) or '...'}) or load the target dense "
+                f"(quantization='none' / --quantization none)"
+            )
         self.draft_target = target.quantized_copy(self.quantization, kernel)
         self.kernels = dict(self.draft_target.decoder.quant_kernels)
-        if self.quantization == "target" and self.kernels == target.decoder.quant_kernels:
-            raise ValueError(
-                f"a quantized self-draft on the target's own blocks and kernel "
-                f"({', '.join(sorted(set(self.kernels.values())))}) is the target itself; "
-                "choose another kernel (quantized:kernel=fma, dpbf16, amx or q8) or load the "
-                "target dense "
-                "(--quantization none)"
-            )
+        logger.info(
+            "quantized: the draft runs %s blocks on the %s kernel",
+            "the target's own" if self.quantization == "target" else self.quantization,
+            kernel,
+        )
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> LayerSkipSequence:
         """A sequence's state; it drafts once the engine attaches its cache."""
@@ -109,7 +123,8 @@ def draft_plan(target, options: QuantizedOptions) -> tuple[str, str]:
             raise ValueError(
                 f"{target.name} already runs quantized products ({target.quantization}): its "
                 f"draft shares them (quantized:quantization=auto), not {quantization!r}; to "
-                "draft with other blocks, load the target dense (--quantization none)"
+                "draft with other blocks, load the target dense (quantization='none' / "
+                "--quantization none)"
             )
         quantization = "target"
     elif quantization == "target":

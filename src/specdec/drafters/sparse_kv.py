@@ -34,12 +34,9 @@ carry their distributions for rejection sampling.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-
-import torch
+from collections.abc import Sequence
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import DraftProposal
 from specdec.drafters.layer_skip import FixedSelfDrafter, LayerSkipSequence
 from specdec.drafters.options import SparseKVOptions
 from specdec.trees.builders import Expansion
@@ -95,19 +92,9 @@ class SparseKVDrafter(FixedSelfDrafter):
 class SparseKVSequence(LayerSkipSequence):
     """One sequence's windowed self-drafting (below ``min_context`` tokens: nothing)."""
 
-    def propose(
-        self,
-        token_ids: Sequence[int],
-        num_tokens: int,
-        generator: torch.Generator,
-        *,
-        stop_drafting: Callable[[int, float], bool] | None = None,
-    ) -> DraftProposal:
-        """As :meth:`LayerSkipSequence.propose` over the KV window; no draft while the
-        sequence is shorter than ``min_context``."""
-        if self.drafter.below_min_context(len(token_ids)):
-            return DraftProposal([])
-        return super().propose(token_ids, num_tokens, generator, stop_drafting=stop_drafting)
+    def _no_draft(self, token_ids: Sequence[int]) -> bool:
+        """No draft while the sequence is shorter than ``min_context``."""
+        return self.drafter.below_min_context(len(token_ids))
 
     def tree_session(self, token_ids: Sequence[int], params: SamplingParams):
         """A tree session over the KV window; below ``min_context`` one that offers no

@@ -61,6 +61,7 @@ from specdec.control.cost import CostModel
 from specdec.control.simulate import TraceStep
 from specdec.drafters.base import (
     AuxRows,
+    ChainRequest,
     Drafter,
     DraftProposal,
     NoDrafter,
@@ -425,7 +426,11 @@ class Engine:
         if not verified and not chunks:
             return []
         plans = self._plan(verified)
-        drafts = [self._draft(s, k) for s, k in zip(verified, plans, strict=True)]
+        chains = self._batched_chains(verified, plans)
+        drafts = [
+            self._draft(s, k, chains.get(i))
+            for i, (s, k) in enumerate(zip(verified, plans, strict=True))
+        ]
         items = [
             (
                 s,
@@ -707,26 +712,69 @@ class Engine:
 
     # ------------------------------------------------------------------ draft, forward, commit
 
-    def _draft(self, seq: Sequence, k: int) -> tuple[DraftProposal | TreeProposal, AuxRows | None]:
+    def _batched_chains(
+        self, seqs: list[Sequence], plans: list[int]
+    ) -> dict[int, tuple[DraftProposal, float]]:
+        """The chains of sequences whose shared drafter drafts several at once
+        (``propose_batch``: self-drafts, one forward per draft step for all of them),
+        where at least two of them draft this step: ``{index in seqs: (raw proposal,
+        this sequence's share of the batched drafting's seconds)}``. The others draft
+        alone in :meth:`_draft`."""
+        groups: dict[int, list[int]] = {}
+        for i, (seq, k) in enumerate(zip(seqs, plans, strict=True)):
+            if k > 0 and seq.tree_builder is None and hasattr(seq.drafter, "propose_batch"):
+                groups.setdefault(id(seq.drafter), []).append(i)
+        out: dict[int, tuple[DraftProposal, float]] = {}
+        for indices in groups.values():
+            if len(indices) < 2:
+                continue
+            t0 = time.perf_counter()
+            requests = [
+                ChainRequest(
+                    seqs[i].drafter_state, seqs[i].tokens, plans[i], seqs[i].generator,
+                    self._drafter_stop(seqs[i], plans[i]),
+                )
+                for i in indices
+            ]  # fmt: skip
+            proposals = seqs[indices[0]].drafter.propose_batch(requests)
+            share = (time.perf_counter() - t0) / len(indices)
+            for i, proposal in zip(indices, proposals, strict=True):
+                out[i] = (proposal, share)
+        return out
+
+    def _drafter_stop(self, seq: Sequence, k: int):
+        """The controller's ``stop_drafting`` where the drafter applies it while drafting
+        (it declares ``confidence_stop``), else ``None``."""
+        stop = getattr(seq.control, "stop_drafting", None) if k else None
+        return stop if getattr(seq.drafter, "confidence_stop", False) else None
+
+    def _draft(
+        self, seq: Sequence, k: int, batched: tuple[DraftProposal, float] | None = None
+    ) -> tuple[DraftProposal | TreeProposal, AuxRows | None]:
         """The step's draft (a chain of at most ``k`` tokens, or a tree at most ``k``
-        deep) and the drafter's auxiliary rows, if any (none for a plain step)."""
+        deep) and the drafter's auxiliary rows, if any (none for a plain step);
+        ``batched``: the chain :meth:`_batched_chains` drafted and its share of the time."""
         t0 = time.perf_counter()
-        draft = self._propose(seq, k) if seq.tree_builder is None else _draft_tree(seq, k)
+        if seq.tree_builder is not None:
+            draft = _draft_tree(seq, k)
+        else:
+            draft = self._propose(seq, k, None if batched is None else batched[0])
         aux = seq.drafter_state.aux_rows(seq.tokens) if seq.max_aux_rows and k else None
         if aux is not None and len(aux) > seq.max_aux_rows:
             raise ValueError(
                 f"{type(seq.drafter).__name__} returned {len(aux)} auxiliary rows, more than "
                 f"its max_aux_rows={seq.max_aux_rows}"
             )
-        seq.last_draft_s = time.perf_counter() - t0
+        seq.last_draft_s = time.perf_counter() - t0 + (0.0 if batched is None else batched[1])
         seq.stats.draft_s += seq.last_draft_s
         return draft, (aux or None)
 
-    def _propose(self, seq: Sequence, k: int) -> DraftProposal:
+    def _propose(self, seq: Sequence, k: int, raw: DraftProposal | None = None) -> DraftProposal:
         """A chain of at most ``k`` tokens, ended early where the controller's
         ``stop_drafting`` says so (inside the drafter when it declares
         ``confidence_stop``, else on the proposal's confidences), then cut to the prefix
-        its ``trim`` chooses, if it has one.
+        its ``trim`` chooses, if it has one. ``raw``: the drafter's chain, drafted already
+        in a batch (:meth:`_batched_chains`, with the same ``stop_drafting``).
 
         Raises:
             ValueError: a proposal the drafter should not make, or a ``trim`` outside
@@ -734,11 +782,15 @@ class Engine:
         """
         state = seq.drafter_state
         stop = getattr(seq.control, "stop_drafting", None) if k else None
-        if stop is not None and getattr(seq.drafter, "confidence_stop", False):
-            draft = state.propose(seq.tokens, k, seq.generator, stop_drafting=stop)
-            stop = None
+        inside = self._drafter_stop(seq, k)
+        if raw is not None:
+            draft = raw
+        elif inside is not None:
+            draft = state.propose(seq.tokens, k, seq.generator, stop_drafting=inside)
         else:
             draft = state.propose(seq.tokens, k, seq.generator)
+        if inside is not None:
+            stop = None
         _check_proposal(seq, draft, k, self.target.vocab_size)
         confidences = _confidences(draft) if stop is not None else None
         keep = len(draft)

@@ -28,7 +28,7 @@ from specdec.runtime.quant import (
     gguf_matrices,
     quantize,
 )
-from specdec.runtime.weights import extract_weights
+from specdec.runtime.weights import UnsupportedModel, extract_weights
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class NativeModel(BackendBase):
 
     Raises:
         UnsupportedModel: (a ``ValueError``) the architecture or a feature is not
-            implemented natively; the message says which.
+            implemented natively, or float16 weights on CPU; the message says which.
         ValueError: an unknown ``quantization``, ``gguf`` for a model not loaded from a
             GGUF file, or a quantization without the C++ kernels (no compiler) or off CPU.
     """
@@ -73,6 +73,13 @@ class NativeModel(BackendBase):
         choices: dict[str, KernelChoice] | None = None,
         quantization: str = "none",
     ) -> None:
+        first = next(hf.model.parameters())
+        if first.dtype == torch.float16 and first.device.type == "cpu":
+            raise UnsupportedModel(
+                "float16 on CPU: PyTorch's float16 matrix products are slow on CPUs (timing "
+                "them to choose kernels alone took over 100 s on a 2-core AMD Zen 4); "
+                "bfloat16 takes the same memory and runs natively (--dtype bfloat16)"
+            )
         self.hf = hf
         self.name = hf.name
         self.tokenizer = hf.tokenizer
@@ -144,11 +151,15 @@ class NativeModel(BackendBase):
         return self.decoder.forward_full([item], layers=layers, capture=capture)[0]
 
     def forward_batch_full(
-        self, items: Sequence[BatchItem], capture: Sequence[int] = ()
+        self,
+        items: Sequence[BatchItem],
+        capture: Sequence[int] = (),
+        layers: Sequence[int] | None = None,
     ) -> list[ForwardOutput]:
         """:meth:`forward_batch` with hidden states, in one pass (see
-        :attr:`~specdec.models.base.ForwardOutput.captured`)."""
-        return self.decoder.forward_full(items, capture=capture)
+        :attr:`~specdec.models.base.ForwardOutput.captured`), optionally over a subset
+        of the layers (as :meth:`forward_full`: self-drafts of several sequences)."""
+        return self.decoder.forward_full(items, layers=layers, capture=capture)
 
     def head_view(self) -> HeadView:
         """The shape, embedding, LM head and final norm a draft head reads (the weights
@@ -164,6 +175,13 @@ class NativeModel(BackendBase):
         """One forward over several sequences (a ragged batch); see
         :meth:`specdec.runtime.model.NativeDecoder.forward`."""
         return self.decoder.forward(items, exact)
+
+    def available_quant_kernels(self) -> list[str]:
+        """The quantized product kernels that run here for this model's activations
+        (see :func:`specdec.runtime.quant.available_quant_kernels`; ``[]`` off CPU)."""
+        if self.device.type != "cpu":
+            return []
+        return available_quant_kernels(self.dtype)
 
     def quantized_copy(self, quantization: str, kernel: str | None = None) -> NativeModel:
         """This model with its products quantized (or on another quantized kernel): a
@@ -212,7 +230,7 @@ class NativeModel(BackendBase):
                 raise ValueError("a quantized copy needs a quantization, not 'none'")
         kernels = None
         if kernel is not None:
-            available = available_quant_kernels(self.dtype)
+            available = self.available_quant_kernels()
             if kernel not in available:
                 dtype = str(self.dtype).replace("torch.", "")
                 raise ValueError(
