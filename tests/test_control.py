@@ -1317,3 +1317,21 @@ def test_cost_probes_wait_longer_after_an_expensive_probe_and_tell_new_requests(
     assert len(probes) == 1  # the next one would come after 200 / 0.02 off steps
     assert controller.start(info()).probe_extra == pytest.approx(200.0)
     assert controller.start(info(isolated=True)).probe_extra == 0.0
+
+
+def test_cost_starts_from_the_drafters_own_acceptance_prior():
+    """A costly draft (0.4 of a step per token) is not worth a first token at the default
+    prior (0.3), but is at a drafter's declared acceptance_prior (0.8, a quantized
+    self-draft); an explicit prior option wins over the drafter's."""
+    from specdec.control.controllers import DEFAULT_PRIOR, CostOptions, start_prior
+
+    cost = frozen_cost(token_cost=0.1, draft_token_cost=0.4)
+    generic = SequenceInfo("r", MAX_K, SamplingParams(), "d")
+    declared = SequenceInfo("r", MAX_K, SamplingParams(), "d", acceptance_prior=0.8)
+    assert CostController().start(generic).choose(StepView(MAX_K, cost)) == 0
+    assert CostController().start(declared).choose(StepView(MAX_K, cost)) >= 2
+    explicit = CostController(CostOptions(prior=0.2))
+    assert explicit.start(declared).choose(StepView(MAX_K, cost)) == 0
+    assert start_prior(CostOptions(), declared) == 0.8
+    assert start_prior(CostOptions(prior=0.5), declared) == 0.5
+    assert start_prior(CostOptions(), generic) == DEFAULT_PRIOR

@@ -193,6 +193,14 @@ def test_a_bad_max_draft_tokens_is_refused(target, most):
         LLM(target, drafter=drafter)
 
 
+@pytest.mark.parametrize("prior", [-0.1, 1.5, True, "0.8"])
+def test_a_bad_acceptance_prior_is_refused(target, prior):
+    drafter = ScriptedDrafter([], 0, {}, target.vocab_size)
+    drafter.acceptance_prior = prior
+    with pytest.raises(ValueError, match="acceptance_prior must be None or in"):
+        LLM(target, drafter=drafter)
+
+
 def _scripted_llm(target, truth, prompt, k):
     drafter = ScriptedDrafter(truth, len(prompt), {}, target.vocab_size)
     llm = LLM(target, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=k))

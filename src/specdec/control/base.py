@@ -44,6 +44,9 @@ class SequenceInfo:
             depth cap of ``k`` verifies is about ``k`` times this); 1.0 for chains.
         isolated: decide from this request alone (seeded sampling, see the module doc).
         aux_rows: rows the drafter adds to every speculating step (Lookahead's window).
+        acceptance_prior: the drafter's own estimate of a first draft token's acceptance
+            rate (its ``acceptance_prior`` attribute), or ``None``; ``cost`` starts from it
+            instead of its ``prior`` option's default.
     """
 
     request_id: str
@@ -53,6 +56,7 @@ class SequenceInfo:
     tree_nodes_per_depth: float = 1.0
     isolated: bool = False
     aux_rows: int = 0
+    acceptance_prior: float | None = None
 
 
 @dataclass(frozen=True)

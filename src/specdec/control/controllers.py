@@ -309,12 +309,18 @@ class ConfidenceController:
 # ---------------------------------------------------------------------- cost
 
 
+#: ``cost``'s default first-token acceptance before evidence (the ``prior`` option).
+DEFAULT_PRIOR = 0.3
+
+
 @dataclass(frozen=True)
 class CostOptions:
     """Options of ``cost``.
 
     Attributes:
-        prior: acceptance rate of a first draft token assumed before evidence, in [0, 1].
+        prior: acceptance rate of a first draft token assumed before evidence, in [0, 1];
+            left at its default (:data:`DEFAULT_PRIOR`), a drafter that declares its own
+            ``acceptance_prior`` starts from that instead (see :func:`start_prior`).
         deep_prior: acceptance rate of a later draft token whose predecessors were
             accepted, assumed before evidence, in [0, 1] (optimistic, so that long drafts
             get tried and measured).
@@ -346,7 +352,11 @@ class CostOptions:
             maximizes the step's expected tokens per second (:meth:`CostControl.trim`).
     """
 
-    prior: float = option(0.3, "acceptance rate of a first draft token before evidence, in [0, 1]")
+    prior: float = option(
+        DEFAULT_PRIOR,
+        "first draft token's acceptance rate before evidence, in [0, 1] (default: the "
+        "drafter's own)",
+    )
     deep_prior: float = option(
         0.9, "acceptance rate of a later token after accepted ones, before evidence, in [0, 1]"
     )
@@ -463,7 +473,9 @@ class CostControl:
         self.frozen = frozen
         self.shared = shared
         self.shared_decay = shared_decay
-        self.estimator = AcceptanceEstimator(o.prior, o.strength, o.decay, o.deep_prior)
+        self.estimator = AcceptanceEstimator(
+            start_prior(o, info), o.strength, o.decay, o.deep_prior
+        )
         self.goodput = Goodput()
         if shared is not None and shared["goodput"].steps > 0:  # warm start, worth 2 steps
             g = shared["goodput"]
@@ -614,6 +626,17 @@ class CostControl:
                 self.shared["goodput"].add(tokens, seconds, self.shared_decay, drafted)
 
 
+def start_prior(options: CostOptions, info: SequenceInfo) -> float:
+    """The first-token acceptance ``cost`` starts from: ``options.prior`` when set to
+    anything but its default (:data:`DEFAULT_PRIOR`), else the drafter's declared
+    :attr:`~specdec.control.base.SequenceInfo.acceptance_prior` if it has one (a
+    quantized self-draft expects most first tokens accepted, where the default prior
+    kept it off for most of a single request), else the default."""
+    if options.prior != DEFAULT_PRIOR or info.acceptance_prior is None:
+        return options.prior
+    return info.acceptance_prior
+
+
 class CostController:
     """Choose each step's draft length to maximize expected tokens per second: the
     acceptance estimate (:class:`AcceptanceEstimator`) gives expected tokens for every k,
@@ -655,7 +678,7 @@ class CostController:
                 info.drafter,
                 {
                     "rates": AcceptanceEstimator(
-                        o.prior, o.strength, self.SHARED_DECAY, o.deep_prior
+                        start_prior(o, info), o.strength, self.SHARED_DECAY, o.deep_prior
                     ),
                     "goodput": Goodput(),
                 },

@@ -170,6 +170,10 @@ class Drafter(Protocol):
       for the tokens ``start .. start + T`` of the sequence; every token but the pending
       one is prefilled, again after a readmission), and every verification's rows reach
       ``observe(feedback)`` in :attr:`VerificationFeedback.hidden`.
+    * ``acceptance_prior`` (float in [0, 1] or ``None``, default ``None``): the drafter's
+      own estimate of a first draft token's acceptance rate, where it knows better than
+      a controller's generic prior (a quantized self-draft of the target's own weights);
+      the ``cost`` controller starts from it.
     * ``max_draft_tokens`` (int or ``None``, default ``None``): the most tokens one chain
       proposal can hold (Medusa: its heads; a parallel head: its block). The engine caps
       the chain length the controller chooses from (and its ``chosen k`` counts) at it.
@@ -230,8 +234,8 @@ def check_drafter(drafter: object) -> None:
     Raises:
         ValueError: no callable ``start``, or a declared capability (``supports_trees``,
             ``observes``, ``uses_target_cache``) that is not a bool, ``max_aux_rows``
-            that is not an integer >= 0, or ``max_draft_tokens`` neither ``None`` nor an
-            integer >= 1.
+            that is not an integer >= 0, ``max_draft_tokens`` neither ``None`` nor an
+            integer >= 1, or ``acceptance_prior`` neither ``None`` nor in [0, 1].
     """
     if not callable(getattr(drafter, "start", None)):
         raise ValueError(
@@ -249,6 +253,11 @@ def check_drafter(drafter: object) -> None:
         raise ValueError(
             f"{type(drafter).__name__}.max_draft_tokens must be None or an integer >= 1"
         )
+    prior = getattr(drafter, "acceptance_prior", None)
+    if prior is not None and (
+        isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 <= prior <= 1
+    ):
+        raise ValueError(f"{type(drafter).__name__}.acceptance_prior must be None or in [0, 1]")
     captures = getattr(drafter, "captures", ())
     if not isinstance(captures, tuple) or not all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in captures

@@ -356,6 +356,7 @@ class Engine:
             ),
             isolated=needs_isolation(params),
             aux_rows=aux,
+            acceptance_prior=getattr(drafter, "acceptance_prior", None),
         )
         seq = Sequence(
             request_id=request_id,
