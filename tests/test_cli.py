@@ -407,6 +407,16 @@ def test_draft_dtype_is_checked_without_a_draft(capsys, tmp_path):
     assert "int4" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("drafter", ["layer-skip", "sparse-kv", "quantized:kernel=q8"])
+def test_self_drafts_on_transformers_are_refused_before_loading(capsys, tmp_path, drafter):
+    missing = str(tmp_path / "no-model")  # never loaded: the error comes first
+    args = ["generate", "hi", "--model", missing, "--backend", "hf", "--drafter", drafter]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--drafter {drafter.split(':')[0]} needs the native backend" in err
+    assert "no-model" not in err
+
+
 def test_sampling_transform_flags_apply_and_stay_lossless(capsys, model_dir):
     """The penalty and bias flags change the output, and speculation (with --compare's
     plain baseline) keeps it identical."""

@@ -100,11 +100,16 @@ def _controller_spec(text: str) -> str:
     return text
 
 
+#: Drafters that draft with the target's own decoder on the native runtime.
+SELF_DRAFTERS = ("layer-skip", "sparse-kv", "quantized")
+
+
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     """:class:`SpeculativeConfig` from the options of :func:`add_drafter_args`.
 
     Raises:
-        ValueError: ``--draft-model`` with another drafter, or an invalid setting.
+        ValueError: ``--draft-model`` with another drafter, a self-draft with ``--backend
+            hf``, or an invalid setting.
     """
     drafter = args.drafter or ("draft-model" if args.draft_model else "ngram")
     name = registry.parse_spec(drafter)[0]
@@ -116,6 +121,11 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
             f"--drafter {name} needs a draft model: add --draft-model NAME_OR_PATH (a "
             "smaller model, best one sharing the target's tokenizer, e.g. --draft-model "
             "smollm2-135m-instruct --draft-dtype int8-dynamic)"
+        )
+    if name in SELF_DRAFTERS and getattr(args, "backend", None) == "hf":
+        raise ValueError(  # refused before the model loads, not after
+            f"--drafter {name} needs the native backend (--backend native or auto): it "
+            "drafts with the target's own decoder over the runtime's KV cache"
         )
     try:
         return SpeculativeConfig(
