@@ -88,6 +88,7 @@ class NativeModel(BackendBase):
         weights.quantized = quantized_products(hf, weights, quantization)
         self.quantization = quantization
         self.decoder = NativeDecoder(weights, exact, choices)
+        self._quantized_copies: dict[tuple[str, str | None], NativeModel] = {}
         self.max_context = self.decoder.config.max_context
         self.num_layers = len(self.decoder.layers)
 
@@ -208,10 +209,9 @@ class NativeModel(BackendBase):
                 errors of :class:`NativeModel`'s ``quantization``.
         """
         key = (quantization, kernel)
-        copies = self.__dict__.setdefault("_quantized_copies", {})
-        if key not in copies:
-            copies[key] = self._quantized_copy(quantization, kernel)
-        return copies[key]
+        if key not in self._quantized_copies:
+            self._quantized_copies[key] = self._quantized_copy(quantization, kernel)
+        return self._quantized_copies[key]
 
     def _quantized_copy(self, quantization: str, kernel: str | None) -> NativeModel:
         weights = self.decoder.weights
