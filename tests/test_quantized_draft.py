@@ -13,8 +13,9 @@ from test_layer_skip import _NativeTargets
 
 from conftest import make_model, make_tokenizer, perturbed_copy
 from specdec import LLM, SamplingParams, SpeculativeConfig
-from specdec.drafters.options import QuantizedOptions
+from specdec.drafters.options import QuantizedOptions, SparseKVOptions
 from specdec.drafters.quantized import QuantizedDrafter
+from specdec.drafters.sparse_kv import SparseKVDrafter
 from specdec.models.native import NativeModel
 from specdec.registry import make_options
 from specdec.runtime.kernels import kernel_available
@@ -74,6 +75,18 @@ class TestQuantizedSkipConformance(_NativeTargets, DrafterConformance):
         return _small(num_layers=2)
 
 
+class TestSparseKVQuantizedConformance(_NativeTargets, DrafterConformance):
+    """sparse-kv with quantized products: the window over a q4_1 copy on q8 drafts."""
+
+    spec = "sparse-kv:sinks=2,recent=4,min_context=0,quantization=auto"
+    trees = TREES[:1]
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def small(cls):
+        return _small(num_layers=1)
+
+
 def _drafter(target, **options) -> QuantizedDrafter:
     return QuantizedDrafter(target, QuantizedOptions(**options))
 
@@ -125,26 +138,36 @@ def test_drafts_differ_from_the_target_and_restore_the_cursor(dense):
 
 
 @pytest.mark.parametrize("tree", [None, TREES[0]])
-def test_quantized_target_greedy_equals_its_plain_decoding(q4, tree):
-    """A q4_1 target drafting with its own blocks on the q8 kernel: chains and a tree
-    give the quantized target's own plain output, token for token."""
+@pytest.mark.parametrize(
+    "method", ["quantized", "sparse-kv:sinks=1,recent=3,min_context=0,quantization=auto"]
+)
+def test_quantized_target_greedy_equals_its_plain_decoding(q4, tree, method):
+    """A q4_1 target drafting with its own blocks on the q8 kernel (over its whole cache,
+    or over a window of it): chains and a tree give the quantized target's own plain
+    output, token for token."""
     plain = LLM(q4, speculative=SpeculativeConfig(method="none"))
-    config = SpeculativeConfig(method="quantized", num_speculative_tokens=4, tree=tree)
+    config = SpeculativeConfig(method=method, num_speculative_tokens=4, tree=tree)
     llm = LLM(q4, speculative=config)
     outs = [llm.generate(p, GREEDY) for p in PROMPTS]
     assert [o.token_ids for o in outs] == [plain.generate(p, GREEDY).token_ids for p in PROMPTS]
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
 
-def test_bf16_quantized_target_is_bit_identical(hf32):
-    """bfloat16, exact mode, a q4_1 target: speculative greedy output equals plain."""
+@pytest.mark.parametrize("quantization", ["q4_1", "none"])
+def test_bf16_is_bit_identical(quantization):
+    """bfloat16, exact mode, a q4_1 or dense target: speculative greedy output of
+    ``quantized`` and of ``sparse-kv`` with quantized products equals plain decoding."""
     hf = make_model(make_tokenizer(), seed=0, num_layers=3)
     hf.model.to(torch.bfloat16)
-    target = NativeModel(hf, exact=True, quantization="q4_1")
+    target = NativeModel(hf, exact=True, quantization=quantization)
     plain = LLM(target, speculative=SpeculativeConfig(method="none"))
-    llm = LLM(target, speculative=SpeculativeConfig(method="quantized", num_speculative_tokens=3))
-    for prompt in PROMPTS:
-        assert llm.generate(prompt, GREEDY).token_ids == plain.generate(prompt, GREEDY).token_ids
+    for method in ("quantized", "sparse-kv:sinks=1,recent=4,min_context=0,quantization=auto"):
+        llm = LLM(target, speculative=SpeculativeConfig(method=method, num_speculative_tokens=3))
+        outs = [llm.generate(prompt, GREEDY) for prompt in PROMPTS]
+        assert [o.token_ids for o in outs] == [
+            plain.generate(prompt, GREEDY).token_ids for prompt in PROMPTS
+        ]
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
 
 def test_refusals(hf32, dense, q4, monkeypatch):
@@ -169,6 +192,17 @@ def test_refusals(hf32, dense, q4, monkeypatch):
     ):
         _drafter(on_fma, kernel="fma")  # float32: fma and q8 run here
     assert set(_drafter(on_fma).kernels.values()) == {"q8"}  # auto: another kernel
+    # sparse-kv with quantized products: the same checks, named for sparse-kv
+    for target, options, message in [
+        (q4, {"quantization": "q8_0"}, r"\(sparse-kv:quantization=auto\), not 'q8_0'"),
+        (dense, {"quantization": "target"}, "dense products: sparse-kv:quantization=target"),
+        (on_fma, {"quantization": "auto", "kernel": "fma"}, r"\(sparse-kv:kernel=q8\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SparseKVDrafter(target, SparseKVOptions(**options))
+    windowed = SparseKVDrafter(q4, SparseKVOptions(quantization="auto"))
+    assert windowed.quantization == "target" and set(windowed.kernels.values()) == {"q8"}
+    assert SparseKVDrafter(q4, SparseKVOptions()).kernels is None  # the target's products
 
 
 def test_option_errors():

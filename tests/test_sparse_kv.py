@@ -16,6 +16,7 @@ from specdec.drafters.options import SparseKVOptions
 from specdec.drafters.sparse_kv import SparseKVDrafter
 from specdec.models.native import NativeModel
 from specdec.registry import make_options
+from specdec.runtime.kernels import kernel_available
 
 GREEDY = SamplingParams(max_new_tokens=30, ignore_eos=True)
 LONG = [1] + [3 + (7 * i * i + 3 * i) % 29 for i in range(40)]  # 41 tokens, few repeats
@@ -108,20 +109,29 @@ def _state(target, options: SparseKVOptions, prompt, params=GREEDY):
     return state, cache
 
 
-def test_drafts_are_the_windowed_targets_greedy_tokens(native32):
-    """A greedy draft is what the target attending over the window would decode, and
-    drafting leaves the cursor where it was."""
+QUANTIZED = pytest.param(
+    "q4_1",
+    marks=pytest.mark.skipif(not kernel_available(), reason="specdec's C++ quantized kernels"),
+)
+
+
+@pytest.mark.parametrize("quantization", ["none", QUANTIZED])
+def test_drafts_are_the_windowed_targets_greedy_tokens(native32, quantization):
+    """A greedy draft is what the target (with ``quantization``: its quantized copy)
+    attending over the window would decode, and drafting leaves the cursor where it was."""
     prompt = LONG[:35]
-    options = SparseKVOptions(sinks=2, recent=6, min_context=0)
+    options = SparseKVOptions(sinks=2, recent=6, min_context=0, quantization=quantization)
     state, cache = _state(native32, options, prompt)
     draft = state.propose(prompt, 4, torch.Generator())
     assert cache.num_tokens == len(prompt) - 1
     assert len(draft.token_ids) == 4 and draft.draft_probs is None
     # reference: decode step by step with the same window over a copy
+    runs = state.drafter.draft_target
+    assert (runs is native32) == (quantization == "none")
     ref = _filled(native32, prompt[:-1])
     token, expected = prompt[-1], []
     for _ in range(4):
-        logits = native32.forward_full([token], ref, num_logits=1, kv_window=(2, 6)).logits
+        logits = runs.forward_full([token], ref, num_logits=1, kv_window=(2, 6)).logits
         token = int(logits[-1].argmax())
         expected.append(token)
     assert draft.token_ids == expected
@@ -173,6 +183,9 @@ def test_refusals(hf32, native32):
         ({"min_context": 1.5}, "min_context.*needs an integer"),
         ({"confidence": 1.0}, r"confidence must be a number in \[0, 1\)"),
         ({"skip": "x"}, "layer set item .x. is not an index"),
+        ({"quantization": "q2"}, "quantization must be one of none, auto, target"),
+        ({"quantization": "auto", "kernel": "avx"}, "kernel must be one of auto, fma"),
+        ({"kernel": "q8"}, "kernel='q8' chooses a quantized draft's kernel: give quantization"),
     ]:
         with pytest.raises(ValueError, match=message):
             make_options("sparse-kv", bad)

@@ -83,6 +83,12 @@ def main() -> None:
         "--quantization", default="auto",
         help="the target's weights: auto (the GGUF's own blocks, as the CLI), none, q8_0, q4_1",
     )  # fmt: skip
+    ap.add_argument(
+        "--also-plain", default=None, metavar="QUANTIZATION",
+        help="also time plain decoding of the target loaded with this --quantization (method "
+        "'ar[QUANTIZATION]', e.g. the GGUF's own blocks beside a dense target: the fastest "
+        "plain decoding of the model); its output is not compared",
+    )  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     target = load(
@@ -93,9 +99,18 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     methods = ["ar", *args.methods]
     llms = {}
+    if args.also_plain:
+        other = load(
+            "smollm2-135m-instruct", dtype=args.dtype, backend="native",
+            quantization=args.also_plain,
+        )  # fmt: skip
+        methods.insert(1, f"ar[{args.also_plain}]")
+        llms[methods[1]] = LLM(other, speculative=SpeculativeConfig(method="none"))
     for m in methods:
         if m == "ar":
             llms[m] = LLM(target, speculative=SpeculativeConfig(method="none"))
+            continue
+        if m in llms:
             continue
         spec, _, rest = m.partition(":")
         opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
@@ -109,7 +124,8 @@ def main() -> None:
                 method=method, num_speculative_tokens=k, controller=controller
             ),
         )
-    llms["ar"].generate(prompts[0]["ids"][:64], SamplingParams(max_new_tokens=8))  # warm-up
+    for llm in llms.values():  # warm-up
+        llm.generate(prompts[0]["ids"][:64], SamplingParams(max_new_tokens=8))
     records = []
     for prompt in prompts:
         baseline = None
@@ -136,7 +152,7 @@ def main() -> None:
             }
             if m == "ar":
                 baseline = out.token_ids
-            else:
+            elif not m.startswith("ar["):
                 rec["identical"] = out.token_ids == baseline
             records.append(rec)
             print(
@@ -170,7 +186,7 @@ def main() -> None:
                 "tau": sum(r["tau"] for r in rs) / len(rs),
                 "draft_share": sum(r["draft_s"] for r in rs) / sum(r["decode_s"] for r in rs),
                 "identical": f"{sum(bool(r['identical']) for r in rs)}/{len(rs)}"
-                if m != "ar"
+                if not m.startswith("ar")
                 else "-",
             }
     for key, v in summary.items():

@@ -256,6 +256,12 @@ def _check_skip_confidence(skip, confidence) -> None:
         raise ValueError(f"confidence must be a number in [0, 1), got {confidence!r}")
 
 
+#: ``quantization`` values of the ``quantized`` drafter.
+DRAFT_QUANTIZATIONS = ("auto", "target", "q4_1", "q8_0", "gguf")
+#: ``kernel`` values of the ``quantized`` drafter (``specdec.runtime.quant.QUANT_KERNELS``).
+DRAFT_KERNELS = ("auto", "fma", "amx", "dpbf16", "q8")
+
+
 @dataclass(frozen=True)
 class SparseKVOptions:
     """Long-context self-speculation with a sparse KV cache (StreamingLLM's window as the
@@ -275,6 +281,14 @@ class SparseKVOptions:
             none), for a cheaper draft at a lower acceptance.
         confidence: end a chain draft before a token whose draft top-1 probability is
             below this, in [0, 1); ``0`` disables.
+        quantization: the draft's products: ``none`` (default: the target's own), or
+            quantized weights as the ``quantized`` drafter's ``quantization`` (``auto``,
+            ``target``, ``q4_1``, ``q8_0``, ``gguf``; CPU only): the window then saves a
+            draft step's KV reads and the blocks its weight reads, as QuantSpec (Tiwari et
+            al. 2025, arXiv:2502.10424) pairs 4-bit weights with a 4-bit KV cache.
+        kernel: the quantized draft's product kernel, as the ``quantized`` drafter's
+            ``kernel`` (``auto`` = ``q8``); only with a ``quantization`` other than
+            ``none``.
     """
 
     sinks: int = option(16, "first cached tokens the draft attends to (attention sinks, >= 0)")
@@ -287,18 +301,34 @@ class SparseKVOptions:
         0.0,
         "end a chain draft before a token whose draft probability is below this, in [0, 1); 0: off",
     )
+    quantization: str = option(
+        "none",
+        "the draft's products: none (the target's), or as quantized:quantization= (auto, "
+        "q4_1, ...)",
+    )
+    kernel: str = option(
+        "auto", "the quantized draft's product kernel, as quantized:kernel= (auto = q8)"
+    )
 
     def __post_init__(self) -> None:
         _check_int("sinks", self.sinks, 0)
         _check_int("recent", self.recent, 1)
         _check_int("min_context", self.min_context, 0)
         _check_skip_confidence(self.skip, self.confidence)
+        _check_quantization(self.quantization, self.kernel, ("none", *DRAFT_QUANTIZATIONS))
+        if self.quantization == "none" and self.kernel != "auto":
+            raise ValueError(
+                f"kernel={self.kernel!r} chooses a quantized draft's kernel: give "
+                "quantization too (e.g. quantization=auto), or leave kernel out"
+            )
 
 
-#: ``quantization`` values of the ``quantized`` drafter.
-DRAFT_QUANTIZATIONS = ("auto", "target", "q4_1", "q8_0", "gguf")
-#: ``kernel`` values of the ``quantized`` drafter (``specdec.runtime.quant.QUANT_KERNELS``).
-DRAFT_KERNELS = ("auto", "fma", "amx", "dpbf16", "q8")
+def _check_quantization(quantization, kernel, allowed: tuple[str, ...]) -> None:
+    """A self-draft's ``quantization`` (one of ``allowed``) and ``kernel``."""
+    if quantization not in allowed:
+        raise ValueError(f"quantization must be one of {', '.join(allowed)}, got {quantization!r}")
+    if kernel not in DRAFT_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(DRAFT_KERNELS)}, got {kernel!r}")
 
 
 @dataclass(frozen=True)
@@ -341,15 +371,7 @@ class QuantizedOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.quantization not in DRAFT_QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, got "
-                f"{self.quantization!r}"
-            )
-        if self.kernel not in DRAFT_KERNELS:
-            raise ValueError(
-                f"kernel must be one of {', '.join(DRAFT_KERNELS)}, got {self.kernel!r}"
-            )
+        _check_quantization(self.quantization, self.kernel, DRAFT_QUANTIZATIONS)
         _check_skip_confidence(self.skip, self.confidence)
 
 

@@ -86,35 +86,55 @@ class QuantizedDrafter(FixedSelfDrafter):
         self.quantized_options = options = options or QuantizedOptions()
         why = "it runs the target's decoder on quantized products over the runtime's KV cache"
         super().__init__(target, "quantized", why, options.skip, options.confidence)
-        if target.device.type != "cpu":
-            raise ValueError(
-                f"quantized drafts on CPU only (specdec's quantized kernels are CPU "
-                f"kernels); the target is on {target.device}"
-            )
-        self.quantization, kernel = draft_plan(target, options)
-        own = set(target.decoder.quant_kernels.values())
-        if self.quantization == "target" and own == {kernel}:
-            others = [k for k in target.available_quant_kernels() if k != kernel]
-            raise ValueError(
-                f"a quantized self-draft on the target's own blocks and kernel ({kernel}) "
-                f"is the target itself; choose another kernel (quantized:kernel="
-                f"{' or '.join(others) or '...'}) or load the target dense "
-                f"(quantization='none' / --quantization none)"
-            )
-        self.draft_target = target.quantized_copy(self.quantization, kernel)
+        self.quantization, self.draft_target = quantized_draft(target, options, "quantized")
         self.kernels = dict(self.draft_target.decoder.quant_kernels)
-        logger.info(
-            "quantized: the draft runs %s blocks on the %s kernel",
-            "the target's own" if self.quantization == "target" else self.quantization,
-            kernel,
-        )
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> LayerSkipSequence:
         """A sequence's state; it drafts once the engine attaches its cache."""
         return LayerSkipSequence(self, params)
 
 
-def draft_plan(target, options: QuantizedOptions) -> tuple[str, str]:
+def quantized_draft(target, options, name: str):
+    """``(quantization, draft_target)``: the target's quantized copy that drafts, per
+    ``options``' ``quantization`` and ``kernel`` (:func:`draft_plan`); logged.
+
+    Args:
+        target: the target on the native backend.
+        options: :class:`~specdec.drafters.options.QuantizedOptions` or
+            :class:`~specdec.drafters.options.SparseKVOptions` (with a quantization).
+        name: the drafter's registry name, for the messages.
+
+    Raises:
+        ValueError: as :class:`QuantizedDrafter` (a target off the CPU, blocks that do not
+            suit it, a draft that would be the target itself, a kernel that does not run
+            here).
+    """
+    if target.device.type != "cpu":
+        raise ValueError(
+            f"{name} drafts with quantized products on CPU only (specdec's quantized kernels "
+            f"are CPU kernels); the target is on {target.device}"
+        )
+    quantization, kernel = draft_plan(target, options, name)
+    own = set(target.decoder.quant_kernels.values())
+    if quantization == "target" and own == {kernel}:
+        others = [k for k in target.available_quant_kernels() if k != kernel]
+        raise ValueError(
+            f"a quantized self-draft on the target's own blocks and kernel ({kernel}) "
+            f"is the target itself; choose another kernel ({name}:kernel="
+            f"{' or '.join(others) or '...'}) or load the target dense "
+            f"(quantization='none' / --quantization none)"
+        )
+    draft_target = target.quantized_copy(quantization, kernel)
+    logger.info(
+        "%s: the draft runs %s blocks on the %s kernel",
+        name,
+        "the target's own" if quantization == "target" else quantization,
+        kernel,
+    )
+    return quantization, draft_target
+
+
+def draft_plan(target, options, name: str = "quantized") -> tuple[str, str]:
     """``(quantization, kernel)`` of the draft for ``target``; see
     :class:`~specdec.drafters.options.QuantizedOptions` for the ``auto`` rules.
 
@@ -128,14 +148,14 @@ def draft_plan(target, options: QuantizedOptions) -> tuple[str, str]:
         if quantization not in ("auto", "target"):
             raise ValueError(
                 f"{target.name} already runs quantized products ({target.quantization}): its "
-                f"draft shares them (quantized:quantization=auto), not {quantization!r}; to "
+                f"draft shares them ({name}:quantization=auto), not {quantization!r}; to "
                 "draft with other blocks, load the target dense (quantization='none' / "
                 "--quantization none)"
             )
         quantization = "target"
     elif quantization == "target":
         raise ValueError(
-            f"{target.name} runs dense products: quantized:quantization=target has no "
+            f"{target.name} runs dense products: {name}:quantization=target has no "
             "blocks to share (use auto, q4_1, q8_0 or gguf)"
         )
     elif quantization == "auto":

@@ -24,6 +24,12 @@ reuses). Positions stay the tokens' true positions (the cached keys carry their 
 phases), as in TriForce and MagicDec. Below ``min_context`` tokens the drafter proposes
 nothing: the window then saves too little of a step.
 
+With ``quantization=`` the draft forwards also run the target's weights on quantized
+products (:func:`specdec.drafters.quantized.quantized_draft`, as the ``quantized`` drafter
+does): the window saves a draft step's KV reads and the blocks its weight reads. QuantSpec
+(Tiwari et al. 2025, arXiv:2502.10424) pairs 4-bit weights with a 4-bit KV cache the same
+way; here the KV saving is the window.
+
 Not implemented: TriForce's retrieval of the top-scoring KV blocks (the window is
 StreamingLLM's fixed one) and its hierarchical second draft model.
 
@@ -39,6 +45,7 @@ from collections.abc import Sequence
 from specdec.config import SamplingParams
 from specdec.drafters.layer_skip import FixedSelfDrafter, LayerSkipSequence
 from specdec.drafters.options import SparseKVOptions
+from specdec.drafters.quantized import quantized_draft
 from specdec.trees.builders import Expansion
 
 logger = logging.getLogger(__name__)
@@ -55,10 +62,16 @@ class SparseKVDrafter(FixedSelfDrafter):
     Attributes:
         kv_window: ``(sinks, recent)``.
         sparse_options: the options.
+        quantization: the draft's blocks (``"none"``: the target's own products; else as
+            :attr:`specdec.drafters.quantized.QuantizedDrafter.quantization`).
+        draft_target: the model that runs the draft forwards (the target, or its quantized
+            copy).
+        kernels: the quantized draft's kernel per product (``None`` without one).
 
     Raises:
         ValueError: the target is not on the native backend, or ``skip`` names layers
-            outside the model or skips every layer.
+            outside the model or skips every layer; with a ``quantization``, the errors of
+            :class:`~specdec.drafters.quantized.QuantizedDrafter`.
     """
 
     def __init__(self, target, options: SparseKVOptions | None = None) -> None:
@@ -66,6 +79,11 @@ class SparseKVDrafter(FixedSelfDrafter):
         why = "it attends over a window of the runtime's KV cache"
         super().__init__(target, "sparse-kv", why, options.skip, options.confidence)
         self.kv_window = (options.sinks, options.recent)
+        self.quantization = options.quantization
+        self.kernels: dict[str, str] | None = None
+        if options.quantization != "none":
+            self.quantization, self.draft_target = quantized_draft(target, options, "sparse-kv")
+            self.kernels = dict(self.draft_target.decoder.quant_kernels)
         self._told_short = False
 
     def below_min_context(self, length: int) -> bool:
