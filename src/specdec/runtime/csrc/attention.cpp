@@ -38,6 +38,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <array>
 #include <atomic>
@@ -182,87 +183,17 @@ inline int64_t group_start(const GroupRow<scalar_t>* rows, int64_t nrows, int64_
   return longest;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// The scores of a group's rows over bfloat16 keys with AVX512-BF16: s_j = scale * <q, k_j>
-// as 16 lanes of pair dot products read straight from the cache (VDPBF16PS, Intel SDM
-// vol. 2: lane l adds q[2l + 1] k[2l + 1], then q[2l] k[2l], to its float32 sum; the
-// products of two bfloat16 numbers are exact in float32), registers of 32 values in order
-// of d, then reduce16's tree. The queries are bfloat16 already (the rows of the forward), so
-// nothing is rounded that the float32 path keeps; the keys need no conversion, and a
-// register does 32 multiply-adds instead of 16. Blocks of kKeyBlock positions serve every
-// row of the group before the next block is read, as each_block does.
-template <int nv>
-void scores_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat16* K,
-                 int64_t R, float scale, int64_t kb, int64_t longest) {
-  constexpr int64_t D = nv * kLanes;
-  constexpr int np = nv / 2;  // registers of 32 bfloat16 per row of D
-  __m512bh qv[kMaxVec / 2];
-  for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
-    for (int64_t i = 0; i < nrows; ++i) {
-      const GroupRow<c10::BFloat16>& row = rows[i];
-      const int64_t end = kb + row.len;
-      const int64_t je = end < jb + kKeyBlock ? end : jb + kKeyBlock;
-      for (int64_t r = 0; jb < je && r < R; ++r) {
-        for (int c = 0; c < np; ++c)
-          qv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row.q + r * D + 32 * c));
-        score_keys(row.scores + r * row.len - kb, jb, je, scale, [&](int64_t j) {
-          const c10::BFloat16* k = K + (row.sl ? row.sl[j] : j) * D;
-          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
-                                      reinterpret_cast<__m512bh>(_mm512_loadu_si512(k)));
-          for (int c = 1; c < np; ++c)
-            a = _mm512_dpbf16_ps(a, qv[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + 32 * c)));
-          return a;
-        });
-      }
-    }
-  }
-}
-
-#endif
-
-// One (group of rows of one sequence, KV head) task with AVX-512. Keys and values are
-// read in blocks of kKeyBlock positions, converted to float32 once for every row of the
-// group that sees them in order (a chain or tree verification reads the KV cache about
-// once instead of once per row). Each row's arithmetic is the same whatever its group:
-//   s_j = scale * <q, k_j>: 16 lane products over d (mul, then fma in order of d), summed
-//         in _mm512_reduce_add_ps's tree (reduce16, 16 keys at a time); over bfloat16
-//         keys with AVX512-BF16, pair dot products read from the cache (scores_bf16);
-//   softmax over its keys in position order (max, exp16, 16-lane partial sums);
-//   o = sum_j p_j v_j by fma in position order, then times 1 / sum_j p_j.
-// Positions kb .. kb + len - 1 of each row only (the task's chunk): each row's acc holds
-// sum_j p_j v_j, normalized by 1 / sum_j p_j when `normalize` (the row's only chunk), else
-// left for the merge with the chunk's maximum and sum in stats.
 #if defined(__AVX512F__)
-template <typename scalar_t, int nv>
-void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, const scalar_t* V,
-                  int64_t R, float scale, int64_t kb, bool normalize) {
-  constexpr int64_t D = nv * kLanes;
-  BlockReader<scalar_t, D> reader;
-  const int64_t longest = group_start(rows, nrows, kb, reader);
-  __m512 qv[kMaxVec];
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
-    scores_bf16<nv>(rows, nrows, K, R, scale, kb, longest);
-  else
-#endif
-  each_block(rows, nrows, kb, longest, reader, K, [&](const GroupRow<scalar_t>& row, int64_t jb,
-                                                      int64_t je, const float* block) {
-    for (int64_t r = 0; r < R; ++r) {
-      for (int c = 0; c < nv; ++c) qv[c] = load16(row.q + r * D + c * kLanes);
-      score_keys(row.scores + r * row.len - kb, jb, je, scale, [&](int64_t j) {
-        const float* k = block + (j - jb) * D;
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int c = 1; c < nv; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * kLanes), a);
-        return a;
-      });
-    }
-  });
-  float denom[kMaxRows][kMaxGroup];
+// Softmax of each row's scores (row.scores, [R, len]) in place, in position order: the
+// maximum (exact in any order; +0 / -0 give exp(s - m) the same bits), p_j = exp16(s_j - m)
+// and their sum in 16 lanes of position-aligned partial sums, then _mm512_reduce_add_ps's
+// tree. stats gets (m, sum) per query head; denom[i][r] the sum.
+template <typename scalar_t>
+void softmax_rows(GroupRow<scalar_t>* rows, int64_t nrows, int64_t R, float (*denom)[kMaxGroup]) {
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t n = rows[i].len;
     for (int64_t r = 0; r < R; ++r) {
       float* sr = rows[i].scores + r * n;
-      // the maximum is exact in any order (and +0 / -0 give exp(s - m) the same bits)
       __m512 mx = _mm512_set1_ps(-INFINITY);
       int64_t jm = 0;
       for (; jm + kLanes <= n; jm += kLanes) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + jm));
@@ -286,8 +217,310 @@ void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, co
       rows[i].stats[2 * r] = m;
       rows[i].stats[2 * r + 1] = denom[i][r];
     }
-    std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
   }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// The 16 x 16 transpose of dwords: out[j * stride] lane i = r[i] lane j (unpacks of 32
+// and 64 bits within 128-bit lanes, then a 4 x 4 transpose of the 128-bit lanes: 64
+// shuffles).
+inline void transpose16(const __m512i* r, __m512i* out, int64_t stride) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4 g + c] lane L: keys 4 g .. 4 g + 3 of column 4 L + c
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    out[(0 + c) * stride] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    out[(4 + c) * stride] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    out[(8 + c) * stride] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    out[(12 + c) * stride] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+}
+
+// Keys jb .. jb + 63 of K as 16-key tiles of pairs: out[p * 4 + t] lane l = the dword
+// (d = 2p, 2p + 1) of the key at position jb + 16 t + l, which sits in slot sl[pos] (sl:
+// nullptr for slot = position); positions at or past `end` are zeros. Tiles wholly past
+// `end` are left as they are (never read into a stored score).
+template <int64_t D>
+inline void pack_key_tiles(const c10::BFloat16* K, const int64_t* sl, int64_t jb, int64_t end,
+                           __m512i* out) {
+  constexpr int NZ = static_cast<int>(D / 32);  // registers of a key's D bfloat16
+  __m512i r[16];
+  for (int t = 0; t < 4; ++t) {
+    const int64_t first = jb + 16 * t;
+    if (first >= end) return;
+    for (int z = 0; z < NZ; ++z) {
+      for (int64_t l = 0; l < 16; ++l) {
+        const int64_t j = first + l;
+        r[l] = j < end ? _mm512_loadu_si512(K + (sl ? sl[j] : j) * D + 32 * z)
+                       : _mm512_setzero_si512();
+      }
+      transpose16(r, out + (16 * z) * 4 + t, 4);
+    }
+  }
+}
+
+// Values of positions jb .. jb + 63 as pairs of keys: out[jp * nv + 2 c + h] lane 4 k + i
+// holds (V[pos 2 jp][e], V[pos 2 jp + 1][e]) with e = 32 c + 8 k + 4 h + i (the order of
+// VPUNPCKLWD / VPUNPCKHWD: dims are permuted within each register, the same for every row,
+// and put back in order by unpermute); positions at or past `end` are zeros.
+template <int nv>
+inline void pack_value_pairs(const c10::BFloat16* V, const int64_t* sl, int64_t jb, int64_t end,
+                             __m512i* out) {
+  constexpr int64_t D = nv * kLanes;
+  for (int64_t jp = 0; jp < kKeyBlock / 2; ++jp) {
+    const int64_t j = jb + 2 * jp;
+    const c10::BFloat16* a = j < end ? V + (sl ? sl[j] : j) * D : nullptr;
+    const c10::BFloat16* b = j + 1 < end ? V + (sl ? sl[j + 1] : j + 1) * D : nullptr;
+    for (int c = 0; c < nv / 2; ++c) {
+      const __m512i x = a ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
+      const __m512i y = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+      out[jp * nv + 2 * c] = _mm512_unpacklo_epi16(x, y);
+      out[jp * nv + 2 * c + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+  }
+}
+
+// Whether a row reads positions jb .. je - 1 from slots jb .. je - 1.
+inline bool slots_in_order(const int64_t* sl, int64_t jb, int64_t je) {
+  if (!sl) return true;
+  for (int64_t j = jb; j < je; ++j)
+    if (sl[j] != j) return false;
+  return true;
+}
+
+// The scores of QG query heads of one row (queries q + g D; scores at out + g len,
+// indexed by position) over positions jb .. je - 1 of a packed block: per query and tile,
+// VDPBF16PS over the pairs in order from 0, then times scale. QG queries at once give
+// 4 QG independent sums (one query's 4 would wait on VDPBF16PS's latency); each query's
+// arithmetic is its own, so the bits do not depend on QG.
+template <int64_t D, int QG>
+inline void score_tiles(const c10::BFloat16* q, const __m512i* kp, float* out, int64_t len,
+                        int64_t jb, int64_t je, float scale) {
+  __m512 acc[QG][4];
+  for (int g = 0; g < QG; ++g)
+    for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_setzero_ps();
+  for (int p = 0; p < static_cast<int>(D / 2); ++p) {  // all 4 tiles: past je, unused lanes
+    __m512bh k[4];
+    for (int t = 0; t < 4; ++t) k[t] = as_bh(kp[p * 4 + t]);
+    for (int g = 0; g < QG; ++g) {
+      int32_t pair;
+      std::memcpy(&pair, q + g * D + 2 * p, sizeof(pair));
+      const __m512bh qb = as_bh(_mm512_set1_epi32(pair));
+      for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_dpbf16_ps(acc[g][t], qb, k[t]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int t = 0; jb + 16 * t < je; ++t) {
+    const int64_t first = jb + 16 * t;
+    const int64_t cnt = je - first < 16 ? je - first : 16;
+    const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1u);
+    for (int g = 0; g < QG; ++g)
+      _mm512_mask_storeu_ps(out + g * len + first, mask, _mm512_mul_ps(acc[g][t], sv));
+  }
+}
+
+// The value sums of QG query heads of one row over positions jb .. je - 1 (probabilities
+// at p + g len, indexed by position; sums at acc + g D in pack_value_pairs' order): per
+// pair of keys in order, VDPBF16PS of the bfloat16 probabilities with the value pairs.
+// A row ending inside a pair (je - jb odd) has probability 0 for the missing key and its
+// values masked to zero, so the pair adds the same +0 products whatever the block holds.
+template <int nv, int QG>
+inline void value_pairs(const float* p, int64_t len, float* acc_out, const __m512i* vp,
+                        int64_t jb, int64_t je) {
+  constexpr int64_t D = nv * kLanes;
+  alignas(64) int32_t pb[QG][kKeyBlock / 2];
+  for (int g = 0; g < QG; ++g)
+    for (int64_t j0 = jb; j0 < je; j0 += 32) {
+      const int64_t left = je - j0;
+      const __mmask16 m0 = static_cast<__mmask16>(left >= 16 ? 0xFFFFu : (1u << left) - 1u);
+      const __mmask16 m1 = static_cast<__mmask16>(
+          left >= 32 ? 0xFFFFu : left <= 16 ? 0u : (1u << (left - 16)) - 1u);
+      const __m512 lo = _mm512_maskz_loadu_ps(m0, p + g * len + j0);
+      const __m512 hi = _mm512_maskz_loadu_ps(m1, p + g * len + j0 + 16);
+      _mm512_store_si512(pb[g] + (j0 - jb) / 2,
+                         reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  __m512 acc[QG][nv];
+  for (int g = 0; g < QG; ++g)
+    for (int c = 0; c < nv; ++c) acc[g][c] = _mm512_loadu_ps(acc_out + g * D + c * kLanes);
+  const int64_t pairs = (je - jb + 1) / 2;
+  const int64_t whole = (je - jb) / 2;  // pairs with both keys in the row
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    __m512i v[nv];
+    const __m512i keep = _mm512_set1_epi32(jp < whole ? -1 : 0xFFFF);
+    for (int c = 0; c < nv; ++c) v[c] = _mm512_and_si512(vp[jp * nv + c], keep);
+    for (int g = 0; g < QG; ++g) {
+      const __m512bh pv = as_bh(_mm512_set1_epi32(pb[g][jp]));
+      for (int c = 0; c < nv; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pv, as_bh(v[c]));
+    }
+  }
+  for (int g = 0; g < QG; ++g)
+    for (int c = 0; c < nv; ++c) _mm512_storeu_ps(acc_out + g * D + c * kLanes, acc[g][c]);
+}
+
+// One (group of rows of one sequence, KV head) task over a bfloat16 cache with
+// AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids): the keys-in-lanes formulation of
+// FlashAttention's CPU kernels, with the exact two-pass softmax of group_avx512. Per row
+// and query head, over positions kb .. kb + len - 1:
+//   s_j = scale * <q, k_j>   lane j of a 16-key tile: VDPBF16PS over the pairs
+//                            (d = 2p, 2p + 1), p = 0 .. D/2 - 1 in order, from 0, float32
+//                            (the prompt kernel's score arithmetic, prompt_attention.cpp)
+//   p_j = exp16(s_j - max s), sum p_j in float32 (softmax_rows)
+//   o   = (sum over pairs (j, j + 1) in position order of bf16(p_j) v_j + bf16(p_j+1)
+//          v_j+1, VDPBF16PS, float32) / sum p_j
+// The probabilities are rounded to bfloat16 for the value sum (as the prompt kernel and
+// PyTorch's bfloat16 flash kernel do); the normalizer sums them in float32. Each row's
+// steps read only its query and its own keys, in pairs and tiles aligned to the chunk's
+// start (a multiple of 64): the same bits whatever rows share the task, so a row gets the
+// same bits decoded alone, verified in a chain or tree, or batched. What rows share is the
+// packing: a 64-key block is packed once (keys as tiles, values as pairs) for every row of
+// the group that reads those slots in order; a token tree's or a window's own slots are
+// packed per row. A row's last pair, when its keys end inside one, has the missing key's
+// probability 0 and its values zeroed, so it adds +0 products whatever the cache holds.
+// Measured on a 2-core Zen 4, SmolLM2-135M, 8,000 cached tokens, one forward of 1 / 3 / 5
+// rows: see benchmarks/long_context_cpu/report.md (run 6).
+template <int nv>
+void group_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat16* K,
+                const c10::BFloat16* V, int64_t R, float scale, int64_t kb, bool normalize) {
+  constexpr int64_t D = nv * kLanes;
+  int64_t longest = kb;
+  for (int64_t i = 0; i < nrows; ++i)
+    longest = kb + rows[i].len > longest ? kb + rows[i].len : longest;
+  static thread_local std::vector<__m512i> buffers(2 * (kMaxVec * 8 * 4 + kKeyBlock / 2 * kMaxVec));
+  __m512i* shared = buffers.data();                                    // [NP * 4] or pairs
+  __m512i* own = buffers.data() + kMaxVec * 8 * 4 + kKeyBlock / 2 * kMaxVec;
+  // scores
+  for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
+    bool packed = false;
+    for (int64_t i = 0; i < nrows; ++i) {
+      const GroupRow<c10::BFloat16>& row = rows[i];
+      const int64_t end = kb + row.len;
+      const int64_t je = end < jb + kKeyBlock ? end : jb + kKeyBlock;
+      if (jb >= je) continue;
+      const __m512i* kp = shared;
+      if (slots_in_order(row.sl, jb, je)) {
+        if (!packed) pack_key_tiles<D>(K, nullptr, jb, longest, shared);
+        packed = true;
+      } else {
+        pack_key_tiles<D>(K, row.sl, jb, je, own);
+        kp = own;
+      }
+      for (int64_t r = 0; r < R;) {
+        const int64_t n = R - r < 3 ? R - r : 3;
+        float* out = row.scores + r * row.len - kb;  // indexed by position
+        if (n == 3)
+          score_tiles<D, 3>(row.q + r * D, kp, out, row.len, jb, je, scale);
+        else if (n == 2)
+          score_tiles<D, 2>(row.q + r * D, kp, out, row.len, jb, je, scale);
+        else
+          score_tiles<D, 1>(row.q + r * D, kp, out, row.len, jb, je, scale);
+        r += n;
+      }
+    }
+  }
+  float denom[kMaxRows][kMaxGroup];
+  softmax_rows(rows, nrows, R, denom);
+  for (int64_t i = 0; i < nrows; ++i) std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
+  // value sums, in the permuted order of pack_value_pairs
+  for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
+    bool packed = false;
+    for (int64_t i = 0; i < nrows; ++i) {
+      const GroupRow<c10::BFloat16>& row = rows[i];
+      const int64_t end = kb + row.len;
+      const int64_t je = end < jb + kKeyBlock ? end : jb + kKeyBlock;
+      if (jb >= je) continue;
+      const __m512i* vp = shared;
+      if (slots_in_order(row.sl, jb, je)) {
+        if (!packed) pack_value_pairs<nv>(V, nullptr, jb, longest, shared);
+        packed = true;
+      } else {
+        pack_value_pairs<nv>(V, row.sl, jb, je, own);
+        vp = own;
+      }
+      constexpr int64_t most = nv <= 4 ? 3 : 2;  // accumulators stay in registers
+      for (int64_t r = 0; r < R;) {
+        const int64_t n = R - r < most ? R - r : most;
+        const float* pr = row.scores + r * row.len - kb;  // indexed by position
+        float* a = row.acc + r * D;
+        if (n == 3)
+          value_pairs<nv, (nv <= 4 ? 3 : 2)>(pr, row.len, a, vp, jb, je);
+        else if (n == 2)
+          value_pairs<nv, 2>(pr, row.len, a, vp, jb, je);
+        else
+          value_pairs<nv, 1>(pr, row.len, a, vp, jb, je);
+        r += n;
+      }
+    }
+  }
+  // dims back in order (and normalized when this is the row's only chunk)
+  for (int64_t i = 0; i < nrows; ++i)
+    for (int64_t r = 0; r < R; ++r) {
+      float* a = rows[i].acc + r * D;
+      alignas(64) float tmp[kMaxVec * kLanes];
+      std::copy(a, a + D, tmp);
+      const float inv = normalize ? 1.f / denom[i][r] : 1.f;
+      for (int c = 0; c < nv / 2; ++c)
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 4; ++k)
+            for (int e = 0; e < 4; ++e) {
+              const float x = tmp[(2 * c + h) * kLanes + 4 * k + e];
+              a[32 * c + 8 * k + 4 * h + e] = normalize ? x * inv : x;
+            }
+    }
+}
+#endif
+
+// One (group of rows of one sequence, KV head) task with AVX-512. Keys and values are
+// read in blocks of kKeyBlock positions, converted to float32 once for every row of the
+// group that sees them in order (a chain or tree verification reads the KV cache about
+// once instead of once per row). Each row's arithmetic is the same whatever its group:
+//   s_j = scale * <q, k_j>: 16 lane products over d (mul, then fma in order of d), summed
+//         in _mm512_reduce_add_ps's tree (reduce16, 16 keys at a time);
+//   softmax over its keys in position order (max, exp16, 16-lane partial sums);
+//   o = sum_j p_j v_j by fma in position order, then times 1 / sum_j p_j.
+// Positions kb .. kb + len - 1 of each row only (the task's chunk): each row's acc holds
+// sum_j p_j v_j, normalized by 1 / sum_j p_j when `normalize` (the row's only chunk), else
+// left for the merge with the chunk's maximum and sum in stats. A bfloat16 cache on a CPU
+// with AVX512-BF16 runs group_bf16 instead.
+#if defined(__AVX512F__)
+template <typename scalar_t, int nv>
+void group_avx512(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, const scalar_t* V,
+                  int64_t R, float scale, int64_t kb, bool normalize) {
+  constexpr int64_t D = nv * kLanes;
+  BlockReader<scalar_t, D> reader;
+  const int64_t longest = group_start(rows, nrows, kb, reader);
+  __m512 qv[kMaxVec];
+  each_block(rows, nrows, kb, longest, reader, K, [&](const GroupRow<scalar_t>& row, int64_t jb,
+                                                      int64_t je, const float* block) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int c = 0; c < nv; ++c) qv[c] = load16(row.q + r * D + c * kLanes);
+      score_keys(row.scores + r * row.len - kb, jb, je, scale, [&](int64_t j) {
+        const float* k = block + (j - jb) * D;
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int c = 1; c < nv; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * kLanes), a);
+        return a;
+      });
+    }
+  });
+  float denom[kMaxRows][kMaxGroup];
+  softmax_rows(rows, nrows, R, denom);
+  for (int64_t i = 0; i < nrows; ++i) std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
   // one query head at a time over the block, so that its nv accumulators stay in registers
   // (R is not known at compile time: an array of R x nv accumulators went through the
   // stack, a load and a store per FMA); each still sums over j in position order
@@ -415,6 +648,12 @@ template <typename scalar_t, int nv>
 inline void group_kernel(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K,
                          const scalar_t* V, int64_t R, float scale, int64_t kb, bool normalize) {
 #if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    group_bf16<nv>(rows, nrows, K, V, R, scale, kb, normalize);
+    return;
+  }
+#endif
   group_avx512<scalar_t, nv>(rows, nrows, K, V, R, scale, kb, normalize);
 #else
   group_v16<scalar_t, nv>(rows, nrows, K, V, R, scale, kb, normalize);
