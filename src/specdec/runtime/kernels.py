@@ -205,7 +205,11 @@ def ragged_attention(
     position order): ``softmax(scale * q_t K^T) V`` per head (grouped-query heads share
     their KV head), scores, softmax and the value sum in float32 in a fixed order (with
     AVX-512, or AVX2 with the same bits: 16-lane partial sums; ``exp`` by a Cephes
-    polynomial, about 1 ulp).
+    polynomial, about 1 ulp). Over a bfloat16 cache on a CPU with AVX512-BF16 the scores
+    and value sums run on pair dot products (VDPBF16PS), keys transposed into 16-key
+    tiles, and the value sums take the probabilities rounded to bfloat16 (as PyTorch's
+    bfloat16 flash kernel; the normalizer sums them in float32). Either way a row's bits
+    depend only on its query and keys, not on the rows beside it.
 
     Args:
         q: ``[T, H, d]`` contiguous queries (rotary applied).

@@ -14,14 +14,13 @@
 // same bits, one score's lane tree at a time instead of 16 keys at once.
 //
 // Over a bfloat16 cache on a CPU with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids)
-// the scores are pair dot products instead (scores_bf16): <q, k_j> as 16 lanes, lane l
-// summing the exact products of d = 2l, 2l + 1 of each 32 values (VDPBF16PS), then the same
-// lane tree. The queries and keys are bfloat16 numbers either way, so no input is rounded
-// that the float32 steps keep; only the order of the float32 additions differs (and
-// VDPBF16PS flushes subnormals), so these bits differ from the AVX2 path's. Measured on a
-// 2-core Zen 4, SmolLM2-135M with 8,000 cached tokens: 1 / 3 / 5 rows 15.6 / 27.9 / 38.2
-// ms a forward before, 12.9 / 21.7 / 29.9 ms after (the keys are read without conversion
-// and a register does 32 multiply-adds instead of 16).
+// group_bf16 runs instead, with other steps (so other bits than the AVX2 path's, the same
+// for every row): keys transposed into 16-key tiles of pairs, s_j as one lane's run of
+// pair dot products (VDPBF16PS), the same two-pass softmax, and the value sum over pairs
+// of keys on pair dot products with the probabilities rounded to bfloat16. Measured on a
+// 2-core Zen 4, SmolLM2-135M, the kernel alone over 30 layers and 8,000 keys: 1 / 3 / 5 /
+// 16 rows 9.0 / 17 / 26 / 62 ms with lane-reduced pair dot products for the scores (the
+// version before), 8.0 / 14.2 / 18.7 / 41 ms with group_bf16.
 //
 // A row that sees at least 2 kChunk keys (AVX-512 or AVX2 path) is computed in chunks of kChunk
 // positions (the last one running to the row's end: kChunk to 2 kChunk - 1 keys), each its
@@ -394,7 +393,7 @@ inline void value_pairs(const float* p, int64_t len, float* acc_out, const __m51
 // packed per row. A row's last pair, when its keys end inside one, has the missing key's
 // probability 0 and its values zeroed, so it adds +0 products whatever the cache holds.
 // Measured on a 2-core Zen 4, SmolLM2-135M, 8,000 cached tokens, one forward of 1 / 3 / 5
-// rows: see benchmarks/long_context_cpu/report.md (run 6).
+// rows: see the header and benchmarks/long_context_cpu/report.md (runs 6-8).
 template <int nv>
 void group_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat16* K,
                 const c10::BFloat16* V, int64_t R, float scale, int64_t kb, bool normalize) {
