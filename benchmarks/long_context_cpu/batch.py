@@ -23,26 +23,10 @@ import json
 import time
 from pathlib import Path
 
-from run import DOCUMENTS, build_prompts
+from run import DOCUMENTS, build_prompts, speculative_config
 
-from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec import LLM, SamplingParams
 from specdec.models.loading import load
-
-
-def _config(method: str) -> SpeculativeConfig:
-    """``ar`` or ``NAME:k=K,controller=C,OPTION=...`` as a speculative configuration."""
-    if method == "ar":
-        return SpeculativeConfig(method="none")
-    spec, _, rest = method.partition(":")
-    opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
-    k = int(opts.pop("k", 4))
-    controller = opts.pop("controller", "fixed")
-    option_text = ",".join(f"{a}={b}" for a, b in opts.items())
-    return SpeculativeConfig(
-        method=f"{spec}:{option_text}" if option_text else spec,
-        num_speculative_tokens=k,
-        controller=controller,
-    )
 
 
 def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, batched: bool):
@@ -68,7 +52,7 @@ def main() -> None:
     )  # fmt: skip
     prompts = [p["ids"] for p in build_prompts(target.tokenizer, [args.length], args.documents)]
     methods = ["ar", *args.methods]
-    llms = {m: LLM(target, speculative=_config(m)) for m in methods}
+    llms = {m: LLM(target, speculative=speculative_config(m)) for m in methods}
     for llm in llms.values():  # warm-up
         llm.generate(prompts[0][:64], SamplingParams(max_new_tokens=8))
     short = SamplingParams(max_new_tokens=1, ignore_eos=True)

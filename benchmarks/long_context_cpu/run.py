@@ -70,6 +70,23 @@ def build_prompts(tokenizer, lengths, names):
     return prompts
 
 
+def speculative_config(method: str) -> SpeculativeConfig:
+    """``ar`` (plain decoding) or ``NAME:k=K,controller=C,OPTION=...`` (a drafter spec
+    with the draft length and controller in it) as a :class:`SpeculativeConfig`."""
+    if method == "ar":
+        return SpeculativeConfig(method="none")
+    spec, _, rest = method.partition(":")
+    opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    k = int(opts.pop("k", 4))
+    controller = opts.pop("controller", "fixed")
+    option_text = ",".join(f"{a}={b}" for a, b in opts.items())
+    return SpeculativeConfig(
+        method=f"{spec}:{option_text}" if option_text else spec,
+        num_speculative_tokens=k,
+        controller=controller,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -107,23 +124,8 @@ def main() -> None:
         methods.insert(1, f"ar[{args.also_plain}]")
         llms[methods[1]] = LLM(other, speculative=SpeculativeConfig(method="none"))
     for m in methods:
-        if m == "ar":
-            llms[m] = LLM(target, speculative=SpeculativeConfig(method="none"))
-            continue
-        if m in llms:
-            continue
-        spec, _, rest = m.partition(":")
-        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
-        k = int(opts.pop("k", 4))
-        controller = opts.pop("controller", "fixed")
-        option_text = ",".join(f"{a}={b}" for a, b in opts.items())
-        method = f"{spec}:{option_text}" if option_text else spec
-        llms[m] = LLM(
-            target,
-            speculative=SpeculativeConfig(
-                method=method, num_speculative_tokens=k, controller=controller
-            ),
-        )
+        if m not in llms:
+            llms[m] = LLM(target, speculative=speculative_config(m))
     for llm in llms.values():  # warm-up
         llm.generate(prompts[0]["ids"][:64], SamplingParams(max_new_tokens=8))
     records = []

@@ -373,6 +373,33 @@ inline void value_pairs(const float* p, int64_t len, float* acc_out, const __m51
     for (int c = 0; c < nv; ++c) _mm512_storeu_ps(acc_out + g * D + c * kLanes, acc[g][c]);
 }
 
+// Calls visit(row, jb, je, block) for every row of a group and every block of kKeyBlock
+// positions the row sees, block after block, with the block packed by pack(slots, jb, end,
+// out): once into `shared` (up to the group's longest row) for every row that reads the
+// block's slots in order, so that it serves all of them; into `own` for a row with its own
+// slots there (a token tree's or a KV window's).
+template <typename Pack, typename Visit>
+void each_packed_block(GroupRow<c10::BFloat16>* rows, int64_t nrows, int64_t kb, int64_t longest,
+                       __m512i* shared, __m512i* own, Pack&& pack, Visit&& visit) {
+  for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
+    bool packed = false;
+    for (int64_t i = 0; i < nrows; ++i) {
+      const GroupRow<c10::BFloat16>& row = rows[i];
+      const int64_t end = kb + row.len;
+      const int64_t je = end < jb + kKeyBlock ? end : jb + kKeyBlock;
+      if (jb >= je) continue;
+      if (slots_in_order(row.sl, jb, je)) {
+        if (!packed) pack(nullptr, jb, longest, shared);
+        packed = true;
+        visit(row, jb, je, shared);
+      } else {
+        pack(row.sl, jb, je, own);
+        visit(row, jb, je, own);
+      }
+    }
+  }
+}
+
 // One (group of rows of one sequence, KV head) task over a bfloat16 cache with
 // AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids): the keys-in-lanes formulation of
 // FlashAttention's CPU kernels, with the exact two-pass softmax of group_avx512. Per row
@@ -405,68 +432,48 @@ void group_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat1
   __m512i* shared = buffers.data();                                    // [NP * 4] or pairs
   __m512i* own = buffers.data() + kMaxVec * 8 * 4 + kKeyBlock / 2 * kMaxVec;
   // scores
-  for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
-    bool packed = false;
-    for (int64_t i = 0; i < nrows; ++i) {
-      const GroupRow<c10::BFloat16>& row = rows[i];
-      const int64_t end = kb + row.len;
-      const int64_t je = end < jb + kKeyBlock ? end : jb + kKeyBlock;
-      if (jb >= je) continue;
-      const __m512i* kp = shared;
-      if (slots_in_order(row.sl, jb, je)) {
-        if (!packed) pack_key_tiles<D>(K, nullptr, jb, longest, shared);
-        packed = true;
-      } else {
-        pack_key_tiles<D>(K, row.sl, jb, je, own);
-        kp = own;
-      }
-      for (int64_t r = 0; r < R;) {
-        const int64_t n = R - r < 3 ? R - r : 3;
-        float* out = row.scores + r * row.len - kb;  // indexed by position
-        if (n == 3)
-          score_tiles<D, 3>(row.q + r * D, kp, out, row.len, jb, je, scale);
-        else if (n == 2)
-          score_tiles<D, 2>(row.q + r * D, kp, out, row.len, jb, je, scale);
-        else
-          score_tiles<D, 1>(row.q + r * D, kp, out, row.len, jb, je, scale);
-        r += n;
-      }
-    }
-  }
+  each_packed_block(
+      rows, nrows, kb, longest, shared, own,
+      [&](const int64_t* sl, int64_t jb, int64_t end, __m512i* out) {
+        pack_key_tiles<D>(K, sl, jb, end, out);
+      },
+      [&](const GroupRow<c10::BFloat16>& row, int64_t jb, int64_t je, const __m512i* kp) {
+        for (int64_t r = 0; r < R;) {
+          const int64_t n = R - r < 3 ? R - r : 3;
+          float* out = row.scores + r * row.len - kb;  // indexed by position
+          if (n == 3)
+            score_tiles<D, 3>(row.q + r * D, kp, out, row.len, jb, je, scale);
+          else if (n == 2)
+            score_tiles<D, 2>(row.q + r * D, kp, out, row.len, jb, je, scale);
+          else
+            score_tiles<D, 1>(row.q + r * D, kp, out, row.len, jb, je, scale);
+          r += n;
+        }
+      });
   float denom[kMaxRows][kMaxGroup];
   softmax_rows(rows, nrows, R, denom);
   for (int64_t i = 0; i < nrows; ++i) std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
   // value sums, in the permuted order of pack_value_pairs
-  for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
-    bool packed = false;
-    for (int64_t i = 0; i < nrows; ++i) {
-      const GroupRow<c10::BFloat16>& row = rows[i];
-      const int64_t end = kb + row.len;
-      const int64_t je = end < jb + kKeyBlock ? end : jb + kKeyBlock;
-      if (jb >= je) continue;
-      const __m512i* vp = shared;
-      if (slots_in_order(row.sl, jb, je)) {
-        if (!packed) pack_value_pairs<nv>(V, nullptr, jb, longest, shared);
-        packed = true;
-      } else {
-        pack_value_pairs<nv>(V, row.sl, jb, je, own);
-        vp = own;
-      }
-      constexpr int64_t most = nv <= 4 ? 3 : 2;  // accumulators stay in registers
-      for (int64_t r = 0; r < R;) {
-        const int64_t n = R - r < most ? R - r : most;
-        const float* pr = row.scores + r * row.len - kb;  // indexed by position
-        float* a = row.acc + r * D;
-        if (n == 3)
-          value_pairs<nv, (nv <= 4 ? 3 : 2)>(pr, row.len, a, vp, jb, je);
-        else if (n == 2)
-          value_pairs<nv, 2>(pr, row.len, a, vp, jb, je);
-        else
-          value_pairs<nv, 1>(pr, row.len, a, vp, jb, je);
-        r += n;
-      }
-    }
-  }
+  constexpr int most = nv <= 4 ? 3 : 2;  // accumulators stay in registers
+  each_packed_block(
+      rows, nrows, kb, longest, shared, own,
+      [&](const int64_t* sl, int64_t jb, int64_t end, __m512i* out) {
+        pack_value_pairs<nv>(V, sl, jb, end, out);
+      },
+      [&](const GroupRow<c10::BFloat16>& row, int64_t jb, int64_t je, const __m512i* vp) {
+        for (int64_t r = 0; r < R;) {
+          const int64_t n = R - r < most ? R - r : most;
+          const float* pr = row.scores + r * row.len - kb;  // indexed by position
+          float* a = row.acc + r * D;
+          if (n == 3)
+            value_pairs<nv, most>(pr, row.len, a, vp, jb, je);
+          else if (n == 2)
+            value_pairs<nv, 2>(pr, row.len, a, vp, jb, je);
+          else
+            value_pairs<nv, 1>(pr, row.len, a, vp, jb, je);
+          r += n;
+        }
+      });
   // dims back in order (and normalized when this is the row's only chunk)
   for (int64_t i = 0; i < nrows; ++i)
     for (int64_t r = 0; r < R; ++r) {
