@@ -429,6 +429,23 @@ def test_retrieval_without_a_datastore_file_before_loading(
     assert code == 2 and fragment in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("args", "see"),
+    [
+        (["--drafter", "sparse-kv:quantization=q2"], "(see 'specdec drafters')"),
+        (["--controller", "cost:bogus=1"], "(see 'specdec controllers')"),
+        (["--max-new-tokens", "x"], "(see 'specdec generate --help')"),
+    ],
+)
+def test_an_option_error_names_where_the_options_are_listed(
+    capsys, tiny_model_dir, no_loading, args, see
+):
+    """A drafter's or controller's options are listed by `specdec drafters` /
+    `specdec controllers`, not by the command's --help."""
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, *args)
+    assert code == 2 and err.strip().endswith(see), err
+
+
 def test_retrieval_datastore_that_is_a_folder(tmp_path):
     from specdec import SpeculativeConfig
 

@@ -179,8 +179,14 @@ def test_refusals(hf32, dense, q4, monkeypatch):
         _drafter(dense, quantization="target")
     with pytest.raises(ValueError, match="needs a model loaded from a GGUF"):
         _drafter(dense, quantization="gguf")
-    with pytest.raises(ValueError, match="kernel 'dpbf16' does not run here for float32"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantized:kernel=dpbf16: quantized kernel 'dpbf16' does not run here for "
+        r"float32 .*--dtype bfloat16, or leave kernel= out",
+    ):
         _drafter(dense, kernel="dpbf16")
+    # the target's own blocks asked for by name: its own blocks (the default)
+    assert _drafter(q4, quantization="q4_1").quantization == "target"
     with pytest.raises(ValueError, match="skips all 3 layers"):
         _drafter(dense, skip="0-2")
     monkeypatch.setenv("SPECDEC_QUANT_KERNEL", "fma")

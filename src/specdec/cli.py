@@ -146,7 +146,11 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors, like every other refusal of the command line."""
 
     def error(self, message: str):
-        self.exit(2, f"specdec: error: {message} (see '{self.prog} --help')\n")
+        see = f"{self.prog} --help"
+        if message.startswith(("argument --drafter", "argument --controller")):
+            # the options of a drafter or controller are listed by their own command
+            see = "specdec drafters" if "--drafter" in message[:20] else "specdec controllers"
+        self.exit(2, f"specdec: error: {message} (see '{see}')\n")
 
 
 def _build_parser() -> argparse.ArgumentParser:

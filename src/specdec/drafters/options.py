@@ -303,8 +303,8 @@ class SparseKVOptions:
     )
     quantization: str = option(
         "none",
-        "the draft's products: none (the target's), or as quantized:quantization= (auto, "
-        "q4_1, ...)",
+        "the draft's products: none (the target's), or quantized as quantized's: auto, target, "
+        "q4_1, q8_0, gguf",
     )
     kernel: str = option(
         "auto", "the quantized draft's product kernel, as quantized:kernel= (auto = q8)"
@@ -341,7 +341,8 @@ class QuantizedOptions:
         quantization: the draft's blocks. ``auto`` (default): a dense target's weights in
             its GGUF file's blocks when it came from one, else quantized to ``q4_1`` at
             load; a quantized target's own blocks (``target``). ``q4_1`` / ``q8_0`` /
-            ``gguf``: as ``--quantization`` (dense targets only).
+            ``gguf``: as ``--quantization`` (dense targets; on a quantized target, the name of
+            its own quantization means ``target``).
         kernel: the draft's quantized product kernel: ``auto`` (default) is ``q8``
             (activations rounded to 8 bits, integer dot products: the fastest one-row
             product on the CPUs measured, and a draft's rounding never changes the

@@ -124,7 +124,16 @@ def quantized_draft(target, options, name: str):
             f"{' or '.join(others) or '...'}) or load the target dense "
             f"(quantization='none' / --quantization none)"
         )
-    draft_target = target.quantized_copy(quantization, kernel)
+    try:
+        draft_target = target.quantized_copy(quantization, kernel)
+    except ValueError as exc:
+        if "does not run here" not in str(exc):
+            raise
+        dtype = ", or --dtype bfloat16" if kernel == "dpbf16" else ""
+        raise ValueError(
+            f"{name}:kernel={kernel}: {exc} (choose one of those{dtype}, or leave kernel= "
+            f"out for the default, q8)"
+        ) from exc
     logger.info(
         "%s: the draft runs %s blocks on the %s kernel",
         name,
@@ -145,7 +154,7 @@ def draft_plan(target, options, name: str = "quantized") -> tuple[str, str]:
     quantized = bool(target.decoder.weights.quantized)
     quantization = options.quantization
     if quantized:
-        if quantization not in ("auto", "target"):
+        if quantization not in ("auto", "target", target.quantization):
             raise ValueError(
                 f"{target.name} already runs quantized products ({target.quantization}): its "
                 f"draft shares them ({name}:quantization=auto), not {quantization!r}; to "

@@ -107,7 +107,8 @@ def check_prompt_fits(target, prompt_ids: list[int]) -> None:
     if len(prompt_ids) >= target.max_context:
         raise ValueError(
             f"prompt has {len(prompt_ids)} tokens; {target.name} holds at most "
-            f"{target.max_context} tokens in total, so nothing could be generated"
+            f"{target.max_context} tokens in total, so nothing could be generated: shorten "
+            f"the prompt below {target.max_context} tokens, leaving room for the output"
         )
 
 
