@@ -23,10 +23,9 @@ import json
 import time
 from pathlib import Path
 
-from run import DOCUMENTS, build_prompts, speculative_config
+from run import DOCUMENTS, build_prompts, load_target, speculative_config
 
 from specdec import LLM, SamplingParams
-from specdec.models.loading import load
 
 
 def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, batched: bool):
@@ -46,10 +45,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto", help="the target's weights, as run.py")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    target = load(
-        "smollm2-135m-instruct", dtype=args.dtype, backend="native",
-        quantization=args.quantization,
-    )  # fmt: skip
+    target = load_target(args.dtype, args.quantization)
     prompts = [p["ids"] for p in build_prompts(target.tokenizer, [args.length], args.documents)]
     methods = ["ar", *args.methods]
     llms = {m: LLM(target, speculative=speculative_config(m)) for m in methods}

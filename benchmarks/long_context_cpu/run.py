@@ -70,6 +70,11 @@ def build_prompts(tokenizer, lengths, names):
     return prompts
 
 
+def load_target(dtype: str, quantization: str):
+    """The embedded model on the native backend, in ``dtype``, with ``quantization``."""
+    return load("smollm2-135m-instruct", dtype=dtype, backend="native", quantization=quantization)
+
+
 def speculative_config(method: str) -> SpeculativeConfig:
     """``ar`` (plain decoding) or ``NAME:k=K,controller=C,OPTION=...`` (a drafter spec
     with the draft length and controller in it) as a :class:`SpeculativeConfig`."""
@@ -108,19 +113,13 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    target = load(
-        "smollm2-135m-instruct", dtype=args.dtype, backend="native",
-        quantization=args.quantization,
-    )  # fmt: skip
+    target = load_target(args.dtype, args.quantization)
     prompts = build_prompts(target.tokenizer, args.lengths, args.documents)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     methods = ["ar", *args.methods]
     llms = {}
     if args.also_plain:
-        other = load(
-            "smollm2-135m-instruct", dtype=args.dtype, backend="native",
-            quantization=args.also_plain,
-        )  # fmt: skip
+        other = load_target(args.dtype, args.also_plain)
         methods.insert(1, f"ar[{args.also_plain}]")
         llms[methods[1]] = LLM(other, speculative=SpeculativeConfig(method="none"))
     for m in methods:

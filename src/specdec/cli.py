@@ -147,9 +147,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         see = f"{self.prog} --help"
-        if message.startswith(("argument --drafter", "argument --controller")):
-            # the options of a drafter or controller are listed by their own command
-            see = "specdec drafters" if "--drafter" in message[:20] else "specdec controllers"
+        # the options of a drafter or controller are listed by their own command
+        if message.startswith("argument --drafter"):
+            see = "specdec drafters"
+        elif message.startswith("argument --controller"):
+            see = "specdec controllers"
         self.exit(2, f"specdec: error: {message} (see '{see}')\n")
 
 

@@ -360,14 +360,18 @@ inline void value_pairs(const float* p, int64_t len, float* acc_out, const __m51
     for (int c = 0; c < nv; ++c) acc[g][c] = _mm512_loadu_ps(acc_out + g * D + c * kLanes);
   const int64_t pairs = (je - jb + 1) / 2;
   const int64_t whole = (je - jb) / 2;  // pairs with both keys in the row
-  for (int64_t jp = 0; jp < pairs; ++jp) {
-    __m512i v[nv];
-    const __m512i keep = _mm512_set1_epi32(jp < whole ? -1 : 0xFFFF);
-    for (int c = 0; c < nv; ++c) v[c] = _mm512_and_si512(vp[jp * nv + c], keep);
+  auto add_pair = [&](int64_t jp, const __m512i* v) {
     for (int g = 0; g < QG; ++g) {
       const __m512bh pv = as_bh(_mm512_set1_epi32(pb[g][jp]));
       for (int c = 0; c < nv; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pv, as_bh(v[c]));
     }
+  };
+  for (int64_t jp = 0; jp < whole; ++jp) add_pair(jp, vp + jp * nv);
+  if (pairs > whole) {  // the row ends inside this pair: its second key's values masked off
+    __m512i v[nv];
+    for (int c = 0; c < nv; ++c)
+      v[c] = _mm512_and_si512(vp[whole * nv + c], _mm512_set1_epi32(0xFFFF));
+    add_pair(whole, v);
   }
   for (int g = 0; g < QG; ++g)
     for (int c = 0; c < nv; ++c) _mm512_storeu_ps(acc_out + g * D + c * kLanes, acc[g][c]);
@@ -428,9 +432,11 @@ void group_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat1
   int64_t longest = kb;
   for (int64_t i = 0; i < nrows; ++i)
     longest = kb + rows[i].len > longest ? kb + rows[i].len : longest;
-  static thread_local std::vector<__m512i> buffers(2 * (kMaxVec * 8 * 4 + kKeyBlock / 2 * kMaxVec));
-  __m512i* shared = buffers.data();                                    // [NP * 4] or pairs
-  __m512i* own = buffers.data() + kMaxVec * 8 * 4 + kKeyBlock / 2 * kMaxVec;
+  // a packed block: D / 2 pairs x 4 key tiles, or kKeyBlock / 2 key pairs x nv values
+  constexpr int64_t kPacked = (D / 2) * 4 > (kKeyBlock / 2) * nv ? (D / 2) * 4 : (kKeyBlock / 2) * nv;
+  static thread_local std::vector<__m512i> buffers(2 * kPacked);  // shared, then own
+  __m512i* shared = buffers.data();
+  __m512i* own = buffers.data() + kPacked;
   // scores
   each_packed_block(
       rows, nrows, kb, longest, shared, own,
