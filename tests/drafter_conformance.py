@@ -28,7 +28,7 @@ from specdec.drafters.base import check_drafter
 from specdec.engine import EngineConfig
 from specdec.models.hf import HFModel
 from specdec.models.native import NativeModel
-from specdec.registry import drafter_entry, parse_spec
+from specdec.registry import needs_draft_model, parse_spec
 
 #: Repetitive prompts (copying drafters get accepted) and a plain one.
 PROMPTS = [
@@ -204,11 +204,10 @@ class DrafterConformance:
     @pytest.mark.parametrize("max_new_tokens", [2, 3])
     def test_sampling_follows_the_target_distribution(self, request, small, max_new_tokens):
         target, draft = small
-        drafter = drafter_entry(self.name)
         config = SpeculativeConfig(method=self.spec, num_speculative_tokens=3)
         llm = LLM(
             self.wrap_target(target),
-            draft=draft if drafter.needs_draft_model else None,
+            draft=draft if needs_draft_model(config.method, config.options) else None,
             speculative=config,
         )
         joint = exact_joint(target, SamplingParams(**PARAMS))

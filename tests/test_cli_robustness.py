@@ -263,6 +263,21 @@ def test_draft_model_drafter_without_a_draft(capsys, tiny_model_dir, no_loading,
     assert_one_line_error(code, err, "needs a draft model", "--draft-model")
 
 
+def test_hybrid_with_a_draft_model_asks_for_one(capsys, tiny_model_dir, no_loading):
+    """``hybrid:model=draft-model`` needs ``--draft-model`` like ``draft-model`` does, and
+    ``--draft-model`` with a hybrid whose model is not a draft model is refused."""
+    code, _, err = run_cli(
+        capsys, "generate", PROMPT, "--model", tiny_model_dir, "--drafter",
+        "hybrid:model=draft-model",
+    )  # fmt: skip
+    assert_one_line_error(code, err, "needs a draft model", "--draft-model")
+    code, _, err = run_cli(
+        capsys, "generate", PROMPT, "--model", tiny_model_dir, "--drafter", "hybrid",
+        "--draft-model", tiny_model_dir,
+    )  # fmt: skip
+    assert_one_line_error(code, err, "--draft-model is only used with", "hybrid:model=draft-model")
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "bench"])
 def test_folder_without_a_model(capsys, tmp_path, no_loading, command):
     (tmp_path / "notes.txt").write_text("not a model")

@@ -151,6 +151,7 @@ def test_vllm_suffix_fields_set_options_and_the_environment_overrides(monkeypatc
         ("layer-skip", "the target's own layers"),
         ("sparse-kv", "the target's own layers"),
         ("quantized", "the target's own layers"),
+        ("hybrid", "a model drafter beside its suffix draft"),
     ],
 )
 def test_drafters_needing_more_than_token_ids_are_refused(monkeypatch, spec, need):
@@ -168,7 +169,7 @@ def test_bad_configurations_are_refused(monkeypatch):
         integ.SpecdecProposer(vllm_config())
     usable = str(info.value).split("inside vLLM: ")[1].split(", ")
     assert "suffix" in usable and "ngram" in usable
-    assert not {"eagle", "draft-model", "layer-skip", "none"} & set(usable)
+    assert not {"eagle", "draft-model", "layer-skip", "hybrid", "none"} & set(usable)
     monkeypatch.setenv(integ.DRAFTER_ENV, "suffix:depth=3")
     with pytest.raises(ValueError, match="no option 'depth'"):
         integ.SpecdecProposer(vllm_config())

@@ -112,10 +112,13 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
             hf``, or an invalid setting.
     """
     drafter = args.drafter or ("draft-model" if args.draft_model else "ngram")
-    name = registry.parse_spec(drafter)[0]
-    needs_draft = registry.drafter_entry(name).needs_draft_model
+    name, values = registry.parse_spec(drafter)
+    needs_draft = registry.needs_draft_model(name, values)
     if args.draft_model and not needs_draft:
-        raise ValueError(f"--draft-model is only used with --drafter draft-model, not {name}")
+        raise ValueError(
+            f"--draft-model is only used with --drafter draft-model (or hybrid:model=draft-model), "
+            f"not {name}"
+        )
     if needs_draft and not args.draft_model:
         raise ValueError(
             f"--drafter {name} needs a draft model: add --draft-model NAME_OR_PATH (a "

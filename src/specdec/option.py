@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
@@ -62,3 +63,22 @@ def env_switch(name: str, unset: str, raw: str | None = None) -> bool | None:
         f"{name}={raw!r}: expected on, off or auto (or unset: {unset}; 1/0 and true/false "
         "also work)"
     )
+
+
+def parse_key_values(items: Iterable[str], owner: str) -> dict[str, str]:
+    """``key=value`` items (blank ones skipped) as ``{key: value}``, values unparsed;
+    ``owner`` names them in errors (``"option 'x' of 'suffix' is not key=value"``).
+
+    Raises:
+        ValueError: an item without ``=`` or a key, or a key given twice.
+    """
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in items)):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"option {item!r} of {owner} is not key=value")
+        if key in out:
+            raise ValueError(f"option {key!r} of {owner} given twice")
+        out[key] = value.strip()
+    return out

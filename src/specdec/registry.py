@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.drafters import options as opts
-from specdec.option import HELP
+from specdec.option import HELP, parse_key_values
 from specdec.option import option as option  # re-exported for third-party options
 
 logger = logging.getLogger(__name__)
@@ -306,6 +306,22 @@ def drafter_entry(name: str) -> DrafterEntry:
     return _lookup(_DRAFTERS, "drafter", name)
 
 
+def needs_draft_model(name: str, options: Mapping[str, Any] | Any | None = None) -> bool:
+    """Whether drafter ``name`` with ``options`` (its options dataclass, a mapping of
+    unparsed values, or ``None``) drafts with a second model: ``draft-model``, or a
+    ``hybrid`` whose ``model=`` does.
+
+    Raises:
+        ValueError: unknown drafter or invalid options (as :func:`make_options`).
+    """
+    if drafter_entry(name).needs_draft_model:
+        return True
+    if name == "hybrid":
+        inner, values = make_options(name, options).model_spec
+        return needs_draft_model(inner, values)
+    return False
+
+
 def parse_spec(text: str) -> tuple[str, dict[str, str]]:
     """``"suffix:max_depth=32"`` -> ``("suffix", {"max_depth": "32"})`` (values unparsed).
 
@@ -313,15 +329,7 @@ def parse_spec(text: str) -> tuple[str, dict[str, str]]:
         ValueError: an item without ``=`` or an option given twice.
     """
     name, _, rest = text.strip().partition(":")
-    items: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"option {item!r} of {name!r} is not key=value")
-        if key.strip() in items:
-            raise ValueError(f"option {key.strip()!r} of {name!r} given twice")
-        items[key.strip()] = value.strip()
-    return name.strip(), items
+    return name.strip(), parse_key_values(rest.split(","), repr(name))
 
 
 def make_options(name: str, values: Mapping[str, Any] | Any | None = None) -> Any:
@@ -475,6 +483,22 @@ def _quantized(context: DrafterContext, options: opts.QuantizedOptions):
     return QuantizedDrafter(context.target, options)
 
 
+def _hybrid(context: DrafterContext, options: opts.HybridOptions):
+    from specdec.drafters.hybrid import HybridDrafter
+    from specdec.drafters.suffix import SuffixDrafter
+
+    name, values = options.model_spec
+    entry = drafter_entry(name)
+    try:
+        model = entry.factory(context, make_options(name, values))
+    except ValueError as exc:
+        raise ValueError(f"hybrid:model={options.model}: {exc}") from exc
+    suffix = SuffixDrafter(
+        opts.SuffixOptions(max_depth=options.max_depth, global_cache=options.global_cache)
+    )
+    return HybridDrafter(suffix, model, options)
+
+
 def _head(context: DrafterContext, kind: str, options):
     """The head of ``options.head`` (or the shipped one), with ``options.quantization``."""
     from specdec.heads.format import load_head, shipped_head_path
@@ -588,6 +612,13 @@ for _entry in (
         opts.QuantizedOptions,
         _quantized,
         "self-speculative: the target with 4-bit weights (or 8-bit activations) drafts",
+        samples=True,
+    ),
+    DrafterEntry(
+        "hybrid",
+        opts.HybridOptions,
+        _hybrid,
+        "SAM-Decoding / SuffixDecoding hybrid: a confident suffix draft, else a model's",
         samples=True,
     ),
     DrafterEntry(

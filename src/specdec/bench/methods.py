@@ -128,11 +128,10 @@ class Method:
         """It needs ``--draft-model`` (``hf-assisted``, or a drafter that drafts with one)."""
         if self.kind == "hf-assisted":
             return True
-        return (
-            self.is_specdec
-            and self.kind != "ar"
-            and (registry.drafter_entry(self.kind).needs_draft_model)
-        )
+        if not self.is_specdec or self.kind == "ar":
+            return False
+        options = {k: v for k, v in self.options if k not in ("k", "verifier")}
+        return registry.needs_draft_model(self.kind, options)
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """The :class:`SpeculativeConfig` a specdec method runs (``None`` for external

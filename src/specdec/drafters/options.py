@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from specdec.option import option
+from specdec.option import option, parse_key_values
 
 
 def _int(value) -> bool:
@@ -21,6 +21,11 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if not _int(value) or value < low or (high is not None and value > high):
         upper = f" and <= {high}" if high is not None else ""
         raise ValueError(f"{name} must be an integer >= {low}{upper}, got {value!r}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def _check_fraction(name: str, value) -> None:
@@ -88,6 +93,67 @@ class DraftModelOptions:
 
 
 @dataclass(frozen=True)
+class HybridOptions:
+    """Hybrid drafting (SAM-Decoding, Hu et al. 2024, arXiv:2411.10666; SuffixDecoding's
+    hybrid, Oliaro et al. 2025, arXiv:2411.04975): a suffix-tree draft when its score
+    reaches ``threshold``, else the model drafter's.
+
+    Attributes:
+        model: the model drafter: a registered chain drafter's name, optionally with its
+            options after ``;`` (``quantized;kernel=fma``, ``eagle;head=DIR``), since
+            ``,`` separates the hybrid's own options; not ``hybrid`` itself.
+        threshold: the least score (expected accepted tokens of the suffix draft, under
+            the tree's continuation frequencies) for the suffix draft to be taken (>= 0).
+        model_tokens: the most tokens the model drafter drafts in a step (>= 0; ``0``: as
+            many as the step allows). A suffix draft is free to make, a model's costs a
+            forward per token, so the step's length (``k``) can be long for the suffix
+            draft (e.g. 16) while the model's stays short (e.g. 5).
+        max_depth: the suffix trees' depth (the suffix drafter's ``max_depth``, 2 to 256).
+        global_cache: the suffix drafter's ``global_cache`` (also match earlier requests).
+    """
+
+    model: str = option(
+        "quantized", "the model drafter, options after ';' (e.g. 'quantized;kernel=fma')"
+    )
+    threshold: float = option(
+        2.0, "take the suffix draft when its expected accepted tokens are at least this (>= 0)"
+    )
+    model_tokens: int = option(
+        0, "most tokens the model drafter drafts in a step (>= 0; 0: as many as k allows)"
+    )
+    max_depth: int = option(24, "the suffix trees' depth, hence their longest draft (2 to 256)")
+    global_cache: bool = option(True, "the suffix draft also matches earlier requests")
+
+    def __post_init__(self) -> None:
+        name, _ = self.model_spec
+        if not name:
+            raise ValueError(f"model must name a drafter, got {self.model!r}")
+        if name == "hybrid":
+            raise ValueError("model cannot be hybrid itself")
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+            raise ValueError(f"threshold must be a number >= 0, got {t!r}")
+        _check_int("model_tokens", self.model_tokens, 0)
+        _check_int("max_depth", self.max_depth, 2, 256)
+        _check_bool("global_cache", self.global_cache)
+
+    @property
+    def model_spec(self) -> tuple[str, dict[str, str]]:
+        """``(name, {option: value})`` of ``model`` (values unparsed).
+
+        Raises:
+            ValueError: an option item without ``=``, or one given twice.
+        """
+        name, *items = (part.strip() for part in str(self.model).split(";"))
+        return name, parse_key_values(items, f"hybrid's model {name!r}")
+
+    @property
+    def model_name(self) -> str:
+        """The model drafter's name."""
+        return self.model_spec[0]
+
+
+@dataclass(frozen=True)
 class SuffixOptions:
     """SuffixDecoding (Oliaro et al. 2024, arXiv:2411.04975).
 
@@ -125,8 +191,7 @@ class SuffixOptions:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"max_spec_factor must be a number > 0, got {factor!r}")
         _check_fraction("min_token_prob", self.min_token_prob)
-        if not isinstance(self.global_cache, bool):
-            raise ValueError(f"global_cache must be true or false, got {self.global_cache!r}")
+        _check_bool("global_cache", self.global_cache)
         _check_int("max_cached_requests", self.max_cached_requests, 1)
 
 
@@ -147,8 +212,7 @@ class RecyclingOptions:
 
     def __post_init__(self) -> None:
         _check_int("top_k", self.top_k, 1, 64)
-        if not isinstance(self.shared, bool):
-            raise ValueError(f"shared must be true or false, got {self.shared!r}")
+        _check_bool("shared", self.shared)
 
 
 def parse_layer_set(text: str) -> tuple[int, ...]:

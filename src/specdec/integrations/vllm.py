@@ -86,6 +86,7 @@ _NEEDS = {
     "parallel": "the target's hidden states",
     "recycling": "the target's logits after every verification",
     "lookahead": "extra rows in the verification forward",
+    "hybrid": "a model drafter beside its suffix draft (its model=)",
 }
 
 #: vLLM's suffix-decoding fields and the SuffixOptions they set.

@@ -200,8 +200,8 @@ def _undecodable_body(error: StarletteHTTPException) -> str | None:
 async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     """Submit ``n`` choices per prompt and answer (JSON or SSE)."""
     speculative = _speculative(llm.speculative, body.speculative)
-    needs_draft = speculative.method != CUSTOM and (
-        registry.drafter_entry(speculative.method).needs_draft_model
+    needs_draft = speculative.method != CUSTOM and registry.needs_draft_model(
+        speculative.method, speculative.options
     )
     if needs_draft and not llm.has_draft_model(speculative):
         raise BadRequest(

@@ -1,0 +1,231 @@
+"""Hybrid drafting (``hybrid``: a confident suffix draft, else a model drafter's): the
+conformance suite with a self-draft and with a draft model (greedy equals plain decoding,
+sampled output follows the target's law with both kinds of proposals in one generation),
+the choice rule, the model's share of a step, batches routed per sequence, and every
+misconfiguration refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from drafter_conformance import PROMPTS, DrafterConformance, hf_greedy
+from test_layer_skip import _NativeTargets
+
+from conftest import make_model, make_tokenizer, perturbed_copy
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.drafters.base import DraftProposal
+from specdec.drafters.hybrid import HybridDrafter
+from specdec.drafters.options import HybridOptions, SuffixOptions
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.models.native import NativeModel
+from specdec.registry import make_options, needs_draft_model
+from specdec.runtime.kernels import kernel_available
+
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+needs_kernels = pytest.mark.skipif(
+    not kernel_available(), reason="the quantized self-draft runs specdec's C++ CPU kernels"
+)
+
+
+@needs_kernels
+class TestHybridQuantizedConformance(_NativeTargets, DrafterConformance):
+    """A quantized self-draft behind the suffix draft; threshold 0 takes every suffix
+    match, so both kinds of proposals run in one generation."""
+
+    spec = "hybrid:threshold=0"
+    ks = (1, 4)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def small(cls):
+        """The statistical test's target, 32 wide (a Q4_1 block holds 32 weights)."""
+        tokenizer = make_tokenizer(num_words=5)
+        target = make_model(tokenizer, seed=0, hidden_size=32, num_layers=1, init_std=0.2)
+        return target, perturbed_copy(target, noise=0.08, seed=1)
+
+
+class TestHybridDraftModelConformance(DrafterConformance):
+    """A draft model (transformers) behind the suffix draft, its model drafts capped at 2."""
+
+    spec = "hybrid:model=draft-model,threshold=0.5,model_tokens=2"
+    draft_fixture = "near_draft"
+    ks = (1, 4)
+
+
+class _Model:
+    """A chain drafter that proposes ``[7] * n`` with a distribution, and records calls."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.calls: list[int] = []
+        self.batched: list[list[int]] = []
+
+    def start(self, prompt_ids, params):
+        return _ModelSequence(self)
+
+    def propose_batch(self, requests):
+        self.batched.append([r.num_tokens for r in requests])
+        return [r.state.propose(r.token_ids, r.num_tokens, r.generator) for r in requests]
+
+
+class _ModelSequence:
+    def __init__(self, model: _Model) -> None:
+        self.model = model
+
+    def propose(self, token_ids, num_tokens, generator):
+        self.model.calls.append(num_tokens)
+        probs = torch.zeros(num_tokens, self.model.vocab)
+        probs[:, 7] = 1.0
+        return DraftProposal([7] * num_tokens, probs)
+
+    def close(self) -> None:
+        pass
+
+
+def _hybrid(threshold: float, model_tokens: int = 0, vocab: int = 16):
+    model = _Model(vocab)
+    options = HybridOptions(threshold=threshold, model_tokens=model_tokens)
+    suffix = SuffixDrafter(SuffixOptions(global_cache=False))
+    return HybridDrafter(suffix, model, options), model
+
+
+def test_the_suffix_draft_is_taken_only_when_its_score_reaches_the_threshold():
+    """``1 2 3`` seen twice: after ``... 1`` the suffix path ``2 3`` scores 2 (each
+    continuation certain); threshold 2 takes it, threshold 2.5 asks the model."""
+    context = [1, 2, 3, 1, 2, 3, 1]
+    drafter, model = _hybrid(threshold=2.0)
+    state = drafter.start(context, GREEDY)
+    proposal = state.propose(context, 2, torch.Generator())
+    assert proposal.token_ids == [2, 3] and proposal.draft_probs is None
+    assert drafter.stats == {"suffix": 1, "model": 0} and model.calls == []
+    drafter, model = _hybrid(threshold=2.5)
+    state = drafter.start(context, GREEDY)
+    proposal = state.propose(context, 2, torch.Generator())
+    assert proposal.token_ids == [7, 7] and proposal.draft_probs is not None
+    assert drafter.stats == {"suffix": 0, "model": 1} and model.calls == [2]
+
+
+def test_no_suffix_match_asks_the_model_and_k_zero_asks_nobody():
+    drafter, model = _hybrid(threshold=0.0)
+    state = drafter.start([1, 2, 3], GREEDY)
+    assert state.propose([1, 2, 3], 3, torch.Generator()).token_ids == [7, 7, 7]
+    assert state.propose([1, 2, 3], 0, torch.Generator()).token_ids == []
+    assert model.calls == [3] and drafter.stats == {"suffix": 0, "model": 1}
+
+
+def test_model_tokens_caps_only_the_model_draft():
+    context = [4, 5, 6, 8, 9, 4, 5, 6, 8, 9, 4]
+    drafter, model = _hybrid(threshold=0.0, model_tokens=2)
+    state = drafter.start(context, GREEDY)
+    assert len(state.propose(context, 4, torch.Generator())) == 4  # the suffix path: 5 6 8 9
+    other = drafter.start([1, 2, 3], GREEDY)
+    assert other.propose([1, 2, 3], 6, torch.Generator()).token_ids == [7, 7]
+    assert model.calls == [2]
+
+
+def test_a_batch_routes_each_sequence_and_batches_the_model_drafts():
+    from specdec.drafters.base import ChainRequest
+
+    drafter, model = _hybrid(threshold=1.0, model_tokens=3)
+    repeat = [1, 2, 3, 1, 2, 3, 1]
+    states = [drafter.start(p, GREEDY) for p in (repeat, [4, 5], [6, 8, 9])]
+    gen = torch.Generator()
+    prompts = (repeat, [4, 5], [6, 8, 9])
+    requests = [ChainRequest(s, p, 5, gen) for s, p in zip(states, prompts, strict=True)]
+    out = drafter.propose_batch(requests)
+    assert out[0].token_ids[:2] == [2, 3] and out[0].draft_probs is None
+    assert out[1].token_ids == out[2].token_ids == [7, 7, 7]
+    assert model.batched == [[3, 3]]
+
+
+def test_a_model_without_propose_batch_leaves_the_hybrid_without_one():
+    class ChainOnly:
+        def start(self, prompt_ids, params):
+            return _ModelSequence(_Model(16))
+
+    drafter = HybridDrafter(SuffixDrafter(), ChainOnly())
+    assert not hasattr(drafter, "propose_batch")
+    assert drafter.observes is False and drafter.uses_target_cache is False
+
+
+def test_greedy_output_equals_plain_decoding_with_suffix_and_model_steps(target, near_draft):
+    """A repetitive prompt: the suffix drafts some steps, the draft model the others."""
+    config = SpeculativeConfig(
+        method="hybrid:model=draft-model,threshold=1", num_speculative_tokens=4
+    )
+    llm = LLM(target, draft=near_draft, speculative=config)
+    prompt = PROMPTS[0] * 4
+    out = llm.generate(prompt, GREEDY)
+    assert out.token_ids == hf_greedy(target, prompt, 40)
+    stats = llm.drafter(llm.speculative).stats
+    assert stats["suffix"] > 0 and stats["model"] > 0
+
+
+@needs_kernels
+def test_a_self_draft_model_drafts_over_the_target_cache(target):
+    native = NativeModel(target, exact=True)
+    config = SpeculativeConfig(method="hybrid:model=quantized;kernel=fma", num_speculative_tokens=4)
+    llm = LLM(native, speculative=config)
+    drafter = llm.drafter(llm.speculative)
+    assert drafter.uses_target_cache and drafter.model.kernels["qkv"] == "fma"
+    for prompt in PROMPTS:
+        assert llm.generate(prompt, GREEDY).token_ids == hf_greedy(target, prompt, 40)
+    batch = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in batch] == [hf_greedy(target, p, 40) for p in PROMPTS]
+
+
+def test_options_are_checked():
+    assert make_options("hybrid", {"model": "quantized; kernel = fma "}).model_spec == (
+        "quantized",
+        {"kernel": "fma"},
+    )
+    for values, message in (
+        ({"model": "hybrid"}, "cannot be hybrid"),
+        ({"model": ""}, "must name a drafter"),
+        ({"model": "quantized;kernel"}, "is not key=value"),
+        ({"model": "quantized;kernel=fma;kernel=q8"}, "given twice"),
+        ({"threshold": "-1"}, "threshold must be a number >= 0"),
+        ({"model_tokens": "-1"}, "model_tokens must be an integer >= 0"),
+        ({"max_depth": "1"}, "max_depth must be an integer >= 2"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            make_options("hybrid", values)
+
+
+def test_bad_model_drafters_are_refused_with_the_hybrid_named(target):
+    for spec, message in (
+        ("hybrid:model=nope", "nope"),
+        ("hybrid:model=lookahead", "adds rows to verification"),
+        ("hybrid:model=ngram;min_n=0", "hybrid:model=ngram;min_n=0: .*min_n"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            llm = LLM(target, speculative=SpeculativeConfig(method=spec))
+            llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=2))
+
+
+def test_trees_are_refused(target, near_draft):
+    config = SpeculativeConfig(
+        method="hybrid:model=draft-model", tree="dynamic:top_k=2,depth=3,budget=6"
+    )
+    with pytest.raises(ValueError, match="cannot draft token trees"):
+        LLM(target, draft=near_draft, speculative=config).generate(PROMPTS[0], GREEDY)
+
+
+def test_needs_draft_model_follows_the_model_option():
+    assert needs_draft_model("hybrid", {"model": "draft-model"})
+    assert needs_draft_model("hybrid", {"model": "draft-model;tokenizers=text"})
+    assert not needs_draft_model("hybrid", {"model": "quantized"})
+    assert not needs_draft_model("hybrid")
+    assert needs_draft_model("draft-model") and not needs_draft_model("suffix")
+
+
+def test_the_model_drafters_longest_chain_caps_only_its_draft():
+    """A model drafter with ``max_draft_tokens`` (Medusa's heads): the hybrid declares no
+    limit (a suffix draft may be longer) and never asks the model for more."""
+    model = _Model(16)
+    model.max_draft_tokens = 2
+    drafter = HybridDrafter(SuffixDrafter(SuffixOptions(global_cache=False)), model)
+    assert drafter.max_draft_tokens is None
+    state = drafter.start([1, 2, 3], GREEDY)
+    assert state.propose([1, 2, 3], 6, torch.Generator()).token_ids == [7, 7]
+    assert model.calls == [2]
