@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 
 import pytest
@@ -501,3 +502,20 @@ def test_compare_on_a_long_prompt_says_the_speedup_after_the_prompt(capsys):
     assert "after the prompt         320.0 tokens/s" in out
     assert "speedup                  1.17x\n" in out
     assert "speedup after the prompt 2.00x (the prompt's prefill took 83% of the time)" in out
+
+
+def test_generate_prints_which_drafter_drafted_each_hybrid_step(capsys, model_dir):
+    code, out, _ = run_cli(
+        capsys, "generate", PROMPT, "--model", model_dir, "--drafter", "hybrid:model=ngram",
+        "--max-new-tokens", "12",
+    )  # fmt: skip
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("hybrid drafts"))
+    suffix, model = (int(x) for x in re.findall(r"(?:suffix|model) (\d+)", line))
+    assert suffix + model >= 1
+    code, out, _ = run_cli(
+        capsys, "generate", PROMPT, "--model", model_dir, "--drafter", "hybrid:model=ngram",
+        "--max-new-tokens", "12", "--json",
+    )  # fmt: skip
+    record = json.loads(out.strip().splitlines()[-1])
+    assert set(record["hybrid_steps"]) == {"suffix", "model"}

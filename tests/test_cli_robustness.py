@@ -448,7 +448,8 @@ def test_retrieval_without_a_datastore_file_before_loading(
     ("args", "see"),
     [
         (["--drafter", "sparse-kv:quantization=q2"], "(see 'specdec drafters')"),
-        (["--controller", "cost:bogus=1"], "(see 'specdec controllers')"),
+        (["--drafter", "ngram:x=1"], "`specdec drafters` describes them"),
+        (["--controller", "cost:bogus=1"], "`specdec controllers` describes them"),
         (["--max-new-tokens", "x"], "(see 'specdec generate --help')"),
     ],
 )
@@ -456,9 +457,25 @@ def test_an_option_error_names_where_the_options_are_listed(
     capsys, tiny_model_dir, no_loading, args, see
 ):
     """A drafter's or controller's options are listed by `specdec drafters` /
-    `specdec controllers`, not by the command's --help."""
+    `specdec controllers`, not by the command's --help; named once."""
     code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, *args)
-    assert code == 2 and err.strip().endswith(see), err
+    command = see.split("specdec ")[1].split("'")[0].split("`")[0]
+    assert code == 2 and see in err and err.count(f"specdec {command}") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("suffix:k=4", "the draft length is --num-speculative-tokens"),
+        ("hybrid:kernel=fma", "the model drafter's options go after ';': model=NAME;kernel="),
+        ("hybrid:model=nope", "hybrid:model=nope: unknown drafter; choose a chain drafter"),
+    ],
+)
+def test_drafter_spec_mistakes_say_what_to_write(
+    capsys, tiny_model_dir, no_loading, spec, fragment
+):
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--drafter", spec)
+    assert code == 2 and fragment in err and "Traceback" not in err, err
 
 
 def test_retrieval_datastore_that_is_a_folder(tmp_path):

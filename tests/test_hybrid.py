@@ -194,7 +194,7 @@ def test_options_are_checked():
 
 def test_bad_model_drafters_are_refused_with_the_hybrid_named(target):
     for spec, message in (
-        ("hybrid:model=nope", "nope"),
+        ("hybrid:model=nope", "hybrid:model=nope: unknown drafter; choose a chain drafter"),
         ("hybrid:model=lookahead", "adds rows to verification"),
         ("hybrid:model=ngram;min_n=0", "hybrid:model=ngram;min_n=0: .*min_n"),
     ):
@@ -207,7 +207,7 @@ def test_trees_are_refused(target, near_draft):
     config = SpeculativeConfig(
         method="hybrid:model=draft-model", tree="dynamic:top_k=2,depth=3,budget=6"
     )
-    with pytest.raises(ValueError, match="cannot draft token trees"):
+    with pytest.raises(ValueError, match="hybrid cannot draft token trees: it drafts chains"):
         LLM(target, draft=near_draft, speculative=config).generate(PROMPTS[0], GREEDY)
 
 
@@ -229,3 +229,18 @@ def test_the_model_drafters_longest_chain_caps_only_its_draft():
     state = drafter.start([1, 2, 3], GREEDY)
     assert state.propose([1, 2, 3], 6, torch.Generator()).token_ids == [7, 7]
     assert model.calls == [2]
+
+
+@needs_kernels
+def test_a_quantized_model_over_a_quantized_target_is_warned_about(target, caplog):
+    """On a target that runs 4-bit products already, the quantized draft rarely pays."""
+    q4 = NativeModel(target, exact=True, quantization="q4_1")
+    config = SpeculativeConfig(method="hybrid", num_speculative_tokens=4)
+    with caplog.at_level("WARNING", logger="specdec.registry"):
+        LLM(q4, speculative=config).drafter(config)
+    assert "--drafter suffix is faster on it" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specdec.registry"):
+        dense = NativeModel(target, exact=True)
+        LLM(dense, speculative=config).drafter(config)
+    assert "rarely pay" not in caplog.text

@@ -340,6 +340,8 @@ def test_unknown_fields_are_refused_by_name(server, route, change, param):
         ("completions", {"stop_token_ids": [10**6]}, "stop_token_ids", "outside the vocab"),
         ("completions", {"speculative": {"method": "magic"}}, "speculative.method",
          "unknown drafter 'magic'"),
+        ("completions", {"speculative": {"method": "hybrid:model=ngram"}}, "speculative.method",
+         "drafter options cannot be set per request"),
         ("completions", {"speculative": {"num_speculative_tokens": 0}},
          "speculative.num_speculative_tokens", "greater than or equal to 1"),
         ("completions", {"speculative": "fast"}, "speculative", "speculative: "),

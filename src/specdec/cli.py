@@ -152,7 +152,8 @@ class _Parser(argparse.ArgumentParser):
             see = "specdec drafters"
         elif message.startswith("argument --controller"):
             see = "specdec controllers"
-        self.exit(2, f"specdec: error: {message} (see '{see}')\n")
+        hint = "" if f"`{see}`" in message else f" (see '{see}')"  # named once
+        self.exit(2, f"specdec: error: {message}{hint}\n")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -277,10 +278,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     }
     run = _Run()
     meter = CpuMeter(threads.num_threads)  # did other processes take our cores while timed?
+    sources = _hybrid_sources(llm.drafter(speculative))
     try:
         output = _generate(llm, prompt, params, args, speculative, run)
     except KeyboardInterrupt:
         return _interrupted(run, args, meta)
+    if sources is not None:  # which drafter drafted this generation's steps
+        meta["hybrid_steps"] = sources()
     baseline, interrupted = None, False
     if args.compare:
         try:
@@ -412,6 +416,17 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
+def _hybrid_sources(drafter):
+    """For a ``hybrid`` drafter, a function giving ``{"suffix": n, "model": n}``: the
+    steps each of its drafters drafted since now (its counters span every generation);
+    ``None`` for other drafters."""
+    stats = getattr(drafter, "stats", None)
+    if not (isinstance(stats, dict) and set(stats) == {"suffix", "model"}):
+        return None
+    start = dict(stats)
+    return lambda: {k: stats[k] - start[k] for k in ("suffix", "model")}
+
+
 def head_meta(drafter) -> dict:
     """A head drafter's head and the format its weights run in (``head``: its folder,
     ``head_weights``: ``float32`` / ``q8_0`` / ``q4_1``); a quantized self-draft's blocks
@@ -480,6 +495,12 @@ def _print_metrics(
             print(f"draft head               {meta['head']} ({meta['head_weights']} weights)")
         if meta.get("draft_weights"):
             print(f"quantized draft          {meta['draft_weights']}")
+        if meta.get("hybrid_steps"):
+            steps = meta["hybrid_steps"]
+            print(
+                f"hybrid drafts            suffix {steps['suffix']}, model {steps['model']} "
+                "(steps each drafted)"
+            )
     print(f"finish reason            {output.finish_reason}")
     if m.lossy:
         print(f"verifier                 {m.verifier}: LOSSY, the output does not follow the "

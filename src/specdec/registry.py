@@ -317,7 +317,7 @@ def needs_draft_model(name: str, options: Mapping[str, Any] | Any | None = None)
     if drafter_entry(name).needs_draft_model:
         return True
     if name == "hybrid":
-        inner, values = make_options(name, options).model_spec
+        inner, values, _ = _hybrid_model(make_options(name, options))
         return needs_draft_model(inner, values)
     return False
 
@@ -364,6 +364,13 @@ def _make_options(kind: str, name: str, cls: type, values: Any) -> Any:
                 if known
                 else " (it takes no options)"
             )
+            if key == "k" and kind == "drafter":
+                hint += (
+                    "; the draft length is --num-speculative-tokens / num_speculative_tokens "
+                    "(k= is bench --method's notation)"
+                )
+            elif "model" in known and kind == "drafter":  # hybrid: its model's options
+                hint += f"; the model drafter's options go after ';': model=NAME;{key}=..."
             raise ValueError(f"{kind} {name!r} has no option {key!r}{hint}")
         kwargs[key] = _convert(f"{kind} {name!r}", key, value, hints[key])
     return cls(**kwargs)
@@ -483,16 +490,38 @@ def _quantized(context: DrafterContext, options: opts.QuantizedOptions):
     return QuantizedDrafter(context.target, options)
 
 
+def _hybrid_model(options: opts.HybridOptions) -> tuple[str, dict[str, str], DrafterEntry]:
+    """``(name, unparsed options, entry)`` of a hybrid's ``model=`` drafter.
+
+    Raises:
+        ValueError: no drafter of that name (the message lists the chain drafters).
+    """
+    name, values = options.model_spec
+    if name not in _DRAFTERS:
+        chains = [n for n in _DRAFTERS if n not in ("none", "hybrid", "lookahead")]
+        raise ValueError(
+            f"hybrid:model={name}: unknown drafter; choose a chain drafter: {', '.join(chains)}"
+        )
+    return name, values, _DRAFTERS[name]
+
+
 def _hybrid(context: DrafterContext, options: opts.HybridOptions):
     from specdec.drafters.hybrid import HybridDrafter
     from specdec.drafters.suffix import SuffixDrafter
 
-    name, values = options.model_spec
-    entry = drafter_entry(name)
+    name, values, entry = _hybrid_model(options)
     try:
         model = entry.factory(context, make_options(name, values))
     except ValueError as exc:
         raise ValueError(f"hybrid:model={options.model}: {exc}") from exc
+    weights = getattr(getattr(context.target, "decoder", None), "weights", None)
+    if name == "quantized" and getattr(weights, "quantized", False):
+        logger.warning(
+            "hybrid:model=quantized on %s, which runs quantized products already: its drafts "
+            "cost most of a target step and rarely pay; --drafter suffix is faster on it, or "
+            "load the target dense (--quantization none) for the hybrid",
+            context.target.name,
+        )
     suffix = SuffixDrafter(
         opts.SuffixOptions(max_depth=options.max_depth, global_cache=options.global_cache)
     )

@@ -68,6 +68,12 @@ class HybridDrafter(DrafterBase):
             decoding), or is itself a hybrid.
     """
 
+    #: why the engine refuses token trees with it (chains only)
+    tree_refusal = (
+        "hybrid cannot draft token trees: it drafts chains only (its two drafters' trees "
+        "differ); drop the tree, or use suffix or the model drafter alone for trees"
+    )
+
     def __init__(self, suffix: SuffixDrafter, model, options: HybridOptions | None = None):
         options = options or HybridOptions()
         check_drafter(model)
@@ -143,7 +149,6 @@ class HybridSequence(DrafterBase):
         self.drafter = drafter
         self.suffix = suffix
         self.model = model
-        self.last: str | None = None  # which drafted the last step: "suffix" / "model"
 
     def suffix_draft(self, token_ids: Sequence[int], num_tokens: int) -> DraftProposal | None:
         """The suffix trees' greedy chain of at most ``num_tokens`` tokens when its score
@@ -153,14 +158,10 @@ class HybridSequence(DrafterBase):
         if found is not None:
             tokens, score = greedy_path(found.node, found.limit, self.suffix.options.min_token_prob)
             if tokens and score >= self.drafter.threshold:
-                self._count("suffix")
+                self.drafter.stats["suffix"] += 1
                 return DraftProposal(tokens)
-        self._count("model")
+        self.drafter.stats["model"] += 1
         return None
-
-    def _count(self, which: str) -> None:
-        self.last = which
-        self.drafter.stats[which] += 1
 
     def propose(
         self,

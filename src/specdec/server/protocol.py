@@ -141,6 +141,13 @@ class SpeculativeOptions(BaseModel):
         from specdec import registry
 
         if value is not None and value not in registry.drafter_names():
+            name = value.partition(":")[0].strip()
+            if ":" in value and name in registry.drafter_names():
+                raise ValueError(
+                    f"drafter options cannot be set per request ({value!r}): name the drafter "
+                    f"only ({name!r}: the server's options if it runs that drafter, else its "
+                    f"defaults), or start the server with --drafter '{value}'"
+                )
             raise ValueError(
                 f"unknown drafter {value!r}; choose one of {', '.join(registry.drafter_names())}"
                 " (options cannot be set per request)"
