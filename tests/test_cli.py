@@ -504,13 +504,13 @@ def test_compare_on_a_long_prompt_says_the_speedup_after_the_prompt(capsys):
     assert "speedup after the prompt 2.00x (the prompt's prefill took 83% of the time)" in out
 
 
-def test_generate_prints_which_drafter_drafted_each_hybrid_step(capsys, model_dir):
+def test_generate_prints_which_drafter_each_hybrid_step_chose(capsys, model_dir):
     code, out, _ = run_cli(
         capsys, "generate", PROMPT, "--model", model_dir, "--drafter", "hybrid:model=ngram",
         "--max-new-tokens", "12",
     )  # fmt: skip
     assert code == 0
-    line = next(x for x in out.splitlines() if x.startswith("hybrid drafts"))
+    line = next(x for x in out.splitlines() if x.startswith("hybrid choices"))
     suffix, model = (int(x) for x in re.findall(r"(?:suffix|model) (\d+)", line))
     assert suffix + model >= 1
     code, out, _ = run_cli(

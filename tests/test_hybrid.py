@@ -244,3 +244,25 @@ def test_a_quantized_model_over_a_quantized_target_is_warned_about(target, caplo
         dense = NativeModel(target, exact=True)
         LLM(dense, speculative=config).drafter(config)
     assert "rarely pay" not in caplog.text
+
+
+def test_the_model_drafters_options_are_checked_before_anything_loads():
+    """SpeculativeConfig checks model= as it checks the hybrid's own options (the CLI
+    refuses them before loading)."""
+    for method, message in (
+        ("hybrid:model=quantized;bogus=1", r"hybrid:model=quantized;bogus=1: .*no option 'bogus'"),
+        ("hybrid:model=ngram;min_n=abc", r"hybrid:model=ngram;min_n=abc: .*min_n"),
+        ("hybrid:model=retrieval", r"hybrid:model=retrieval: .*needs a datastore"),
+        ("hybrid:model=nope", "choose a chain drafter: .*none"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig(method=method)
+    SpeculativeConfig(method="hybrid:model=quantized;kernel=fma")  # fine: nothing loads
+
+
+def test_serve_refuses_a_hybrid_tree_at_startup():
+    from specdec.engine.engine import check_tree_drafter
+
+    with pytest.raises(ValueError, match="hybrid cannot draft token trees"):
+        check_tree_drafter(HybridDrafter(SuffixDrafter(), _Model(16)))
+    check_tree_drafter(SuffixDrafter())  # a tree drafter passes

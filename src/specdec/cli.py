@@ -283,7 +283,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         output = _generate(llm, prompt, params, args, speculative, run)
     except KeyboardInterrupt:
         return _interrupted(run, args, meta)
-    if sources is not None:  # which drafter drafted this generation's steps
+    if sources is not None:  # which drafter each step of this generation chose
         meta["hybrid_steps"] = sources()
     baseline, interrupted = None, False
     if args.compare:
@@ -418,8 +418,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def _hybrid_sources(drafter):
     """For a ``hybrid`` drafter, a function giving ``{"suffix": n, "model": n}``: the
-    steps each of its drafters drafted since now (its counters span every generation);
-    ``None`` for other drafters."""
+    steps each of its drafters was chosen for since now (its counters span every
+    generation); ``None`` for other drafters."""
     stats = getattr(drafter, "stats", None)
     if not (isinstance(stats, dict) and set(stats) == {"suffix", "model"}):
         return None
@@ -498,8 +498,8 @@ def _print_metrics(
         if meta.get("hybrid_steps"):
             steps = meta["hybrid_steps"]
             print(
-                f"hybrid drafts            suffix {steps['suffix']}, model {steps['model']} "
-                "(steps each drafted)"
+                f"hybrid choices           suffix {steps['suffix']}, model {steps['model']} "
+                "(steps each drafter was chosen for; a model may propose nothing)"
             )
     print(f"finish reason            {output.finish_reason}")
     if m.lossy:

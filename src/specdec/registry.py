@@ -33,6 +33,7 @@ import importlib.metadata
 import logging
 import typing
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -317,7 +318,7 @@ def needs_draft_model(name: str, options: Mapping[str, Any] | Any | None = None)
     if drafter_entry(name).needs_draft_model:
         return True
     if name == "hybrid":
-        inner, values, _ = _hybrid_model(make_options(name, options))
+        inner, values, _ = hybrid_model(make_options(name, options))
         return needs_draft_model(inner, values)
     return False
 
@@ -490,7 +491,11 @@ def _quantized(context: DrafterContext, options: opts.QuantizedOptions):
     return QuantizedDrafter(context.target, options)
 
 
-def _hybrid_model(options: opts.HybridOptions) -> tuple[str, dict[str, str], DrafterEntry]:
+#: targets already warned about a hybrid over model=quantized (once per target)
+_WARNED_HYBRID: weakref.WeakSet = weakref.WeakSet()
+
+
+def hybrid_model(options: opts.HybridOptions) -> tuple[str, dict[str, str], DrafterEntry]:
     """``(name, unparsed options, entry)`` of a hybrid's ``model=`` drafter.
 
     Raises:
@@ -498,7 +503,7 @@ def _hybrid_model(options: opts.HybridOptions) -> tuple[str, dict[str, str], Dra
     """
     name, values = options.model_spec
     if name not in _DRAFTERS:
-        chains = [n for n in _DRAFTERS if n not in ("none", "hybrid", "lookahead")]
+        chains = [n for n in _DRAFTERS if n not in ("hybrid", "lookahead")]
         raise ValueError(
             f"hybrid:model={name}: unknown drafter; choose a chain drafter: {', '.join(chains)}"
         )
@@ -509,13 +514,15 @@ def _hybrid(context: DrafterContext, options: opts.HybridOptions):
     from specdec.drafters.hybrid import HybridDrafter
     from specdec.drafters.suffix import SuffixDrafter
 
-    name, values, entry = _hybrid_model(options)
+    name, values, entry = hybrid_model(options)
     try:
         model = entry.factory(context, make_options(name, values))
     except ValueError as exc:
         raise ValueError(f"hybrid:model={options.model}: {exc}") from exc
     weights = getattr(getattr(context.target, "decoder", None), "weights", None)
-    if name == "quantized" and getattr(weights, "quantized", False):
+    quantized = name == "quantized" and getattr(weights, "quantized", False)
+    if quantized and context.target not in _WARNED_HYBRID:  # once per target
+        _WARNED_HYBRID.add(context.target)
         logger.warning(
             "hybrid:model=quantized on %s, which runs quantized products already: its drafts "
             "cost most of a target step and rarely pay; --drafter suffix is faster on it, or "

@@ -320,14 +320,7 @@ class Engine:
         num_speculative_tokens = min(num_speculative_tokens, cfg.max_num_batched_tokens - 1 - aux)
         largest = 1 + num_speculative_tokens + aux
         if tree_builder is not None:
-            if not getattr(drafter, "supports_trees", False):
-                why = getattr(drafter, "tree_refusal", None)
-                if why:
-                    raise ValueError(why)
-                raise ValueError(
-                    f"{type(drafter).__name__} (the drafter) cannot draft token trees: use "
-                    "a chain (no --tree / tree=None) or a drafter that drafts trees"
-                )
+            check_tree_drafter(drafter)
             largest = 1 + tree_builder.max_nodes + aux
             if largest > cfg.max_num_batched_tokens:
                 raise ValueError(
@@ -1106,3 +1099,21 @@ def _draft_tree(seq: Sequence, max_depth: int) -> TreeProposal:
 
 def _round_up(slots: int) -> int:
     return -(-slots // KV_BLOCK) * KV_BLOCK
+
+
+def check_tree_drafter(drafter) -> None:
+    """Refuse token trees with a drafter that drafts chains only (its ``tree_refusal``
+    says why, where it has one).
+
+    Raises:
+        ValueError: the drafter does not declare ``supports_trees``.
+    """
+    if getattr(drafter, "supports_trees", False):
+        return
+    why = getattr(drafter, "tree_refusal", None)
+    if why:
+        raise ValueError(why)
+    raise ValueError(
+        f"{type(drafter).__name__} (the drafter) cannot draft token trees: use "
+        "a chain (no --tree / tree=None) or a drafter that drafts trees"
+    )

@@ -31,13 +31,15 @@ def add_parser(sub) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from specdec.engine.engine import prefix_block_size
+    from specdec.engine.engine import check_tree_drafter, prefix_block_size
     from specdec.server.app import create_app
 
     speculative, config = check_serve_args(args)
     listener = bind(args.host, args.port)  # before the model loads: a busy port fails now
     threads = choose_threads(args, adapt=False)  # --threads or OMP_NUM_THREADS; else all
     llm = llm_from_args(args, speculative, engine_config=config)
+    if speculative.tree is not None:  # refused now, not on every request
+        check_tree_drafter(llm.drafter(speculative))
     app = create_app(
         llm, args.served_model_name or args.model, args.max_waiting, engine_thread=False,
         stats_interval=None if args.disable_log_stats else args.log_stats_interval,
