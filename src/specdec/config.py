@@ -522,9 +522,7 @@ class SpeculativeConfig:
             object.__setattr__(
                 self, "options", registry.make_options(name, written or self.options)
             )
-            ready = getattr(self.options, "check_ready", None)  # needs without a model
-            if ready is not None:
-                ready()
+            registry.check_ready(name, self.options)  # needs without a model
             samples = entry.samples
         if self.tree is not None:
             try:

@@ -307,6 +307,26 @@ def drafter_entry(name: str) -> DrafterEntry:
     return _lookup(_DRAFTERS, "drafter", name)
 
 
+def check_ready(name: str, options: Any) -> None:
+    """What building drafter ``name`` with ``options`` (its options dataclass) needs that
+    can be checked without a model: the options' own ``check_ready`` (a datastore file),
+    and for ``hybrid`` its ``model=`` drafter, options and their needs. Called by
+    :class:`~specdec.config.SpeculativeConfig`, so the CLI refuses them before loading.
+
+    Raises:
+        ValueError: what is missing or wrong (a hybrid's naming ``hybrid:model=...``).
+    """
+    ready = getattr(options, "check_ready", None)
+    if ready is not None:
+        ready()
+    if name == "hybrid":
+        inner, values, _ = hybrid_model(options)
+        try:
+            check_ready(inner, make_options(inner, values))
+        except ValueError as exc:
+            raise ValueError(f"hybrid:model={options.model}: {exc}") from exc
+
+
 def needs_draft_model(name: str, options: Mapping[str, Any] | Any | None = None) -> bool:
     """Whether drafter ``name`` with ``options`` (its options dataclass, a mapping of
     unparsed values, or ``None``) drafts with a second model: ``draft-model``, or a

@@ -152,26 +152,6 @@ class HybridOptions:
         """The model drafter's name."""
         return self.model_spec[0]
 
-    def check_ready(self) -> None:
-        """The model drafter and its options, checked without a model (called by
-        :class:`~specdec.config.SpeculativeConfig`, so the CLI refuses them before
-        loading): a known drafter, its options and values, and what its own
-        ``check_ready`` asks (a datastore file).
-
-        Raises:
-            ValueError: naming ``hybrid:model=...``.
-        """
-        from specdec import registry  # lazily: the registry imports this module
-
-        name, values, _ = registry.hybrid_model(self)
-        try:
-            inner = registry.make_options(name, values)
-            ready = getattr(inner, "check_ready", None)
-            if ready is not None:
-                ready()
-        except ValueError as exc:
-            raise ValueError(f"hybrid:model={self.model}: {exc}") from exc
-
 
 @dataclass(frozen=True)
 class SuffixOptions:
