@@ -307,38 +307,45 @@ def drafter_entry(name: str) -> DrafterEntry:
     return _lookup(_DRAFTERS, "drafter", name)
 
 
+def _nests(options_cls: type) -> bool:
+    """Whether a drafter's options name another drafter inside them (``model_spec``: a
+    ``hybrid``'s ``model=``)."""
+    return hasattr(options_cls, "model_spec")
+
+
 def check_ready(name: str, options: Any) -> None:
     """What building drafter ``name`` with ``options`` (its options dataclass) needs that
     can be checked without a model: the options' own ``check_ready`` (a datastore file),
-    and for ``hybrid`` its ``model=`` drafter, options and their needs. Called by
-    :class:`~specdec.config.SpeculativeConfig`, so the CLI refuses them before loading.
+    and for options that name another drafter (a ``hybrid``'s ``model=``) that drafter,
+    its options and their needs. Called by :class:`~specdec.config.SpeculativeConfig`, so
+    the CLI refuses them before loading.
 
     Raises:
-        ValueError: what is missing or wrong (a hybrid's naming ``hybrid:model=...``).
+        ValueError: what is missing or wrong (a nested drafter's naming ``NAME:model=...``).
     """
     ready = getattr(options, "check_ready", None)
     if ready is not None:
         ready()
-    if name == "hybrid":
-        inner, values, _ = hybrid_model(options)
+    if _nests(type(options)):
+        inner, values, _ = nested_drafter(name, options)
         try:
             check_ready(inner, make_options(inner, values))
         except ValueError as exc:
-            raise ValueError(f"hybrid:model={options.model}: {exc}") from exc
+            raise ValueError(f"{name}:model={options.model}: {exc}") from exc
 
 
 def needs_draft_model(name: str, options: Mapping[str, Any] | Any | None = None) -> bool:
     """Whether drafter ``name`` with ``options`` (its options dataclass, a mapping of
     unparsed values, or ``None``) drafts with a second model: ``draft-model``, or a
-    ``hybrid`` whose ``model=`` does.
+    drafter whose options name one that does (a ``hybrid``'s ``model=``).
 
     Raises:
         ValueError: unknown drafter or invalid options (as :func:`make_options`).
     """
     if drafter_entry(name).needs_draft_model:
         return True
-    if name == "hybrid":
-        inner, values, _ = hybrid_model(make_options(name, options))
+    if _nests(drafter_entry(name).options):
+        inner, values, _ = nested_drafter(name, make_options(name, options))
         return needs_draft_model(inner, values)
     return False
 
@@ -390,7 +397,7 @@ def _make_options(kind: str, name: str, cls: type, values: Any) -> Any:
                     "; the draft length is --num-speculative-tokens / num_speculative_tokens "
                     "(k= is bench --method's notation)"
                 )
-            elif "model" in known and kind == "drafter":  # hybrid: its model's options
+            elif kind == "drafter" and _nests(cls):  # a hybrid: its model's options
                 hint += f"; the model drafter's options go after ';': model=NAME;{key}=..."
             raise ValueError(f"{kind} {name!r} has no option {key!r}{hint}")
         kwargs[key] = _convert(f"{kind} {name!r}", key, value, hints[key])
@@ -515,17 +522,19 @@ def _quantized(context: DrafterContext, options: opts.QuantizedOptions):
 _WARNED_HYBRID: weakref.WeakSet = weakref.WeakSet()
 
 
-def hybrid_model(options: opts.HybridOptions) -> tuple[str, dict[str, str], DrafterEntry]:
-    """``(name, unparsed options, entry)`` of a hybrid's ``model=`` drafter.
+def nested_drafter(owner: str, options: Any) -> tuple[str, dict[str, str], DrafterEntry]:
+    """``(name, unparsed options, entry)`` of the drafter that drafter ``owner``'s options
+    name (``model_spec``: a ``hybrid``'s ``model=``).
 
     Raises:
-        ValueError: no drafter of that name (the message lists the chain drafters).
+        ValueError: no drafter of that name (the message lists the chain drafters: not
+            those that nest one, nor ``lookahead``, which adds rows to verification).
     """
     name, values = options.model_spec
     if name not in _DRAFTERS:
-        chains = [n for n in _DRAFTERS if n not in ("hybrid", "lookahead")]
+        chains = [n for n, e in _DRAFTERS.items() if n != "lookahead" and not _nests(e.options)]
         raise ValueError(
-            f"hybrid:model={name}: unknown drafter; choose a chain drafter: {', '.join(chains)}"
+            f"{owner}:model={name}: unknown drafter; choose a chain drafter: {', '.join(chains)}"
         )
     return name, values, _DRAFTERS[name]
 
@@ -534,7 +543,7 @@ def _hybrid(context: DrafterContext, options: opts.HybridOptions):
     from specdec.drafters.hybrid import HybridDrafter
     from specdec.drafters.suffix import SuffixDrafter
 
-    name, values, entry = hybrid_model(options)
+    name, values, entry = nested_drafter("hybrid", options)
     try:
         model = entry.factory(context, make_options(name, values))
     except ValueError as exc:

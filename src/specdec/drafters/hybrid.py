@@ -60,7 +60,7 @@ class HybridDrafter(DrafterBase):
 
     Attributes:
         suffix, model: the two drafters.
-        threshold: the suffix draft's least score to be taken.
+        options: the options (``threshold``: the suffix draft's least score to be taken).
         stats: ``{"suffix": n, "model": n}``: steps each drafted, over every sequence.
 
     Raises:
@@ -86,7 +86,6 @@ class HybridDrafter(DrafterBase):
                 "draft-model, ...)"
             )
         self.suffix, self.model, self.options = suffix, model, options
-        self.threshold = options.threshold
         self.observes = bool(getattr(model, "observes", False))
         self.uses_target_cache = bool(getattr(model, "uses_target_cache", False))
         self.confidence_stop = bool(getattr(model, "confidence_stop", False))
@@ -99,7 +98,7 @@ class HybridDrafter(DrafterBase):
         self.stats = {"suffix": 0, "model": 0}
         logger.info(
             "hybrid: the suffix draft where its score is >= %g, else %s's",
-            self.threshold,
+            options.threshold,
             options.model_name,
         )
 
@@ -157,7 +156,7 @@ class HybridSequence(DrafterBase):
         found = self.suffix.match(token_ids, num_tokens) if num_tokens > 0 else None
         if found is not None:
             tokens, score = greedy_path(found.node, found.limit, self.suffix.options.min_token_prob)
-            if tokens and score >= self.drafter.threshold:
+            if tokens and score >= self.drafter.options.threshold:
                 self.drafter.stats["suffix"] += 1
                 return DraftProposal(tokens)
         self.drafter.stats["model"] += 1
