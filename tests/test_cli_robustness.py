@@ -261,6 +261,8 @@ def test_draft_model_drafter_without_a_draft(capsys, tiny_model_dir, no_loading,
         capsys, command, *args, "--model", tiny_model_dir, "--drafter", "draft-model"
     )
     assert_one_line_error(code, err, "needs a draft model", "--draft-model")
+    # the hint names the cheap copy of the target, not int8-dynamic (37% agreement)
+    assert "--drafter quantized" in err and "int8" not in err
 
 
 def test_hybrid_with_a_draft_model_asks_for_one(capsys, tiny_model_dir, no_loading):

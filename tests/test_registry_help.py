@@ -149,5 +149,6 @@ def test_int8_draft_with_native_backend_logs_what_happens(tiny_model_dir, caplog
     assert llm.target.backend == "native" and llm._draft.backend == "hf"
     text = " ".join(caplog.text.split())
     assert "runs on transformers, although the backend is native" in text
-    assert "no int8 kernels" in text and "the target runs on native" in text
+    assert "quantized modules" in text and "the target runs on native" in text
+    assert "--drafter quantized" in text  # the cheaper copy of the target it points to
     assert "backend auto" not in text

@@ -122,8 +122,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     if needs_draft and not args.draft_model:
         raise ValueError(
             f"--drafter {name} needs a draft model: add --draft-model NAME_OR_PATH (a "
-            "smaller model, best one sharing the target's tokenizer, e.g. --draft-model "
-            "smollm2-135m-instruct --draft-dtype int8-dynamic)"
+            "smaller model, best one sharing the target's tokenizer; for a cheaper copy of "
+            "the target itself use --drafter quantized instead)"
         )
     if name in SELF_DRAFTERS and getattr(args, "backend", None) == "hf":
         raise ValueError(  # refused before the model loads, not after
