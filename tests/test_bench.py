@@ -199,6 +199,22 @@ def test_summary_arithmetic_on_hand_built_records():
     assert summary["ar"]["overall"].speedup_mean == pytest.approx(1.0)
     table = markdown_tables(summary, "ar")
     assert "| spec | 2.50x | 2.50x |" in table and "| spec | 1/2 | 1/2 |" in table
+    assert "Draft sources" not in table  # no method chose a source per step
+
+
+def test_a_hybrids_draft_sources_are_pooled_into_a_table():
+    def spec(pid, sources):
+        m = _metrics(4, 4, 12, 6, 10, 1.0, [0.5], 0.25, 0.5, [1, 3])
+        return _record("hybrid", pid, 10, 1.0, {**m, "draft_sources": sources}, True)
+
+    records = [_record("ar", "p1", 10, 2.0), _record("ar", "p2", 10, 2.0),
+               spec("p1", {"suffix": 1, "model": 3}), spec("p2", {"model": 4})]  # fmt: skip
+    summary = summarize(records, "ar")
+    assert summary["hybrid"]["overall"].draft_sources == {"suffix": 1, "model": 7}
+    assert summary["ar"]["overall"].draft_sources == {}
+    table = markdown_tables(summary, "ar")
+    assert "Draft sources" in table and "| hybrid | model 88%, suffix 12% |" in table
+    assert "| ar | - |" in table
 
 
 def test_report_files(tmp_path):

@@ -510,7 +510,7 @@ def test_generate_prints_which_drafter_each_hybrid_step_chose(capsys, model_dir)
         "--max-new-tokens", "12",
     )  # fmt: skip
     assert code == 0
-    line = next(x for x in out.splitlines() if x.startswith("hybrid choices"))
+    line = next(x for x in out.splitlines() if x.startswith("draft sources"))
     suffix, model = (int(x) for x in re.findall(r"(?:suffix|model) (\d+)", line))
     assert suffix + model >= 1
     code, out, _ = run_cli(
@@ -518,4 +518,7 @@ def test_generate_prints_which_drafter_each_hybrid_step_chose(capsys, model_dir)
         "--max-new-tokens", "12", "--json",
     )  # fmt: skip
     record = json.loads(out.strip().splitlines()[-1])
-    assert set(record["hybrid_steps"]) == {"suffix", "model"}
+    sources, metrics = record["metrics"]["draft_sources"], record["metrics"]
+    assert set(sources) <= {"suffix", "model"}  # this request's steps, not the drafter's
+    assert metrics["num_drafts"] <= sum(sources.values()) <= metrics["num_steps"]
+    assert record["drafter_options"]["model"] == "ngram"  # which model drafter ran

@@ -136,6 +136,9 @@ def test_a_batch_routes_each_sequence_and_batches_the_model_drafts():
     assert out[0].token_ids[:2] == [2, 3] and out[0].draft_probs is None
     assert out[1].token_ids == out[2].token_ids == [7, 7, 7]
     assert model.batched == [[3, 3]]
+    assert [p.source for p in out] == ["suffix", "model", "model"]
+    one = states[1].propose([4, 5], 5, gen)  # alone, the model's proposal is tagged too
+    assert one.source == "model" and one.token_ids == [7, 7, 7]
 
 
 def test_a_model_without_propose_batch_leaves_the_hybrid_without_one():
@@ -155,10 +158,23 @@ def test_greedy_output_equals_plain_decoding_with_suffix_and_model_steps(target,
     )
     llm = LLM(target, draft=near_draft, speculative=config)
     prompt = PROMPTS[0] * 4
+    before = dict(llm.drafter(llm.speculative).stats)
     out = llm.generate(prompt, GREEDY)
     assert out.token_ids == hf_greedy(target, prompt, 40)
     stats = llm.drafter(llm.speculative).stats
     assert stats["suffix"] > 0 and stats["model"] > 0
+    # the request's own split: every step that asked the hybrid, by the source it chose
+    m = out.metrics
+    assert m.draft_sources == {k: stats[k] - before[k] for k in ("suffix", "model")}
+    assert m.num_drafts <= sum(m.draft_sources.values()) <= m.num_steps
+    assert out.metrics.to_dict()["draft_sources"] == m.draft_sources
+    # in a batch, each request counts its own steps
+    outs = llm.generate([prompt, PROMPTS[1]], GREEDY)
+    for one in outs:
+        assert one.metrics.num_drafts <= sum(one.metrics.draft_sources.values())
+        assert sum(one.metrics.draft_sources.values()) <= one.metrics.num_steps
+    plain = llm.generate(prompt, GREEDY, speculative=SpeculativeConfig("ngram"))
+    assert plain.metrics.draft_sources == {}
 
 
 @needs_kernels

@@ -510,6 +510,15 @@ def test_usage_and_speculation_metrics_count_what_was_emitted(server, llm, strea
         assert sum(spec["acceptance_histogram"]) == spec["num_steps"]
 
 
+def test_speculation_metrics_carry_a_hybrids_draft_sources_only_when_it_has_them():
+    from specdec.metrics import SpecStats
+    from specdec.server.app import speculation_metrics
+
+    stats = SpecStats(num_steps=5, num_drafts=4, draft_sources={"suffix": 1, "model": 4})
+    assert speculation_metrics(stats)["draft_sources"] == {"suffix": 1, "model": 4}
+    assert "draft_sources" not in speculation_metrics(SpecStats(num_steps=5))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_logprobs_equal_the_library_with_speculation_on_and_off(client, llm, stream):
     """Completions (logprobs = 3) and chat (top_logprobs = 2), streamed or not, speculation

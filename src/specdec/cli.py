@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -271,6 +272,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     meta = {  # what every --json record carries, an interrupted one too
         "model": llm.target.name,
         "drafter": speculative.method,
+        "drafter_options": options_record(speculative.options),
         "draft_model": llm.loaded_draft.name if llm.loaded_draft is not None else None,
         "tree": str(speculative.tree) if speculative.tree else None,
         **head_meta(llm.drafter(speculative)),
@@ -278,13 +280,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     }
     run = _Run()
     meter = CpuMeter(threads.num_threads)  # did other processes take our cores while timed?
-    sources = _hybrid_sources(llm.drafter(speculative))
     try:
         output = _generate(llm, prompt, params, args, speculative, run)
     except KeyboardInterrupt:
         return _interrupted(run, args, meta)
-    if sources is not None:  # which drafter each step of this generation chose
-        meta["hybrid_steps"] = sources()
     baseline, interrupted = None, False
     if args.compare:
         try:
@@ -416,15 +415,12 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _hybrid_sources(drafter):
-    """For a ``hybrid`` drafter, a function giving ``{"suffix": n, "model": n}``: the
-    steps each of its drafters was chosen for since now (its counters span every
-    generation); ``None`` for other drafters."""
-    stats = getattr(drafter, "stats", None)
-    if not (isinstance(stats, dict) and set(stats) == {"suffix", "model"}):
+def options_record(options) -> dict | None:
+    """The drafter's options as a JSON-ready dict (e.g. a hybrid's ``model``), or
+    ``None`` for a drafter without registered options."""
+    if not dataclasses.is_dataclass(options):
         return None
-    start = dict(stats)
-    return lambda: {k: stats[k] - start[k] for k in ("suffix", "model")}
+    return json.loads(json.dumps(dataclasses.asdict(options), default=str))
 
 
 def head_meta(drafter) -> dict:
@@ -495,12 +491,10 @@ def _print_metrics(
             print(f"draft head               {meta['head']} ({meta['head_weights']} weights)")
         if meta.get("draft_weights"):
             print(f"quantized draft          {meta['draft_weights']}")
-        if meta.get("hybrid_steps"):
-            steps = meta["hybrid_steps"]
-            print(
-                f"hybrid choices           suffix {steps['suffix']}, model {steps['model']} "
-                "(steps each drafter was chosen for; a model may propose nothing)"
-            )
+    if m.draft_sources:  # a hybrid's choice per step
+        chosen = ", ".join(f"{name} {n}" for name, n in sorted(m.draft_sources.items()))
+        note = "steps each drafted; a model may propose nothing"
+        print(f"draft sources            {chosen} ({note})")
     print(f"finish reason            {output.finish_reason}")
     if m.lossy:
         print(f"verifier                 {m.verifier}: LOSSY, the output does not follow the "

@@ -46,6 +46,10 @@ class SpecStats:
             target's distribution.
         num_cached_tokens: prompt tokens taken from the prefix cache instead of computed
             (``EngineConfig.enable_prefix_caching``; vLLM's ``num_cached_tokens``).
+        draft_sources: for a drafter that chooses a source per step (``hybrid``), the
+            verification steps each source drafted, e.g. ``{"suffix": 12, "model": 30}``
+            (:attr:`~specdec.drafters.base.DraftProposal.source`; a chosen model drafter
+            that proposed nothing still counts); empty for other drafters.
     """
 
     num_steps: int = 0
@@ -65,6 +69,7 @@ class SpecStats:
     verifier: str = "rejection"
     lossy: bool = False
     num_cached_tokens: int = 0
+    draft_sources: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> SpecStats:
         """A copy that later steps do not change (counts and histograms copied; the trace
@@ -75,6 +80,7 @@ class SpecStats:
             accepted_length_counts=list(self.accepted_length_counts),
             chosen_k_counts=list(self.chosen_k_counts),
             trace=self.trace[:],
+            draft_sources=dict(self.draft_sources),
         )
 
     def record_choice(self, k: int) -> None:
@@ -173,6 +179,7 @@ class SpecStats:
             "verifier": self.verifier,
             "lossy": self.lossy,
             "num_cached_tokens": self.num_cached_tokens,
+            "draft_sources": dict(self.draft_sources),
         }
 
 

@@ -50,6 +50,8 @@ class Summary:
         accepted_length_counts: histogram of accepted draft tokens per step.
         off_share: fraction of steps the speculation controller switched drafting off.
         mean_chosen_k: mean draft length the controller chose (over its choices).
+        draft_sources: a drafter that chooses a source per step (``hybrid``): the steps
+            each source drafted, pooled over the turns (empty for other methods).
     """
 
     num_turns: int = 0
@@ -70,6 +72,7 @@ class Summary:
     num_identical_own_plain: int | None = None
     num_compared_own_plain: int | None = None
     num_errors: int = 0
+    draft_sources: dict[str, int] = field(default_factory=dict)
 
 
 def summarize(records: Sequence[Record], baseline: str) -> dict[str, dict[str, Summary]]:
@@ -145,6 +148,9 @@ def _add_spec_metrics(s: Summary, metrics: list[dict]) -> None:
     if sum(chosen):
         s.off_share = chosen[0] / sum(chosen)
         s.mean_chosen_k = sum(k * n for k, n in enumerate(chosen)) / sum(chosen)
+    for m in metrics:
+        for name, n in m.get("draft_sources", {}).items():
+            s.draft_sources[name] = s.draft_sources.get(name, 0) + n
     hist_width = max(len(m["accepted_length_counts"]) for m in metrics)
     s.accepted_length_counts = [
         sum(m["accepted_length_counts"][i] for m in metrics if i < len(m["accepted_length_counts"]))
@@ -204,11 +210,27 @@ def markdown_tables(summary: dict[str, dict[str, Summary]], baseline: str) -> st
                 f"Outputs identical to {baseline} (greedy)",
                 lambda s: "-" if s.num_identical is None else f"{s.num_identical}/{s.num_turns}",
             ),
+            sources_table(summary, table),
             hf_note(summary),
             peer_tables(summary, table),
             per_position_table(summary),
         ]
     )
+
+
+def sources_table(summary: dict[str, dict[str, Summary]], table) -> str:
+    """Where a method chooses a draft source per step (``hybrid``), the share of its
+    steps each source drafted; ``""`` when none does."""
+    if not any(s.draft_sources for groups in summary.values() for s in groups.values()):
+        return ""
+
+    def cell(s: Summary) -> str:
+        total = sum(s.draft_sources.values())
+        if not total:
+            return "-"
+        return ", ".join(f"{name} {n / total:.0%}" for name, n in sorted(s.draft_sources.items()))
+
+    return table("Draft sources (share of the steps each source drafted)", cell)
 
 
 def hf_note(summary: dict[str, dict[str, Summary]]) -> str:

@@ -23,11 +23,15 @@ class DraftProposal:
         confidence: ``[k']`` optional: the top probability of the draft distribution at
             each position (a function of the earlier draft tokens only), for confidence
             stops (:mod:`specdec.control`); derived from ``draft_probs`` when absent.
+        source: which of its sources a drafter that chooses one per step drafted with
+            (``hybrid``: ``"suffix"`` or ``"model"``), counted per request in
+            :attr:`~specdec.metrics.SpecStats.draft_sources`; ``None`` for other drafters.
     """
 
     token_ids: list[int]
     draft_probs: torch.Tensor | None = None
     confidence: list[float] | None = None
+    source: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -129,7 +129,7 @@ class HybridDrafter(DrafterBase):
                 for i in rest
             ]
             for i, proposal in zip(rest, self.model.propose_batch(inner), strict=True):
-                out[i] = proposal
+                out[i] = replace(proposal, source="model")
         return out  # type: ignore[return-value]
 
     def model_tokens(self, num_tokens: int) -> int:
@@ -158,7 +158,7 @@ class HybridSequence(DrafterBase):
             tokens, score = greedy_path(found.node, found.limit, self.suffix.options.min_token_prob)
             if tokens and score >= self.drafter.options.threshold:
                 self.drafter.stats["suffix"] += 1
-                return DraftProposal(tokens)
+                return DraftProposal(tokens, source="suffix")
         self.drafter.stats["model"] += 1
         return None
 
@@ -176,9 +176,10 @@ class HybridSequence(DrafterBase):
         picked = self.suffix_draft(token_ids, num_tokens)
         if picked is not None:
             return picked
-        return self.model.propose(
+        proposal = self.model.propose(
             token_ids, self.drafter.model_tokens(num_tokens), generator, **kwargs
         )
+        return replace(proposal, source="model")
 
     def attach_cache(self, cache) -> None:
         """The model drafter's (a self-draft drafts over the target's cache)."""

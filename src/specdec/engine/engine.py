@@ -813,6 +813,7 @@ class Engine:
                 draft.token_ids[:keep],
                 None if probs is None else probs[:keep],
                 None if confidence is None else confidence[:keep],
+                draft.source,
             )
         return draft
 
@@ -895,6 +896,9 @@ class Engine:
         # Draft tokens dropped by a stop are not counted as accepted.
         num_accepted = min(result.num_accepted, len(step.new_token_ids))
         stats.record_step(num_drafted, num_accepted, len(step.new_token_ids), max_depth)
+        source = getattr(draft, "source", None)  # a chain's (a tree has none)
+        if source is not None:
+            stats.draft_sources[source] = stats.draft_sources.get(source, 0) + 1
         if params.logprobs is not None:
             step.logprobs = _emitted_logprobs(draft, logits, result, step, params.logprobs)
             seq.logprobs.extend(step.logprobs)

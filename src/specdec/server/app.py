@@ -416,9 +416,11 @@ def speculation_metrics(stats) -> dict:
     tokens), ``acceptance_per_position`` (entry i: fraction of drafting steps whose i-th
     draft token was accepted), ``num_spec_tokens`` (the longest draft, or deepest tree),
     ``verifier`` and ``lossy`` (true when a lossy verifier sampled this output; see
-    :mod:`specdec.verify.typical`).
+    :mod:`specdec.verify.typical`); with a drafter that chooses a source per step
+    (``hybrid``), ``draft_sources``: the steps each source drafted, e.g. ``{"suffix": 12,
+    "model": 30}``.
     """
-    return {
+    out = {
         "num_steps": stats.num_steps,
         "num_spec_steps": stats.num_drafts,
         "num_draft_tokens": stats.num_draft_tokens,
@@ -431,6 +433,9 @@ def speculation_metrics(stats) -> dict:
         "verifier": stats.verifier,
         "lossy": stats.lossy,
     }
+    if stats.draft_sources:
+        out["draft_sources"] = dict(stats.draft_sources)
+    return out
 
 
 async def _wait_unless_gone(tasks: list[asyncio.Future], request: Request) -> bool:
