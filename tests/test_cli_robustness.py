@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import specdec.cli as cli
 import specdec.cli_common as cli_common
+import specdec.machine as machine
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 
@@ -329,7 +330,7 @@ def test_thread_choice(monkeypatch, capsys, load, env, flag, threads, reason):
 
     import torch
 
-    monkeypatch.setattr(cli_common, "_cores", lambda: 2)
+    monkeypatch.setattr(cli_common, "machine_cores", lambda: 2)
     monkeypatch.setattr(cli_common, "machine_load", lambda: load)
     if env is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -491,18 +492,42 @@ def test_the_load_is_what_other_processes_do_now_not_a_minute_ago(monkeypatch):
     """Busy cores from two ``/proc/stat`` samples while this process sleeps: a run that
     just ended (high 1-minute load average) no longer costs the next one its threads."""
     samples = iter([(1000, 4000), (1150, 4400)])  # 150 of 400 jiffies busy: 37.5%
-    monkeypatch.setattr(cli_common, "_cpu_ticks", lambda: next(samples))
-    monkeypatch.setattr(cli_common, "LOAD_SAMPLE_S", 0.0)
+    monkeypatch.setattr(machine, "_cpu_ticks", lambda: next(samples))
+    monkeypatch.setattr(machine, "LOAD_SAMPLE_S", 0.0)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0), raising=False)
-    assert cli_common.busy_cores() == pytest.approx(1.5)
-    monkeypatch.setattr(cli_common, "_cpu_ticks", lambda: None)  # no /proc/stat
-    assert cli_common.busy_cores() == 9.0
+    assert machine.busy_cores() == pytest.approx(1.5)
+    monkeypatch.setattr(machine, "_cpu_ticks", lambda: None)  # no /proc/stat
+    assert machine.busy_cores() == 9.0
+
+
+def test_llm_warns_once_per_process_on_a_busy_machine(monkeypatch, caplog, tiny_model_dir):
+    """A library user gets the CLI's warning: busy cores that PyTorch's threads need make
+    everything slower with nothing else to say why (a new user's trial: LLM() took 20 s)."""
+    import logging
+
+    monkeypatch.setattr(machine, "load_checked", False)
+    monkeypatch.setattr(machine, "cores", lambda: 2)
+    monkeypatch.setattr(machine, "busy_cores", lambda: 1.3)
+    monkeypatch.setattr("torch.get_num_threads", lambda: 2)
+    with caplog.at_level(logging.WARNING, logger="specdec.llm"):
+        LLM(tiny_model_dir)
+        LLM(tiny_model_dir)  # once per process
+    warned = [r.getMessage() for r in caplog.records if "busy" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "1.3 of 2 cores busy" in warned[0] and "torch.set_num_threads(1)" in warned[0]
+    caplog.clear()
+    monkeypatch.setattr(machine, "load_checked", False)
+    monkeypatch.setattr(machine, "busy_cores", lambda: 0.2)  # idle: nothing to say
+    assert machine.warn_if_busy(logging.getLogger("t"), 2) is False and not caplog.records
+    monkeypatch.setattr(machine, "load_checked", False)
+    monkeypatch.setattr(machine, "busy_cores", lambda: 5.0)
+    assert machine.warn_if_busy(logging.getLogger("t"), 1) is False  # one thread waits for none
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="no /proc/stat here")
 def test_cpu_ticks_read_the_machine():
-    busy, total = cli_common._cpu_ticks()
+    busy, total = machine._cpu_ticks()
     assert 0 <= busy <= total and total > 0
 
 

@@ -378,7 +378,8 @@ def test_specdec_serve_exits_cleanly_on_sigterm(tmp_path):
         assert process.wait(timeout=60) == 0
         # the start line says what serves: backend, kernels, dtype, mode, weights, threads
         started = process.stdout.read().decode().splitlines()[0]
-        assert started.startswith(f"specdec: serving {tmp_path} (native backend"), started
+        # with the name clients send as 'model' (--served-model-name)
+        assert started.startswith(f"specdec: serving {tmp_path} as '{NAME}' (native backend")
         # on dense weights the native backend names their kernel, e.g. (dpbf16 products)
         weights = r"dense weights( \([a-z0-9_,]+ products\))?"
         assert re.search(rf"(float32|bfloat16), exact, {weights}, \d+ threads?\) on", started)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from specdec import registry
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.machine import busy_cores, threads_for
+from specdec.machine import cores as machine_cores
 from specdec.models.loading import (
     BACKENDS,
     DEFAULT_BACKEND,
@@ -470,80 +472,14 @@ class ThreadChoice:
     reason: str
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
 
-#: How long :func:`machine_load` watches the CPUs, in seconds.
-LOAD_SAMPLE_S = 0.2
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy, total) jiffies of all CPUs from ``/proc/stat``; ``None`` where it is absent."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
-
-
 def machine_load() -> float:
     """:func:`busy_cores` (the seam tests replace to read an idle or a busy machine)."""
     return busy_cores()
-
-
-def busy_cores() -> float:
-    """How many cores other processes keep busy now: the busy share of every CPU over
-    :data:`LOAD_SAMPLE_S` seconds (``/proc/stat``) times their number, while this process
-    sleeps; where ``/proc/stat`` is absent, the 1-minute load average.
-
-    Not the load average where it can be helped: it decays over a minute, so a specdec run
-    just finished (or this process's own imports) read as another process keeping the
-    machine busy, and the next run dropped to fewer threads for nothing (a new user's
-    back-to-back runs on 2 cores)."""
-    first = _cpu_ticks()
-    if first is not None:
-        time.sleep(LOAD_SAMPLE_S)
-        second = _cpu_ticks()
-        if second is not None and second[1] > first[1]:
-            share = (second[0] - first[0]) / (second[1] - first[1])
-            return share * (os.cpu_count() or 1)
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-
-
-def threads_for(usual: int, cores: int, load: float) -> int:
-    """PyTorch's usual thread count, lowered to the cores that other processes leave free:
-    ``cores`` minus the busy ones (:func:`machine_load`, rounded), at least 1.
-
-    PyTorch's OpenMP threads wait for each other at the end of every operation; when one
-    of them shares its core with another busy process, each small decoding step waits for
-    the descheduled thread (measured on 2 cores beside one busy process: two threads ran
-    10x slower than one), and a speedup printed then is fiction.
-
-    Args:
-        usual: PyTorch's own choice (one thread per physical core).
-        cores: cores this process may run on (logical).
-        load: cores other processes keep busy (:func:`machine_load`).
-
-    Example:
-        >>> threads_for(2, 2, 0.1), threads_for(2, 2, 1.2), threads_for(2, 2, 3.0)
-        (2, 1, 1)
-        >>> threads_for(8, 16, 4.4), threads_for(8, 16, 10.0)
-        (8, 6)
-    """
-    return max(1, min(usual, cores - round(load)))
 
 
 def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice:
@@ -558,7 +494,10 @@ def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice
     """
     import torch
 
-    cores = _cores()
+    from specdec import machine
+
+    machine.load_checked = True  # what LLM would warn about, this says itself
+    cores = machine_cores()
     requested = getattr(args, "threads", None)
     load = 0.0 if requested is not None or os.environ.get("OMP_NUM_THREADS") else machine_load()
     if requested is not None:

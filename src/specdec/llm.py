@@ -25,6 +25,7 @@ from specdec.engine.engine import (
 from specdec.engine.generate import generate_steps
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.stops import StopChecker
+from specdec.machine import warn_if_busy
 from specdec.metrics import SpecStats
 from specdec.models.base import Backend
 from specdec.models.loading import (
@@ -230,6 +231,10 @@ class LLM:
             parse_device(draft_device, "draft_device")  # refused before the target loads
         self._backend, self._exact = backend, exact
         check_quantization(quantization, backend)
+        if isinstance(model, str) and device == "cpu":
+            import torch
+
+            warn_if_busy(logger, torch.get_num_threads())  # once per process
         self.target: Backend = (
             load(model, dtype, device, backend, exact, quantization)
             if isinstance(model, str)

@@ -52,10 +52,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
     if config.invariant_prefill:
         ran_on += ", invariant prefill"
-    print(
-        f"specdec: serving {args.model} ({ran_on}) on http://{args.host}:{args.port}/v1",
-        flush=True,
-    )
+    served = args.served_model_name
+    name = f"{args.model} as '{served}'" if served and served != args.model else args.model
+    print(f"specdec: serving {name} ({ran_on}) on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
     # HTTP on a thread, the model on the main thread (see AsyncEngine.run); SIGTERM and
