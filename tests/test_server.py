@@ -180,6 +180,7 @@ def test_cancelled_stream_frees_the_kv_cache(server, llm):
             "start it with --draft-model",
         ),
         ({"model": NAME, "prompt": "w1", "speculative": {"tree": "static:nope"}}, "speculative"),
+        ({"model": NAME, "prompt": "w1", "speculative": {"tree": True}}, "dynamic:top_k=4"),
         ({"model": NAME}, "prompt"),
         ({"model": NAME, "prompt": "w1", "logprobs": 21}, "logprobs"),
         ({"model": NAME, "prompt": "w1", "logprobs": True}, "count of top tokens"),

@@ -113,6 +113,16 @@ class SpeculativeOptions(BaseModel):
     verifier: str | None = None
     allow_lossy: bool = Field(False, strict=True)
 
+    @field_validator("tree", mode="before")
+    @classmethod
+    def _tree_spec(cls, value):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(
+                "a token-tree spec is a string, e.g. 'dynamic:top_k=4,depth=6,budget=16' or "
+                f"'static:tree-16' (null for chains; see the docs' Token trees page), not {value!r}"
+            )
+        return value
+
     @field_validator("verifier")
     @classmethod
     def _known_verifier(cls, value: str | None) -> str | None:
