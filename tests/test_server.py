@@ -512,6 +512,33 @@ def test_usage_and_speculation_metrics_count_what_was_emitted(server, llm, strea
         assert sum(spec["acceptance_histogram"]) == spec["num_steps"]
 
 
+def test_continue_final_message_continues_the_assistants_message(server, client, llm):
+    """vLLM's chat fields: the last (assistant's) message left open and continued, as the
+    library encodes it; add_generation_prompt=false alone ends the prompt without a new
+    turn; both true, or continuing a user's message, is a 400 naming the field."""
+    url, _, _ = server
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"}]
+    for opening, continuing in ((False, True), (False, False), (True, False)):
+        out = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=8, temperature=0,
+            extra_body={"add_generation_prompt": opening, "continue_final_message": continuing},
+        )  # fmt: skip
+        ids = llm.encode(messages, None, opening, continuing)
+        expected = llm.generate(ids, SamplingParams(max_new_tokens=8))
+        assert out.choices[0].message.content == expected.text
+        assert out.usage.prompt_tokens == len(ids)
+    for extra, message in (
+        ({"continue_final_message": True}, "add_generation_prompt=false"),
+        ({"continue_final_message": True, "add_generation_prompt": False,
+          "messages": messages[:1]}, "must be the assistant's"),
+    ):  # fmt: skip
+        body = {"model": NAME, "messages": messages, "max_tokens": 4, **extra}
+        response = httpx.post(f"{url}/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "continue_final_message" and message in error["message"]
+
+
 def test_speculation_metrics_carry_a_hybrids_draft_sources_only_when_it_has_them():
     from specdec.metrics import SpecStats
     from specdec.server.app import speculation_metrics

@@ -37,6 +37,27 @@ def test_chat_template_and_end_of_turn_marker_end_generation():
     assert Tokenizer.of(tok) is tok and len(tok) == len(hf)
 
 
+def test_continue_final_message_leaves_the_assistants_message_open():
+    """vLLM's / transformers' chat fields: no new assistant turn, and the last message
+    without its end-of-turn marker, so generation continues it."""
+    hf = make_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf.chat_template = TEMPLATE
+    tok = Tokenizer(hf)
+    im_start, im_end = hf.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    messages = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2 w3"}]
+    opened = tok.encode(messages)
+    closed = tok.encode(messages, add_generation_prompt=False)
+    continued = tok.encode(messages, add_generation_prompt=False, continue_final_message=True)
+    assert opened[-2:] == [im_start, hf.convert_tokens_to_ids("assistant")]
+    assert closed[-1] == im_end and opened[: len(closed)] == closed
+    assert continued == closed[:-1] and tok.decode(continued[-2:]) == "w2 w3"
+    with pytest.raises(ValueError, match="add_generation_prompt=false"):
+        tok.encode(messages, continue_final_message=True)
+    with pytest.raises(ValueError, match="must be the assistant's"):
+        tok.encode(messages[:1], add_generation_prompt=False, continue_final_message=True)
+
+
 def test_model_eos_ids_from_config_and_generation_config():
     class Config:
         eos_token_id = [3, 4]

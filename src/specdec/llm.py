@@ -420,11 +420,22 @@ class LLM:
         self._draft = draft
         return draft
 
-    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+    def encode(
+        self,
+        prompt: Prompt,
+        chat: bool | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         """Prompt -> token ids (chat template for strings when the model has one).
 
+        ``add_generation_prompt`` and ``continue_final_message`` apply to a list of chat
+        messages (see :meth:`specdec.tokenizer.Tokenizer.encode`; vLLM's chat fields).
+
         Raises:
-            ValueError: empty prompt or token ids outside the vocabulary.
+            ValueError: empty prompt, token ids outside the vocabulary, or
+                ``continue_final_message`` with ``add_generation_prompt`` or after a last
+                message that is not the assistant's.
         """
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(
@@ -445,7 +456,8 @@ class LLM:
                 raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
             return list(prompt)
         if all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(prompt, chat)
+            opening, continuing = add_generation_prompt, continue_final_message
+            return self.tokenizer.encode(prompt, chat, opening, continuing)
         raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
 
     def generate(

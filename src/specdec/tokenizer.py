@@ -58,22 +58,46 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
+    def encode(
+        self,
+        prompt: str | list[dict],
+        chat: bool | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         """Tokenize a prompt; with ``chat`` (default: when a template exists) use the chat
         template with the generation prompt appended.
 
         Args:
             prompt: a user message, or a list of ``{"role", "content"}`` messages.
             chat: apply the chat template (``None``: if the tokenizer has one).
+            add_generation_prompt: messages: end with the template's opening of an
+                assistant turn (vLLM's and transformers' default).
+            continue_final_message: messages: leave the last message (an assistant's, to
+                be continued) open, without its end-of-turn; needs
+                ``add_generation_prompt=False`` (transformers' ``apply_chat_template``).
 
         Returns:
             prompt token ids (list of int).
 
         Raises:
-            ValueError: messages given but the tokenizer has no chat template, or text that
-                is not valid Unicode (a lone surrogate; see :mod:`specdec.unicode`).
+            ValueError: messages given but the tokenizer has no chat template, text that
+                is not valid Unicode (a lone surrogate; see :mod:`specdec.unicode`), or
+                ``continue_final_message`` with ``add_generation_prompt`` or after a last
+                message that is not the assistant's.
         """
         _check_prompt_text(prompt)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message continues the last message, so it needs "
+                    "add_generation_prompt=false (a new assistant turn cannot follow it)"
+                )
+            if not isinstance(prompt, list) or prompt[-1].get("role") != "assistant":
+                raise ValueError(
+                    "continue_final_message continues the last message, which must be the "
+                    "assistant's"
+                )
         if chat is None:
             chat = self.has_chat_template
         if isinstance(prompt, list):
@@ -84,7 +108,12 @@ class Tokenizer:
             messages = [{"role": "user", "content": prompt}]
         else:
             return list(self.hf(prompt, add_special_tokens=True)["input_ids"])
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:

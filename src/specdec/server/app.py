@@ -135,10 +135,12 @@ def _add_generation_routes(app: FastAPI, llm: LLM, engine: AsyncEngine, name: st
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        continuing = body.continue_final_message
         try:
-            prompts = [llm.encode(messages)]
+            prompts = [llm.encode(messages, None, body.add_generation_prompt, continuing)]
         except ValueError as error:
-            raise BadRequest(str(error), "messages") from None
+            param = "continue_final_message" if "continue_final_message" in str(error) else None
+            raise BadRequest(str(error), param or "messages") from None
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         return await _serve(llm, engine, name, body, prompts, request, chat=True)

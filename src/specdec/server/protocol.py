@@ -522,6 +522,10 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    #: vLLM's: open an assistant turn after the messages (default), or (with
+    #: ``continue_final_message`` and this false) continue the last, assistant's, message
+    add_generation_prompt: bool = Field(True, strict=True)
+    continue_final_message: bool = Field(False, strict=True)
 
     @classmethod
     def _screen_more(cls, data: dict) -> dict:
