@@ -512,6 +512,24 @@ def test_usage_and_speculation_metrics_count_what_was_emitted(server, llm, strea
         assert sum(spec["acceptance_histogram"]) == spec["num_steps"]
 
 
+def test_api_key_guards_the_v1_routes_only(llm):
+    """vLLM's --api-key: /v1/* answers 401 (OpenAI's invalid_api_key, which the openai
+    client raises as an AuthenticationError) without the bearer key, and works with it;
+    /health and /metrics stay open."""
+    with serving(llm, api_key="s3cret") as (url, _, _):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            response = httpx.get(f"{url}/v1/models", headers=headers)
+            assert response.status_code == 401, response.text
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        out = good.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert out.choices[0].text == _plain(llm, PROMPT, max_new_tokens=4).text
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 200
+
+
 def test_continue_final_message_continues_the_assistants_message(server, client, llm):
     """vLLM's chat fields: the last (assistant's) message left open and continued, as the
     library encodes it; add_generation_prompt=false alone ends the prompt without a new
@@ -679,3 +697,25 @@ def test_best_of_answers_the_n_most_probable_candidates(server, llm):
     for bad, param in ((b, "best_of") for b in bads):
         response = httpx.post(f"{url}/v1/completions", json={**body, **bad})
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch):
+    import argparse
+
+    from specdec.server.options import add_serve_arguments, check_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    args = parser.parse_args([])
+    check_serve_args(args)
+    assert args.api_key is None
+    monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
+    args = parser.parse_args([])
+    check_serve_args(args)
+    assert args.api_key == "from-env"
+    args = parser.parse_args(["--api-key", "flag"])
+    check_serve_args(args)
+    assert args.api_key == "flag"  # the flag wins, as vLLM's over VLLM_API_KEY
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        check_serve_args(parser.parse_args(["--api-key", " "]))

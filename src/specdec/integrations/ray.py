@@ -79,6 +79,7 @@ def _replica_app(args: argparse.Namespace, cpus: int) -> Any:
     return create_app(
         llm, args.served_model_name or args.model, args.max_waiting,
         stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+        api_key=getattr(args, "api_key", None),
     )  # fmt: skip
 
 

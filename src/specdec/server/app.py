@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import time
 import uuid
@@ -56,6 +57,7 @@ def create_app(
     shutdown_timeout: float = 30.0,
     engine_thread: bool = True,
     stats_interval: float | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``llm``.
 
@@ -70,6 +72,9 @@ def create_app(
             main thread, for speed: see :meth:`AsyncEngine.run`).
         stats_interval: seconds between lines of load on standard output while the server
             works (:class:`~specdec.server.metrics.StatsLog`); ``None`` or 0: none.
+        api_key: requests to ``/v1/*`` must carry ``Authorization: Bearer <api_key>``,
+            else HTTP 401 (vLLM's ``--api-key``); ``None``: no key. ``/health``,
+            ``/metrics`` and ``/reset_prefix_cache`` stay open, as in vLLM.
     """
     name = model_name or llm.target.name
     stats = StatsLog(stats_interval) if stats_interval else None
@@ -85,6 +90,8 @@ def create_app(
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.engine = engine
     _add_error_handlers(app)
+    if api_key is not None:
+        _require_api_key(app, api_key)
 
     @app.get("/health")
     async def health():
@@ -144,6 +151,23 @@ def _add_generation_routes(app: FastAPI, llm: LLM, engine: AsyncEngine, name: st
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         return await _serve(llm, engine, name, body, prompts, request, chat=True)
+
+
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """HTTP 401 (OpenAI's ``invalid_api_key``) for a ``/v1/*`` request without
+    ``Authorization: Bearer <api_key>``; the comparison takes the same time wherever the
+    keys differ."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def _check_key(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            sent = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(sent, expected):
+                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
+                body = error_body(message, code="invalid_api_key")
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

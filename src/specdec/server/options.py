@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from specdec.cli_common import (
     add_device_args,
@@ -105,6 +106,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="no periodic lines of load (vLLM's flag)",
     )  # fmt: skip
     p.add_argument(
+        "--api-key", default=None,
+        help="requests to /v1/* must send 'Authorization: Bearer KEY', else HTTP 401 "
+        "(vLLM's flag; default: $SPECDEC_API_KEY, else no key); /health, /metrics open",
+    )  # fmt: skip
+    p.add_argument(
         "--max-waiting", type=int, default=256,
         help="queued requests beyond which new ones get HTTP 429 (default: 256)",
     )  # fmt: skip
@@ -130,6 +136,10 @@ def check_serve_args(args: argparse.Namespace):
 
     check_dtype(args.dtype)
     check_backend(args.backend, args.dtype)
+    if getattr(args, "api_key", None) is None:
+        args.api_key = os.environ.get("SPECDEC_API_KEY") or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the option out")
     check_quantization(args.quantization, args.backend)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
