@@ -719,3 +719,35 @@ def test_serve_takes_its_api_key_from_the_flag_or_the_environment(monkeypatch):
     assert args.api_key == "flag"  # the flag wins, as vLLM's over VLLM_API_KEY
     with pytest.raises(ValueError, match="--api-key is empty"):
         check_serve_args(parser.parse_args(["--api-key", " "]))
+
+
+def test_max_model_len_caps_what_a_request_may_reach():
+    """vLLM's --max-model-len: /v1/models reports it, a prompt reaching it or a max_tokens
+    past it is a 400, the default max_tokens fills up to it; above the model's own limit,
+    or below 2, it is refused before serving."""
+    import argparse
+
+    from specdec.server.options import add_serve_arguments, apply_max_model_len, check_serve_args
+
+    capped = make_server_llm()
+    own = capped.target.max_context
+    with pytest.raises(ValueError, match="own limit"):
+        apply_max_model_len(capped, own + 1)
+    apply_max_model_len(capped, 16)
+    with serving(capped) as (url, _, _):
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 16
+        prompt = " ".join(["w1"] * 10)
+        body = {"model": NAME, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+        chat = {"model": NAME, "messages": [{"role": "user", "content": prompt}],
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        out = httpx.post(f"{url}/v1/chat/completions", json=chat).json()  # chat's default:
+        assert out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"] == 16  # the rest
+        too_long = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 7})
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+        long_prompt = {**body, "prompt": " ".join(["w1"] * 20), "max_tokens": 1}
+        response = httpx.post(f"{url}/v1/completions", json=long_prompt)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    with pytest.raises(ValueError, match="--max-model-len must be >= 2"):
+        check_serve_args(parser.parse_args(["--max-model-len", "1"]))

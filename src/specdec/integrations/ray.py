@@ -68,7 +68,7 @@ def _replica_app(args: argparse.Namespace, cpus: int) -> Any:
 
     from specdec.cli_common import llm_from_args
     from specdec.server.app import create_app
-    from specdec.server.options import check_serve_args
+    from specdec.server.options import apply_max_model_len, check_serve_args
 
     if args.threads is None:
         torch.set_num_threads(max(1, cpus))
@@ -76,6 +76,7 @@ def _replica_app(args: argparse.Namespace, cpus: int) -> Any:
         torch.set_num_threads(args.threads)
     speculative, config = check_serve_args(args)
     llm = llm_from_args(args, speculative, engine_config=config)
+    apply_max_model_len(llm, getattr(args, "max_model_len", None))
     return create_app(
         llm, args.served_model_name or args.model, args.max_waiting,
         stats_interval=None if args.disable_log_stats else args.log_stats_interval,

@@ -11,7 +11,7 @@ import threading
 import time
 
 from specdec.cli_common import choose_threads, describe_target, llm_from_args, target_meta
-from specdec.server.options import add_serve_arguments, check_serve_args
+from specdec.server.options import add_serve_arguments, apply_max_model_len, check_serve_args
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     listener = bind(args.host, args.port)  # before the model loads: a busy port fails now
     threads = choose_threads(args, adapt=False)  # --threads or OMP_NUM_THREADS; else all
     llm = llm_from_args(args, speculative, engine_config=config)
+    apply_max_model_len(llm, args.max_model_len)
     if speculative.tree is not None:  # refused now, not on every request
         check_tree_drafter(llm.drafter(speculative))
     app = create_app(

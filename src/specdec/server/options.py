@@ -106,6 +106,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="no periodic lines of load (vLLM's flag)",
     )  # fmt: skip
     p.add_argument(
+        "--max-model-len", type=int, default=None, metavar="TOKENS",
+        help="longest sequence (prompt + output) a request may reach, at most the model's "
+        "own (vLLM's flag; default: the model's): longer prompts get HTTP 400",
+    )  # fmt: skip
+    p.add_argument(
         "--api-key", default=None,
         help="requests to /v1/* must send 'Authorization: Bearer KEY', else HTTP 401 "
         "(vLLM's flag; default: $SPECDEC_API_KEY, else no key); /health, /metrics open",
@@ -125,6 +130,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def apply_max_model_len(llm, max_model_len: int | None) -> None:
+    """Lower the longest sequence the server admits to ``max_model_len`` (``--max-model-len``;
+    ``None``: the model's own). Prompts reaching it are refused (HTTP 400), outputs stop at it.
+
+    Raises:
+        ValueError: more than the model's own limit.
+    """
+    if max_model_len is None:
+        return
+    own = llm.target.max_context
+    if max_model_len > own:
+        raise ValueError(
+            f"--max-model-len {max_model_len} is more than {llm.target.name}'s own limit of "
+            f"{own} tokens"
+        )
+    llm.target.max_context = max_model_len
+
+
 def check_serve_args(args: argparse.Namespace):
     """Every option checked before anything loads: the speculative settings and the
     engine's limits.
@@ -138,6 +161,9 @@ def check_serve_args(args: argparse.Namespace):
     check_backend(args.backend, args.dtype)
     if getattr(args, "api_key", None) is None:
         args.api_key = os.environ.get("SPECDEC_API_KEY") or None
+    max_len = getattr(args, "max_model_len", None)
+    if max_len is not None and max_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2 (a prompt and an output), got {max_len}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the option out")
     check_quantization(args.quantization, args.backend)
