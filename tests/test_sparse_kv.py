@@ -165,6 +165,7 @@ def test_no_draft_below_min_context(native32, caplog):
         assert out.metrics.num_draft_tokens == 0
         told = [r for r in caplog.records if "min_context=200" in r.getMessage()]
         assert len(told) == 1
+        assert "hybrid:model=sparse-kv;min_context=N" in told[0].getMessage()  # nested too
     # at min_context 20 the drafts start once the sequence is 20 tokens long
     config = SpeculativeConfig(method="sparse-kv:min_context=20,recent=4", num_speculative_tokens=4)
     out = LLM(native32, speculative=config).generate(PROMPTS[0], GREEDY)

@@ -97,8 +97,9 @@ class SparseKVDrafter(FixedSelfDrafter):
             self._told_short = True
             logger.warning(
                 "sparse-kv drafts nothing while a sequence is shorter than min_context=%d "
-                "tokens (this one has %d): plain steps until then; set sparse-kv:min_context="
-                "N to draft earlier", limit, length,
+                "tokens (this one has %d): plain steps until then; to draft earlier set "
+                "min_context=N in its options (sparse-kv:min_context=N; inside a hybrid, "
+                "hybrid:model=sparse-kv;min_context=N)", limit, length,
             )  # fmt: skip
         return True
 
