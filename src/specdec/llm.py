@@ -411,8 +411,9 @@ class LLM:
                 logger.warning(
                     "the %s draft %s runs on transformers, although the backend is native: "
                     "%s layers are torch's quantized modules; the target runs on %s. For a "
-                    "cheaper copy of the target itself, --drafter quantized drafts with its "
-                    "own quantized products on the native runtime",
+                    "cheaper copy of the target itself, the quantized drafter (--drafter "
+                    "quantized, method=\"quantized\") drafts with its own quantized products "
+                    "on the native runtime",
                     INT8_DYNAMIC, source, INT8_DYNAMIC, self.target.backend,
                 )  # fmt: skip
                 backend = "hf"
