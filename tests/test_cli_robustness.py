@@ -604,3 +604,22 @@ def test_tree_errors_name_the_tree():
 
     with pytest.raises(ValueError, match=r"tree 'dynamic:top_k=100': top_k is at most 64"):
         SpeculativeConfig(tree="dynamic:top_k=100")
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("dynamic:topk=4", "(allowed: budget, depth, top_k)"),
+        ("dynamic:top_k=0", "tree option top_k must be an integer >= 1"),
+        ("dynamic:top_k=100,depth=4,budget=8", "top_k is at most 64 (top_k**2 candidates"),
+    ],
+)
+def test_cli_tree_errors_keep_the_specs_option_names(
+    capsys, tiny_model_dir, no_loading, spec, says
+):
+    """A tree spec's top_k is not the sampling flag --top-k: the CLI writes the library's
+    field names as its flags everywhere except in a tree spec's error (a trial was told to
+    use --top-k inside --tree)."""
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--tree", spec)
+    assert_one_line_error(code, err, f"--tree '{spec}'", says)
+    assert "--top-k" not in err

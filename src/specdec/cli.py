@@ -28,6 +28,7 @@ from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.llm import LLM, GenerationOutput
 from specdec.metrics import SpecStats
 from specdec.models.loading import DEFAULT_MODEL
+from specdec.trees.spec import TreeSpecError
 from specdec.unicode import check_text, decode_utf8, printable
 
 #: Built-in prompt for ``--demo-prompt``: rewriting a paragraph with a small change, where
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (ValueError, OSError) as error:
         message = printable(" ".join(str(error).split()))  # always one line
-        if isinstance(error, ValueError) and args is not None:
+        if isinstance(error, TreeSpecError):  # the spec's option names, not flags
+            message = "--" + message if message.startswith("tree ") else message
+        elif isinstance(error, ValueError) and args is not None:
             message = _as_flags(message, parser, args.command)
         print(f"specdec: error: {message}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from specdec.models.loading import (
     parse_device,
 )
 from specdec.structured import StructuredOutputsParams
+from specdec.trees.spec import TreeSpecError
 
 
 def add_drafter_args(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +144,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
             allow_lossy=getattr(args, "allow_lossy", False),
         )
     except ValueError as error:
-        raise ValueError(str(error).replace("allow_lossy=True", "--allow-lossy")) from None
+        kind = type(error) if isinstance(error, TreeSpecError) else ValueError
+        raise kind(str(error).replace("allow_lossy=True", "--allow-lossy")) from None
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:

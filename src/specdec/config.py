@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from specdec.structured import StructuredOutputsParams
-from specdec.trees.spec import TreeSpec
+from specdec.trees.spec import TreeSpec, TreeSpecError
 from specdec.unicode import check_text
 
 #: ``SpeculativeConfig.method`` for the drafter object given to ``LLM(drafter=...)``.
@@ -528,7 +528,7 @@ class SpeculativeConfig:
             try:
                 object.__setattr__(self, "tree", TreeSpec.parse(self.tree))
             except ValueError as error:
-                raise ValueError(f"tree {self.tree!r}: {error}") from None
+                raise TreeSpecError(f"tree {self.tree!r}: {error}") from None
             if name == "none":
                 raise ValueError("a token tree needs a drafter (method 'none' has none)")
             if self.tree.draw != "top" and not samples:

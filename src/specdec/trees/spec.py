@@ -53,6 +53,12 @@ MAX_DEPTH = 128
 MAX_SEQUOIA_BUDGET = 128
 
 
+class TreeSpecError(ValueError):
+    """A token-tree spec that does not parse, as :class:`~specdec.config.SpeculativeConfig`
+    reports it: its option names (``top_k``, ``depth``, ...) are the spec's own, which the
+    CLI must not rewrite as its flags (``--top-k`` is the sampling flag)."""
+
+
 @dataclass(frozen=True)
 class TreeSpec:
     """A validated tree configuration.
