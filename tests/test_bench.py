@@ -381,6 +381,10 @@ def test_bench_cli_bad_input(tmp_path, capsys):
     assert main(["bench", "--dataset", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert main(["bench", "--method", "nope", "--dataset", str(bad)]) == 2
+    capsys.readouterr()
+    assert main(["bench", "--dataset", str(tmp_path / "missing.jsonl")]) == 2
+    err = capsys.readouterr().err  # the flag named, not a bare [Errno 2]
+    assert "--dataset" in err and "missing.jsonl: cannot read it" in err and "Errno" not in err
 
 
 def test_bench_cli_checks_draft_and_categories_before_loading(tmp_path, capsys):

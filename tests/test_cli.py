@@ -510,6 +510,7 @@ def test_generate_prints_which_drafter_each_hybrid_step_chose(capsys, model_dir)
         "--max-new-tokens", "12",
     )  # fmt: skip
     assert code == 0
+    assert "hybrid model drafter     ngram" in out.splitlines()  # which model drafter ran
     line = next(x for x in out.splitlines() if x.startswith("draft sources"))
     suffix, model = (int(x) for x in re.findall(r"(?:suffix|model) (\d+)", line))
     assert suffix + model >= 1
@@ -521,4 +522,4 @@ def test_generate_prints_which_drafter_each_hybrid_step_chose(capsys, model_dir)
     sources, metrics = record["metrics"]["draft_sources"], record["metrics"]
     assert set(sources) <= {"suffix", "model"}  # this request's steps, not the drafter's
     assert metrics["num_drafts"] <= sum(sources.values()) <= metrics["num_steps"]
-    assert record["drafter_options"]["model"] == "ngram"  # which model drafter ran
+    assert record["drafter_options"]["model"] == record["hybrid_model"] == "ngram"

@@ -623,3 +623,29 @@ def test_cli_tree_errors_keep_the_specs_option_names(
     code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--tree", spec)
     assert_one_line_error(code, err, f"--tree '{spec}'", says)
     assert "--top-k" not in err
+
+
+def test_options_that_do_nothing_say_so(capsys, tiny_model_dir, no_loading):
+    """Documented as unused, now also said at run time: K beside a tree (its depth and
+    budget size the draft), a controller beside --drafter none (nothing to control)."""
+    import argparse
+
+    from specdec.cli_common import speculative_config
+
+    def note(**values):
+        args = argparse.Namespace(
+            drafter=None, draft_model=None, num_speculative_tokens=5, tree=None,
+            controller="fixed", backend="native",
+        )  # fmt: skip
+        vars(args).update(values)
+        speculative_config(args)
+        return capsys.readouterr().err
+
+    assert "--num-speculative-tokens is not used with --tree" in note(
+        tree="static:tree-8", num_speculative_tokens=12
+    )
+    assert note(tree="static:tree-8") == ""  # the default K: nothing to say
+    assert "--controller cost does nothing with --drafter none" in note(
+        drafter="none", controller="cost"
+    )
+    assert note(drafter="suffix", controller="cost") == ""

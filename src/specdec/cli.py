@@ -429,8 +429,13 @@ def options_record(options) -> dict | None:
 def head_meta(drafter) -> dict:
     """A head drafter's head and the format its weights run in (``head``: its folder,
     ``head_weights``: ``float32`` / ``q8_0`` / ``q4_1``); a quantized self-draft's blocks
-    and kernel (``draft_weights``, e.g. ``gguf blocks on the q8 kernel``); ``{}`` for
-    other drafters."""
+    and kernel (``draft_weights``, e.g. ``gguf blocks on the q8 kernel``); for a ``hybrid``,
+    its model drafter's (``hybrid_model``: its spec, with those of the model drafter);
+    ``{}`` for other drafters."""
+    from specdec.drafters.hybrid import HybridDrafter
+
+    if isinstance(drafter, HybridDrafter):
+        return {"hybrid_model": drafter.options.model, **head_meta(drafter.model)}
     kernels = getattr(drafter, "kernels", None)
     if kernels is not None and getattr(drafter, "quantization", None):
         blocks = "the target's" if drafter.quantization == "target" else drafter.quantization
@@ -494,6 +499,8 @@ def _print_metrics(
             print(f"draft head               {meta['head']} ({meta['head_weights']} weights)")
         if meta.get("draft_weights"):
             print(f"quantized draft          {meta['draft_weights']}")
+    if meta and meta.get("hybrid_model"):
+        print(f"hybrid model drafter     {meta['hybrid_model']}")
     if m.draft_sources:  # a hybrid's choice per step
         chosen = ", ".join(f"{name} {n}" for name, n in sorted(m.draft_sources.items()))
         note = "steps each drafted; a model may propose nothing"

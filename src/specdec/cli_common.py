@@ -46,7 +46,7 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-speculative-tokens",
         type=int,
-        default=5,
+        default=DEFAULT_K,
         metavar="K",
         help="draft tokens per verification step (default: 5)",
     )
@@ -103,6 +103,9 @@ def _controller_spec(text: str) -> str:
     return text
 
 
+#: ``--num-speculative-tokens``'s default.
+DEFAULT_K = 5
+
 #: Drafters that draft with the target's own decoder on the native runtime.
 SELF_DRAFTERS = ("layer-skip", "sparse-kv", "quantized")
 
@@ -132,6 +135,19 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
         raise ValueError(  # refused before the model loads, not after
             f"--drafter {name} needs the native backend (--backend native or auto): it "
             "drafts with the target's own decoder over the runtime's KV cache"
+        )
+    if getattr(args, "tree", None) and args.num_speculative_tokens != DEFAULT_K:
+        print(
+            "specdec: note: --num-speculative-tokens is not used with --tree: the tree "
+            "spec's depth and budget size each step's draft",
+            file=sys.stderr,
+        )
+    controller = (getattr(args, "controller", None) or "fixed").partition(":")[0]
+    if name == "none" and controller != "fixed":
+        print(
+            f"specdec: note: --controller {controller} does nothing with --drafter none: "
+            "nothing is drafted",
+            file=sys.stderr,
         )
     try:
         return SpeculativeConfig(

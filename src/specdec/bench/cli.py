@@ -478,7 +478,13 @@ def _load_prompts(args):
         elif name == "humaneval":
             prompts += load_humaneval()
         else:
-            prompts += load_jsonl(name)
+            try:
+                prompts += load_jsonl(name)
+            except OSError as error:  # named as the flag, not a bare [Errno 2]
+                raise ValueError(
+                    f"--dataset {name}: cannot read it ({error.strerror or error}); give a "
+                    "JSONL file of prompts, spec-bench or humaneval"
+                ) from None
     return prompts
 
 
