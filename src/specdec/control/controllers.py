@@ -354,8 +354,8 @@ class CostOptions:
 
     prior: float = option(
         DEFAULT_PRIOR,
-        "first draft token's acceptance rate before evidence, in [0, 1] (default: the "
-        "drafter's own)",
+        "first token's acceptance before evidence, in [0, 1]; unless changed, a drafter's "
+        "own (quantized: 0.8)",
     )
     deep_prior: float = option(
         0.9, "acceptance rate of a later token after accepted ones, before evidence, in [0, 1]"
