@@ -519,10 +519,10 @@ def test_llm_warns_once_per_process_on_a_busy_machine(monkeypatch, caplog, tiny_
     caplog.clear()
     monkeypatch.setattr(machine, "load_checked", False)
     monkeypatch.setattr(machine, "busy_cores", lambda: 0.2)  # idle: nothing to say
-    assert machine.warn_if_busy(logging.getLogger("t"), 2) is False and not caplog.records
+    assert machine.warn_once_if_busy(logging.getLogger("t"), 2) is False and not caplog.records
     monkeypatch.setattr(machine, "load_checked", False)
     monkeypatch.setattr(machine, "busy_cores", lambda: 5.0)
-    assert machine.warn_if_busy(logging.getLogger("t"), 1) is False  # one thread waits for none
+    assert machine.warn_once_if_busy(logging.getLogger("t"), 1) is False  # one thread: no wait
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="no /proc/stat here")
@@ -630,7 +630,7 @@ def test_options_that_do_nothing_say_so(capsys, tiny_model_dir, no_loading):
     budget size the draft), a controller beside --drafter none (nothing to control)."""
     import argparse
 
-    from specdec.cli_common import speculative_config
+    from specdec.cli_common import note_unused_options, speculative_config
 
     def note(**values):
         args = argparse.Namespace(
@@ -638,7 +638,9 @@ def test_options_that_do_nothing_say_so(capsys, tiny_model_dir, no_loading):
             controller="fixed", backend="native",
         )  # fmt: skip
         vars(args).update(values)
-        speculative_config(args)
+        config = speculative_config(args)
+        assert capsys.readouterr().err == ""  # checking says nothing: an error stays alone
+        note_unused_options(args, config)
         return capsys.readouterr().err
 
     assert "--num-speculative-tokens is not used with --tree" in note(
@@ -649,3 +651,7 @@ def test_options_that_do_nothing_say_so(capsys, tiny_model_dir, no_loading):
         drafter="none", controller="cost"
     )
     assert note(drafter="suffix", controller="cost") == ""
+    # through the CLI: an invalid setting's error stays the only line (a property test)
+    args = ["--tree", "static:tree-8", "--num-speculative-tokens", "7", "--top-p", "0"]
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, *args)
+    assert_one_line_error(code, err, "top")

@@ -19,6 +19,7 @@ from specdec.cli_common import (
     choose_threads,
     describe_target,
     llm_from_args,
+    note_unused_options,
     sampling_params,
     speculative_config,
     target_meta,
@@ -269,6 +270,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     speculative = speculative_config(args)
     params = sampling_params(args, stop=tuple(args.stop))
     check_model_args(args)  # everything checkable is checked before loading
+    note_unused_options(args, speculative)
     threads = choose_threads(args)
     llm = llm_from_args(args, speculative)
     _warm_up(llm, speculative, params, len(llm.encode(prompt, args.chat)))

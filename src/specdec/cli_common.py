@@ -136,21 +136,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
             f"--drafter {name} needs the native backend (--backend native or auto): it "
             "drafts with the target's own decoder over the runtime's KV cache"
         )
-    if getattr(args, "tree", None) and args.num_speculative_tokens != DEFAULT_K:
-        print(
-            "specdec: note: --num-speculative-tokens is not used with --tree: the tree "
-            "spec's depth and budget size each step's draft",
-            file=sys.stderr,
-        )
-    controller = (getattr(args, "controller", None) or "fixed").partition(":")[0]
-    if name == "none" and controller != "fixed":
-        print(
-            f"specdec: note: --controller {controller} does nothing with --drafter none: "
-            "nothing is drafted",
-            file=sys.stderr,
-        )
     try:
-        return SpeculativeConfig(
+        config = SpeculativeConfig(
             method=drafter,
             num_speculative_tokens=args.num_speculative_tokens,
             draft_model=args.draft_model,
@@ -162,6 +149,26 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     except ValueError as error:
         kind = type(error) if isinstance(error, TreeSpecError) else ValueError
         raise kind(str(error).replace("allow_lossy=True", "--allow-lossy")) from None
+    return config
+
+
+def note_unused_options(args: argparse.Namespace, config: SpeculativeConfig) -> None:
+    """A line on standard error for each valid option that does nothing beside the others
+    (K beside a token tree, a controller beside ``--drafter none``). Called once every
+    option is checked, so that an invalid setting's error stays the only line."""
+    if config.tree is not None and args.num_speculative_tokens != DEFAULT_K:
+        print(
+            "specdec: note: --num-speculative-tokens is not used with --tree: the tree "
+            "spec's depth and budget size each step's draft",
+            file=sys.stderr,
+        )
+    controller = (getattr(args, "controller", None) or "fixed").partition(":")[0]
+    if config.method.partition(":")[0] == "none" and controller != "fixed":
+        print(
+            f"specdec: note: --controller {controller} does nothing with --drafter none: "
+            "nothing is drafted",
+            file=sys.stderr,
+        )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed) -> None:

@@ -25,7 +25,7 @@ from specdec.engine.engine import (
 from specdec.engine.generate import generate_steps
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.stops import StopChecker
-from specdec.machine import warn_if_busy
+from specdec.machine import warn_once_if_busy
 from specdec.metrics import SpecStats
 from specdec.models.base import Backend
 from specdec.models.loading import (
@@ -234,7 +234,7 @@ class LLM:
         if isinstance(model, str) and device == "cpu":
             import torch
 
-            warn_if_busy(logger, torch.get_num_threads())  # once per process
+            warn_once_if_busy(logger, torch.get_num_threads())  # once per process
         self.target: Backend = (
             load(model, dtype, device, backend, exact, quantization)
             if isinstance(model, str)

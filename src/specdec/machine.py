@@ -75,12 +75,12 @@ def threads_for(usual: int, cores: int, load: float) -> int:
     return max(1, min(usual, cores - round(load)))
 
 
-#: Whether this process has looked at the machine's load (:func:`warn_if_busy`; the CLI's
+#: Whether this process has looked at the load (:func:`warn_once_if_busy`; the CLI's
 #: thread choice counts, since it says the same itself).
 load_checked = False
 
 
-def warn_if_busy(logger, threads: int) -> bool:
+def warn_once_if_busy(logger, threads: int) -> bool:
     """Once per process: log a warning when other processes keep busy the cores that
     ``threads`` PyTorch threads need (:func:`busy_cores`, a 0.2 s look). PyTorch's OpenMP
     threads wait for each other at the end of every operation, so a thread sharing its core

@@ -10,7 +10,13 @@ import socket
 import threading
 import time
 
-from specdec.cli_common import choose_threads, describe_target, llm_from_args, target_meta
+from specdec.cli_common import (
+    choose_threads,
+    describe_target,
+    llm_from_args,
+    note_unused_options,
+    target_meta,
+)
 from specdec.server.options import add_serve_arguments, apply_max_model_len, check_serve_args
 
 logger = logging.getLogger(__name__)
@@ -36,6 +42,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     speculative, config = check_serve_args(args)
     listener = bind(args.host, args.port)  # before the model loads: a busy port fails now
+    note_unused_options(args, speculative)
     threads = choose_threads(args, adapt=False)  # --threads or OMP_NUM_THREADS; else all
     llm = llm_from_args(args, speculative, engine_config=config)
     apply_max_model_len(llm, args.max_model_len)
