@@ -434,20 +434,6 @@ def test_max_tokens_is_max_new_tokens():
 
 
 @pytest.mark.parametrize(
-    ("spec", "fragment"),
-    [
-        ("retrieval", "needs a datastore"),
-        ("retrieval:datastore=/no/such/store.npz", "/no/such/store.npz: not found"),
-    ],
-)
-def test_retrieval_without_a_datastore_file_before_loading(
-    capsys, tiny_model_dir, no_loading, spec, fragment
-):
-    code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--drafter", spec)
-    assert code == 2 and fragment in err and "Traceback" not in err
-
-
-@pytest.mark.parametrize(
     ("args", "see"),
     [
         (["--drafter", "sparse-kv:quantization=q2"], "(see 'specdec drafters')"),
@@ -469,6 +455,8 @@ def test_an_option_error_names_where_the_options_are_listed(
 @pytest.mark.parametrize(
     ("spec", "fragment"),
     [
+        ("retrieval", "needs a datastore"),  # refused before loading, as every case here
+        ("retrieval:datastore=/no/such/store.npz", "/no/such/store.npz: not found"),
         ("suffix:k=4", "the draft length is --num-speculative-tokens"),
         ("hybrid:kernel=fma", "the model drafter's options go after ';': model=NAME;kernel="),
         ("hybrid:model=nope", "hybrid:model=nope: unknown drafter; choose a chain drafter"),
