@@ -33,13 +33,14 @@ def native32(hf32):
 
 
 def _window_mask(n: int, sinks: int, recent: int, context: int) -> torch.Tensor:
-    """[1, 1, n, n] float mask: rows < context causal; later rows see the context's first
-    ``sinks`` and last ``recent`` tokens and the rows from ``context`` up to themselves."""
+    """[1, 1, n, n] float mask: rows < context causal; a later row p sees the first
+    ``sinks`` tokens and the last ``recent`` before it, and itself (StreamingLLM's rolling
+    window)."""
     allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
     for row in range(context, n):
-        allowed[row, :context] = False
+        allowed[row, :] = False
         allowed[row, :sinks] = True
-        allowed[row, max(context - recent, 0) : context] = True
+        allowed[row, max(row - recent, 0) : row + 1] = True
     mask = torch.zeros(n, n)
     mask[~allowed] = float("-inf")
     return mask[None, None]
@@ -48,8 +49,8 @@ def _window_mask(n: int, sinks: int, recent: int, context: int) -> torch.Tensor:
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 @pytest.mark.parametrize("window", [(2, 5), (0, 1), (4, 16)])
 def test_window_equals_transformers_with_the_same_mask(hf32, window, fast):
-    """Three new tokens after a 30-token context, each seeing the window of the context
-    and the new tokens up to itself: logits equal transformers' with that 4D mask."""
+    """Three new tokens after a 30-token context, each seeing the sinks and the ``recent``
+    tokens before it: logits equal transformers' with that 4D mask."""
     sinks, recent = window
     native = NativeModel(hf32, exact=not fast)
     context, new = LONG[:30], LONG[30:33]
@@ -72,18 +73,18 @@ def _filled(native, tokens):
 
 
 def test_window_covering_the_context_is_the_full_forward(native32):
-    """A window as large as the context changes nothing, bit for bit."""
+    """A window as large as the context and the new rows changes nothing, bit for bit."""
     context = LONG[:20]
     full = native32.forward_full(LONG[20:23], _filled(native32, context)).logits
-    for window in [(10, 10), (0, 20), (20, 64)]:
+    for window in [(10, 12), (0, 22), (20, 64)]:
         got = native32.forward_full(LONG[20:23], _filled(native32, context), kv_window=window)
         assert torch.equal(got.logits, full)
 
 
 def test_windowed_tree_rows_equal_windowed_chains(native32):
     """Two branches forwarded as one tree with a window: each node's logits equal its
-    root path forwarded as a chain with the same window (the context window is taken
-    before the tree, so both see the same slots)."""
+    root path forwarded as a chain with the same window (a row's window is taken over
+    its path, context then ancestors, so both see the same slots)."""
     context = LONG[:30]
     a, b, c = LONG[30], LONG[31], LONG[32]
     # tree: a -> b, a -> c  (rows: a, b, c)

@@ -60,6 +60,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.config import SamplingParams
@@ -71,6 +72,7 @@ from specdec.drafters.base import (
     needs_isolation,
 )
 from specdec.drafters.draft_model import CachedTreeSession
+from specdec.drafters.ngram import find_ngram_continuation
 from specdec.drafters.options import LayerSkipOptions, parse_layer_set
 from specdec.models.base import BatchItem
 from specdec.sampling import logits_to_probs, sample
@@ -251,6 +253,11 @@ class SkipSetSearch:
         return self._rng.choice(fresh) if fresh else None
 
 
+#: n-gram sizes (shortest, longest) of the lookup level's prompt lookup (the ``ngram``
+#: drafter's defaults)
+LOOKUP_NGRAM = (2, 4)
+
+
 class LayerSkipDrafter(DrafterBase):
     """Self-speculative drafting with the target minus some layers (see the module
     docstring). Holds the target, the options and the shared :class:`SkipSetSearch`.
@@ -297,6 +304,8 @@ class LayerSkipDrafter(DrafterBase):
                 num_layers, initial, options.search_steps, options.search_rounds, options.seed
             )
         self.observes = self.search is not None
+        #: tokens prompt lookup guesses per draft forward (0: no lookup level)
+        self.lookup = options.lookup
         self._kept: dict[tuple[int, ...], list[int] | None] = {}
         #: ``(sinks, recent)`` context window of draft forwards (``None``: the whole
         #: cache; :class:`~specdec.drafters.sparse_kv.SparseKVDrafter` sets it)
@@ -349,7 +358,8 @@ class LayerSkipDrafter(DrafterBase):
                     continue
                 origin = state._check_cursor(request.token_ids)
                 state._used, state._forwards = state._skip_set(), 0
-                chains.append(_Chain(index, request, origin, int(request.token_ids[-1])))
+                token, context = int(request.token_ids[-1]), state._context(request.token_ids)
+                chains.append(_Chain(index, request, origin, token, context=context))
             groups: dict[tuple[int, ...], list[_Chain]] = {}
             for chain in chains:
                 groups.setdefault(chain.request.state._used, []).append(chain)
@@ -359,51 +369,73 @@ class LayerSkipDrafter(DrafterBase):
             for chain in chains:
                 chain.request.state.cache.truncate(chain.origin)
         for chain in chains:
-            rows = torch.stack(chain.rows) if chain.rows else None
-            proposals[chain.index] = DraftProposal(chain.tokens, rows, chain.confidence)
+            proposals[chain.index] = chain.proposal()
         return proposals
 
     def _draft_group(self, layers: list[int] | None, group: list[_Chain]) -> None:
-        """Draft ``group``'s chains step by step, one forward per step (see
-        :meth:`propose_batch`)."""
-        position = 0
+        """Draft ``group``'s chains, one forward per step for all of them (see
+        :meth:`propose_batch`; with a lookup level each chain's rows carry its guess)."""
         while group:
-            items = [
-                BatchItem([c.token], c.request.state.cache, num_logits=1, kv_window=self.kv_window)
-                for c in group
-            ]
+            items = []
+            for chain in group:
+                inputs = chain.inputs(chain.request.num_tokens, self.lookup)
+                cache = chain.request.state.cache
+                items.append(
+                    BatchItem(inputs, cache, num_logits=len(inputs), kv_window=self.kv_window)
+                )
             outputs = self.draft_target.forward_batch_full(items, layers=layers)
             going = []
             for chain, out in zip(group, outputs, strict=True):
                 request = chain.request
                 request.state._forwards += 1
-                picked = request.state._pick(
-                    out.logits, request.generator, position, request.stop_drafting
-                )
-                if picked is None:
-                    continue
-                chain.token, row, top = picked
-                chain.tokens.append(chain.token)
-                chain.confidence.append(top)
-                if row is not None:
-                    chain.rows.append(row)
-                if len(chain.tokens) < request.num_tokens:
+                if request.state._take(
+                    chain, out.logits, request.generator, request.num_tokens, request.stop_drafting
+                ):
                     going.append(chain)
-            group, position = going, position + 1
+            group = going
 
 
 @dataclass
 class _Chain:
-    """A chain being drafted in a batch: its request, its cache's cursor to restore, the
-    token to forward next and what it drafted so far."""
+    """A chain being drafted: its request (in a batch), the cache's cursor to restore,
+    the token to forward next and what it drafted so far; with a lookup level, the
+    sequence as an array (:class:`~specdec.drafters.options.LayerSkipOptions.lookup`)
+    and the guess forwarded after the pending token."""
 
     index: int
-    request: ChainRequest
+    request: ChainRequest | None
     origin: int
     token: int
     tokens: list[int] = field(default_factory=list)
     rows: list[torch.Tensor] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
+    context: np.ndarray | None = None
+    guess: list[int] = field(default_factory=list)
+
+    def inputs(self, num_tokens: int, size: int) -> list[int]:
+        """The next forward's tokens: the pending token, then (with a lookup level) up to
+        ``size`` tokens prompt lookup expects after it, no more than the chain can still
+        take."""
+        self.guess = []
+        room = min(size, num_tokens - len(self.tokens) - 1)
+        if self.context is not None and room > 0:
+            context = self.context
+            if self.tokens:
+                context = np.concatenate([context, np.asarray(self.tokens, dtype=np.int64)])
+            self.guess = find_ngram_continuation(context, *LOOKUP_NGRAM, room).tolist()
+        return [self.token, *self.guess]
+
+    def add(self, token: int, row: torch.Tensor | None, top: float) -> None:
+        """Append a drafted token (its distribution when sampled, its top probability)."""
+        self.token = token
+        self.tokens.append(token)
+        self.confidence.append(top)
+        if row is not None:
+            self.rows.append(row)
+
+    def proposal(self) -> DraftProposal:
+        rows = torch.stack(self.rows) if self.rows else None
+        return DraftProposal(self.tokens, rows, self.confidence)
 
 
 class FixedSelfDrafter(LayerSkipDrafter):
@@ -423,14 +455,16 @@ class FixedSelfDrafter(LayerSkipDrafter):
             outside the model or skips every layer.
     """
 
-    def __init__(self, target, name: str, why: str, skip: str, confidence: float) -> None:
+    def __init__(
+        self, target, name: str, why: str, skip: str, confidence: float, lookup: int = 0
+    ) -> None:
         if getattr(target, "backend", None) != "native":
             raise ValueError(
                 f"{name} needs the native backend (backend='native' / --backend native, "
                 f"or auto on a model the runtime supports): {why}"
             )
         options = LayerSkipOptions(
-            skip=skip, skip_ratio=0.0, confidence=confidence, search_rounds=0
+            skip=skip, skip_ratio=0.0, confidence=confidence, search_rounds=0, lookup=lookup
         )
         super().__init__(target, options)
         self.search = None  # nothing is searched
@@ -484,27 +518,48 @@ class LayerSkipSequence(DrafterBase):
         skip = self._skip_set()
         self._used, self._forwards = skip, 0
         layers = self.drafter.kept_layers(skip)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        confidence: list[float] = []
-        token = int(token_ids[-1])
+        chain = _Chain(0, None, origin, int(token_ids[-1]), context=self._context(token_ids))
         try:
-            for i in range(num_tokens):
+            while True:
+                inputs = chain.inputs(num_tokens, self.drafter.lookup)
                 out = self.target.forward_full(
-                    [token], self.cache, num_logits=1, **self._draft_args(layers)
+                    inputs, self.cache, num_logits=len(inputs), **self._draft_args(layers)
                 )
                 self._forwards += 1
-                picked = self._pick(out.logits, generator, i, stop_drafting)
-                if picked is None:
+                if not self._take(chain, out.logits, generator, num_tokens, stop_drafting):
                     break
-                token, row, top = picked
-                tokens.append(token)
-                confidence.append(top)
-                if row is not None:
-                    rows.append(row)
         finally:
             self.cache.truncate(origin)
-        return DraftProposal(tokens, torch.stack(rows) if rows else None, confidence)
+        return chain.proposal()
+
+    def _context(self, token_ids: Sequence[int]) -> np.ndarray | None:
+        """The sequence as an array for the lookup level (``None`` without one)."""
+        if self.drafter.lookup <= 0:
+            return None
+        return np.asarray(token_ids, dtype=np.int64)
+
+    def _take(self, chain: _Chain, logits, generator, num_tokens: int, stop) -> bool:
+        """Draft from one forward's rows (the chain's pending token, then its lookup
+        guess): row i's token is drafted as a forward of that row alone would draft it;
+        the next row counts only while the guess holds that token. Rolls the cache back
+        to the rows used. Returns whether the chain goes on drafting."""
+        guess = chain.guess
+        used = 0
+        going = True
+        for row in range(logits.shape[0]):
+            used = row + 1
+            picked = self._pick(logits[row : row + 1], generator, len(chain.tokens), stop)
+            if picked is None:
+                going = False
+                break
+            chain.add(*picked)
+            if len(chain.tokens) >= num_tokens:
+                going = False
+                break
+            if row >= len(guess) or guess[row] != chain.token:
+                break
+        self.cache.truncate(self.cache.num_tokens - logits.shape[0] + used)
+        return going
 
     def _pick(
         self, logits: torch.Tensor, generator: torch.Generator, position: int = 0, stop=None

@@ -279,6 +279,14 @@ class LayerSkipOptions:
             kept for good (>= 0; ``0`` keeps the initial heuristic set).
         seed: seed of the search's own random choices (>= 0); with the same feedback,
             the same seed gives the same sequence of skip sets.
+        lookup: a second, free level under the draft (Cascade Speculative Drafting's
+            statistical bottom level, Chen et al. 2024, arXiv:2312.11462; ML-SpecQD's
+            second level, Georganas et al. 2025): each draft forward also takes up to this
+            many tokens that prompt lookup (the ``ngram`` drafter) expects next, and every
+            guess the draft agrees with saves a draft forward. The draft tokens stay
+            exactly what the draft proposes without it (each row of a forward is what a
+            forward of that row alone gives in exact mode); only their cost changes.
+            ``0`` (default) disables; chains only.
     """
 
     skip: str = option(
@@ -295,6 +303,9 @@ class LayerSkipOptions:
         12, "candidate skip sets tried after the first before the best is kept (>= 0)"
     )
     seed: int = option(0, "seed of the skip-set search's random choices (>= 0)")
+    lookup: int = option(
+        0, "tokens prompt lookup guesses per draft forward (a free second level); 0: off"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.skip, str):
@@ -308,6 +319,7 @@ class LayerSkipOptions:
         _check_int("search_steps", self.search_steps, 1)
         _check_int("search_rounds", self.search_rounds, 0)
         _check_int("seed", self.seed, 0)
+        _check_int("lookup", self.lookup, 0)
 
 
 def _check_skip_confidence(skip, confidence) -> None:
@@ -353,6 +365,14 @@ class SparseKVOptions:
         kernel: the quantized draft's product kernel, as the ``quantized`` drafter's
             ``kernel`` (``auto`` = ``q8``); only with a ``quantization`` other than
             ``none``.
+        lookup: a second, free level under the draft (Cascade Speculative Drafting's
+            statistical bottom level, Chen et al. 2024, arXiv:2312.11462; ML-SpecQD's
+            second level, Georganas et al. 2025): each draft forward also takes up to this
+            many tokens that prompt lookup (the ``ngram`` drafter) expects next, and every
+            guess the draft agrees with saves a draft forward. The draft tokens stay
+            exactly what the draft proposes without it (each row of a forward is what a
+            forward of that row alone gives in exact mode); only their cost changes.
+            ``0`` (default) disables; chains only.
     """
 
     sinks: int = option(16, "first cached tokens the draft attends to (attention sinks, >= 0)")
@@ -373,11 +393,15 @@ class SparseKVOptions:
     kernel: str = option(
         "auto", "the quantized draft's product kernel, as quantized:kernel= (auto = q8)"
     )
+    lookup: int = option(
+        0, "tokens prompt lookup guesses per draft forward (a free second level); 0: off"
+    )
 
     def __post_init__(self) -> None:
         _check_int("sinks", self.sinks, 0)
         _check_int("recent", self.recent, 1)
         _check_int("min_context", self.min_context, 0)
+        _check_int("lookup", self.lookup, 0)
         _check_skip_confidence(self.skip, self.confidence)
         _check_quantization(self.quantization, self.kernel, ("none", *DRAFT_QUANTIZATIONS))
         if self.quantization == "none" and self.kernel != "auto":
@@ -417,6 +441,14 @@ class QuantizedOptions:
             none), for a cheaper draft at a lower acceptance.
         confidence: end a chain draft before a token whose draft top-1 probability is
             below this, in [0, 1); ``0`` (default) disables.
+        lookup: a second, free level under the draft (Cascade Speculative Drafting's
+            statistical bottom level, Chen et al. 2024, arXiv:2312.11462; ML-SpecQD's
+            second level, Georganas et al. 2025): each draft forward also takes up to this
+            many tokens that prompt lookup (the ``ngram`` drafter) expects next, and every
+            guess the draft agrees with saves a draft forward. The draft tokens stay
+            exactly what the draft proposes without it (each row of a forward is what a
+            forward of that row alone gives in exact mode); only their cost changes.
+            ``0`` (default) disables; chains only.
     """
 
     quantization: str = option(
@@ -435,9 +467,14 @@ class QuantizedOptions:
         "end a chain draft before a token whose draft probability is below this, in [0, 1); 0: off",
     )
 
+    lookup: int = option(
+        0, "tokens prompt lookup guesses per draft forward (a free second level); 0: off"
+    )
+
     def __post_init__(self) -> None:
         _check_quantization(self.quantization, self.kernel, DRAFT_QUANTIZATIONS)
         _check_skip_confidence(self.skip, self.confidence)
+        _check_int("lookup", self.lookup, 0)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class SparseKVDrafter(FixedSelfDrafter):
     def __init__(self, target, options: SparseKVOptions | None = None) -> None:
         self.sparse_options = options = options or SparseKVOptions()
         why = "it attends over a window of the runtime's KV cache"
-        super().__init__(target, "sparse-kv", why, options.skip, options.confidence)
+        super().__init__(target, "sparse-kv", why, options.skip, options.confidence, options.lookup)
         self.kv_window = (options.sinks, options.recent)
         self.quantization = options.quantization
         self.kernels: dict[str, str] | None = None

@@ -635,10 +635,12 @@ def _prefill_groups(items: Sequence[BatchItem]) -> list[list[int]]:
 def _visibility(tree_mask, start: int, t: int, device, window=None) -> list[Visibility]:
     """Per new row: a prefix length (causal) or the slots it sees (tree, or a KV window).
 
-    ``window = (sinks, recent)`` (:attr:`BatchItem.kv_window`) narrows the context (the
-    slots before the rows' own part: before ``start`` for causal rows, before the tree's
-    first slot for a tree) to its first ``sinks`` and last ``recent`` slots; the rows'
-    own part stays visible as the mask says."""
+    ``window = (sinks, recent)`` (:attr:`BatchItem.kv_window`) is StreamingLLM's rolling
+    window: of the slots a row would see without it (its *path*: the context, then its
+    own ancestors and itself), it keeps the first ``sinks`` and the last ``recent + 1``
+    (the ``recent`` before it and itself). A row forwarded alone after ``n`` cached slots
+    therefore sees the same slots as the same row at depth ``d`` of a chain or tree
+    forwarded after ``n - d`` cached slots and its ``d`` ancestors."""
     if tree_mask is None:
         base, tree_rows = start, None
     else:
@@ -650,27 +652,20 @@ def _visibility(tree_mask, start: int, t: int, device, window=None) -> list[Visi
             )
         base = start + t - s  # slots before the tree part: all visible (context)
         tree_rows = [base + torch.nonzero(mask[row]).flatten() for row in range(t)]
-    context = _window_slots(base, window)
+    context = torch.arange(base)
     out: list[Visibility] = []
     for row in range(t):
         own = torch.arange(start, start + row + 1) if tree_rows is None else tree_rows[row]
         n = own.numel()
-        if context is None and torch.equal(own, torch.arange(base, base + n)):
+        if window is not None and base + n > sum(window) + 1:
+            sinks, recent = window
+            path = torch.cat([context, own])
+            out.append(torch.cat([path[:sinks], path[-(recent + 1) :]]).to(device))
+        elif torch.equal(own, torch.arange(base, base + n)):
             out.append(base + n)  # a plain prefix of the slots (the causal case)
         else:
-            prefix = torch.arange(base) if context is None else context
-            out.append(torch.cat([prefix, own]).to(device))
+            out.append(torch.cat([context, own]).to(device))
     return out
-
-
-def _window_slots(base: int, window) -> torch.Tensor | None:
-    """The context slots a KV window keeps of ``base`` (``None``: all of them)."""
-    if window is None:
-        return None
-    sinks, recent = window
-    if base <= sinks + recent:
-        return None
-    return torch.cat([torch.arange(sinks), torch.arange(base - recent, base)])
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
