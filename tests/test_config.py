@@ -10,7 +10,8 @@ from specdec import SamplingParams, SpeculativeConfig
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": -1.0}, "top_k"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"seed": "x"}, "seed"),
         ({"seed": -1}, "seed"),
@@ -27,6 +28,14 @@ def test_sampling_params_defaults_and_normalisation():
     params = SamplingParams(stop="END", stop_token_ids=[5])
     assert params.greedy and params.stop == ("END",) and params.stop_token_ids == (5,)
     assert not SamplingParams(temperature=0.7).greedy
+
+
+def test_vllm_spellings_of_nothing_are_accepted():
+    """vLLM scripts pass ``stop=None``, ``stop_token_ids=None`` and ``top_k=-1`` (its
+    defaults); each means what specdec's own default means."""
+    params = SamplingParams(stop=None, stop_token_ids=None, top_k=-1, temperature=0.5)
+    assert params == SamplingParams(temperature=0.5)
+    assert params.stop == () and params.stop_token_ids == () and params.top_k == 0
 
 
 @pytest.mark.parametrize(

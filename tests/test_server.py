@@ -557,6 +557,34 @@ def test_continue_final_message_continues_the_assistants_message(server, client,
         assert error["param"] == "continue_final_message" and message in error["message"]
 
 
+def test_chat_template_kwargs_and_stream_options_follow_vllm(server, client, llm):
+    """vLLM's ``chat_template_kwargs`` reach the library's encoding (a name specdec sets
+    itself is a 400 naming the field); ``stream_options`` without ``stream`` is a 400, as
+    in OpenAI's and vLLM's servers."""
+    url, _, _ = server
+    messages = [{"role": "user", "content": "w1 w2"}]
+    out = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=6, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    ids = llm.encode(messages, None, chat_template_kwargs={"enable_thinking": False})
+    assert out.choices[0].message.content == llm.generate(ids, SamplingParams(max_tokens=6)).text
+    for body, param, message in (
+        ({"messages": messages, "chat_template_kwargs": {"tokenize": True}},
+         "chat_template_kwargs", "cannot set tokenize"),
+        ({"messages": messages, "stream_options": {"include_usage": True}},
+         "stream_options", "needs stream: true"),
+    ):  # fmt: skip
+        response = httpx.post(
+            f"{url}/v1/chat/completions", json={"model": NAME, "max_tokens": 4, **body}
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and message in error["message"]
+    body = {"model": NAME, "prompt": PROMPT, "stream_options": {"include_usage": True}}
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
+
+
 def test_speculation_metrics_carry_a_hybrids_draft_sources_only_when_it_has_them():
     from specdec.metrics import SpecStats
     from specdec.server.app import speculation_metrics

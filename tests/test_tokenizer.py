@@ -58,6 +58,26 @@ def test_continue_final_message_leaves_the_assistants_message_open():
         tok.encode(messages[:1], add_generation_prompt=False, continue_final_message=True)
 
 
+def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused():
+    """vLLM's ``chat_template_kwargs``: extra template variables (here a system line the
+    template prints when ``greeting`` is set); names specdec sets itself are refused."""
+    hf = make_tokenizer()
+    hf.chat_template = "{% if greeting %}w9 {% endif %}" + TEMPLATE
+    tok = Tokenizer(hf)
+    plain = tok.encode("w1")
+    greeted = tok.encode("w1", chat_template_kwargs={"greeting": True})
+    assert greeted == [hf.convert_tokens_to_ids("w9"), *plain]
+    assert tok.encode("w1", chat_template_kwargs={}) == plain
+    for bad, message in (
+        ({"tokenize": True}, "cannot set tokenize"),
+        ({"add_generation_prompt": False}, "cannot set add_generation_prompt"),
+        ([("greeting", 1)], "must map variable names"),
+        ({1: True}, "must map variable names"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            tok.encode("w1", chat_template_kwargs=bad)
+
+
 def test_model_eos_ids_from_config_and_generation_config():
     class Config:
         eos_token_id = [3, 4]

@@ -10,6 +10,7 @@ from importlib import import_module
 _EXPORTS = {
     "LLM": "specdec.llm",
     "DrafterEntry": "specdec.registry",
+    "Choices": "specdec.llm",
     "GenerationChunk": "specdec.llm",
     "GenerationOutput": "specdec.llm",
     "SamplingParams": "specdec.config",

@@ -107,8 +107,8 @@ class SamplingParams:
             autoregressive output token for token. Any positive value works: one below
             float32's smallest normal number (~1.2e-38) acts as that number, i.e. greedy in
             effect (uniform over exactly tied maxima).
-        top_k: keep only the ``top_k`` most probable tokens (int, >= 0; ``0`` disables).
-            Tokens tied with the k-th logit are kept too.
+        top_k: keep only the ``top_k`` most probable tokens (int, >= 0; ``0`` disables, and
+            vLLM's ``-1`` is read as ``0``). Tokens tied with the k-th logit are kept too.
         top_p: nucleus sampling: keep the smallest set of most probable tokens whose
             probability sums to at least ``top_p`` (float in (0, 1]; ``1`` disables).
         max_new_tokens: upper bound on generated tokens (int, >= 1; default 256), never
@@ -117,12 +117,13 @@ class SamplingParams:
         seed: seed of the ``torch.Generator`` used for every random draw (drafts,
             acceptance tests, residual and bonus samples). Same seed, same output.
             ``None`` draws a fresh seed.
-        stop: stop strings (at most 64, each 1 to 1024 characters). The text ends right
+        stop: stop strings (a string, a sequence, or ``None`` for none; at most 64, each 1
+            to 1024 characters). The text ends right
             before the first occurrence (the stop string is dropped); the token ids end
             with the token that completed it, so nothing generated after the stop appears
             in either.
         stop_token_ids: extra token ids that end generation (kept as the last output id,
-            like EOS); at most 1024, each in the target's vocabulary.
+            like EOS); at most 1024, each in the target's vocabulary; ``None``: none.
         ignore_eos: keep generating past EOS / end-of-turn tokens (for benchmarks).
         max_tokens: vLLM's and OpenAI's name for ``max_new_tokens``, accepted on
             construction; the value is then read from ``max_new_tokens`` (this attribute is
@@ -226,8 +227,10 @@ class SamplingParams:
         self._resolve_max_tokens()
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))  # None: none (vLLM's default)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1 and _is_int(self.top_k):  # vLLM's spelling of "disabled"
+            object.__setattr__(self, "top_k", 0)
         number = (int, float)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, number):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -236,7 +239,9 @@ class SamplingParams:
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
             )
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be an integer >= 0 (0 or -1 disables), got {self.top_k!r}"
+            )
         if isinstance(self.top_p, bool) or not (
             isinstance(self.top_p, number) and 0.0 < self.top_p <= 1.0
         ):

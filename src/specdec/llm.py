@@ -8,6 +8,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from tqdm.auto import tqdm
+
 from specdec import registry
 from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
 from specdec.control.base import SpeculationController
@@ -46,7 +48,7 @@ from specdec.tokenizer import Tokenizer
 from specdec.trees.builders import TreeBuilder, make_tree_builder
 from specdec.unicode import check_text
 
-Prompt = str | list[dict] | list[int]
+Prompt = str | list[dict] | list[int] | dict
 
 #: Fewest draft tokens per step a prediction drafts (the configured k when larger).
 PREDICTION_K = 16
@@ -76,6 +78,13 @@ class GenerationOutput:
             (Predicted Outputs), OpenAI's counts: prediction tokens the output holds where
             a draft proposed them, and the rest of the prediction (see
             :meth:`~specdec.drafters.prediction.PredictionDrafter.usage`); else ``None``.
+        prompt: the prompt as given when it was text (a string, or vLLM's
+            ``{"prompt": text}``), else ``None`` (token ids, chat messages), as vLLM's
+            ``RequestOutput.prompt``.
+        index: the choice's rank among its prompt's ``n`` outputs (0 without ``n``).
+
+    vLLM's shape reads too: ``out.outputs[0].text`` (:attr:`outputs` is ``[out]``: one
+    output is its own only choice), ``out.finished``.
     """
 
     text: str
@@ -87,6 +96,22 @@ class GenerationOutput:
     accepted_prediction_tokens: int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)
     rejected_prediction_tokens: int | None = None
+    prompt: str | None = field(default=None, repr=False)
+    index: int = 0
+
+    @property
+    def outputs(self) -> list[GenerationOutput]:
+        """vLLM's ``RequestOutput.outputs``: ``[self]`` (``.text``, ``.token_ids``,
+        ``.finish_reason``, ``.logprobs`` and ``.index`` read as vLLM's
+        ``CompletionOutput``'s do; ``logprobs`` holds specdec's
+        :class:`~specdec.sampling.TokenLogprob`, not vLLM's dicts)."""
+        return [self]
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's ``RequestOutput.finished``: always ``True`` (``generate`` returns finished
+        outputs; :meth:`LLM.stream` streams)."""
+        return True
 
     def to_dict(self) -> dict:
         """JSON-ready dict: ``text``, ``token_ids``, ``finish_reason``, ``prompt_tokens``
@@ -125,6 +150,29 @@ class GenerationOutput:
         return self
 
 
+class Choices(list):
+    """The ``n`` outputs of one prompt (``SamplingParams(n > 1)``): a list of
+    :class:`GenerationOutput`, best first with ``best_of``, each with its ``index``. Read
+    as vLLM's ``RequestOutput`` too: :attr:`outputs` (the list itself),
+    :attr:`prompt`, :attr:`prompt_token_ids`, :attr:`finished`."""
+
+    @property
+    def outputs(self) -> list[GenerationOutput]:
+        return list(self)
+
+    @property
+    def prompt(self) -> str | None:
+        return self[0].prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self[0].prompt_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+
 @dataclass
 class GenerationChunk:
     """A streamed piece: new text and ids; the last chunk also carries the full output.
@@ -155,8 +203,9 @@ class LLM:
             backend (:class:`~specdec.models.HFModel`, :class:`~specdec.models.NativeModel`).
             Default: the embedded SmolLM2-135M-Instruct.
         draft: draft model (name/path or loaded) for ``method="draft-model"``.
-        speculative: drafter settings; default ``ngram`` (or ``draft-model`` when
-            ``draft`` is given, ``custom`` when ``drafter`` is).
+        speculative: drafter settings (a :class:`SpeculativeConfig`, or a dict of its
+            fields as vLLM's ``speculative_config``); default ``ngram`` (or
+            ``draft-model`` when ``draft`` is given, ``custom`` when ``drafter`` is).
         drafter: your own :class:`~specdec.drafters.Drafter` object (see
             :class:`~specdec.drafters.DrafterBase`); configs with ``method="custom"`` use
             it. Its output is verified like any drafter's, so it cannot change what is
@@ -222,6 +271,7 @@ class LLM:
         if speculative is None:
             method = CUSTOM if drafter is not None else "ngram"
             speculative = SpeculativeConfig(method="draft-model" if draft is not None else method)
+        speculative = _speculative_config(speculative)
         self._custom = drafter
         self.speculative = speculative
         self._dtype, self._device = dtype, device
@@ -427,26 +477,34 @@ class LLM:
         chat: bool | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[int]:
         """Prompt -> token ids (chat template for strings when the model has one).
 
-        ``add_generation_prompt`` and ``continue_final_message`` apply to a list of chat
-        messages (see :meth:`specdec.tokenizer.Tokenizer.encode`; vLLM's chat fields).
+        A prompt is a string, a list of chat messages, a list of token ids, or vLLM's
+        prompt dicts ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (read as the
+        text or the ids). ``add_generation_prompt``, ``continue_final_message`` and
+        ``chat_template_kwargs`` apply where the chat template does (see
+        :meth:`specdec.tokenizer.Tokenizer.encode`; vLLM's chat arguments).
 
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, or
-                ``continue_final_message`` with ``add_generation_prompt`` or after a last
-                message that is not the assistant's.
+            ValueError: empty prompt, token ids outside the vocabulary, a prompt dict with
+                other keys (or both), ``continue_final_message`` with
+                ``add_generation_prompt`` or after a last message that is not the
+                assistant's, or bad ``chat_template_kwargs``.
         """
+        if isinstance(prompt, dict):
+            prompt = _vllm_prompt(prompt)
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(
                 "prompt must be a string, a list of chat messages or a list of token ids, "
                 f"got {type(prompt).__name__}"
             )
+        extra = (add_generation_prompt, continue_final_message, chat_template_kwargs)
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")
-            return self.tokenizer.encode(prompt, chat)
+            return self.tokenizer.encode(prompt, chat, *extra)
         if not prompt:
             raise ValueError(
                 "prompt is empty (an empty list is neither a prompt nor a batch of prompts)"
@@ -457,9 +515,14 @@ class LLM:
                 raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
             return list(prompt)
         if all(isinstance(m, dict) for m in prompt):
-            opening, continuing = add_generation_prompt, continue_final_message
-            return self.tokenizer.encode(prompt, chat, opening, continuing)
+            return self.tokenizer.encode(prompt, chat, *extra)
         raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
+
+    def get_tokenizer(self):
+        """vLLM's ``LLM.get_tokenizer``: the target's Hugging Face tokenizer
+        (``transformers.PreTrainedTokenizerBase``; specdec's own wrapper is
+        :attr:`tokenizer`)."""
+        return self.tokenizer.hf
 
     def generate(
         self,
@@ -469,14 +532,16 @@ class LLM:
         speculative: SpeculativeConfig | list[SpeculativeConfig] | None = None,
         chat: bool | None = None,
         prediction: str | list[int] | list | None = None,
+        use_tqdm: bool = False,
     ) -> GenerationOutput | list[GenerationOutput]:
         """Generate a completion, or one per prompt of a batch.
 
         Args:
             prompt: a user message (str; chat template applied when the model has one and
-                ``chat`` is not False), a list of chat messages, or prompt token ids; or a
-                *batch*: a list of such prompts (a list of strings, of token-id lists or
-                of message lists), run together by the batched engine.
+                ``chat`` is not False), a list of chat messages, prompt token ids, or
+                vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; or a
+                *batch*: a list of such prompts (a list of strings, of token-id lists, of
+                message lists or of prompt dicts), run together by the batched engine.
             sampling_params: defaults to greedy with 256 new tokens; for a batch, one for
                 all or a list with one per prompt.
             speculative: override the LLM's drafter settings for this call
@@ -491,15 +556,18 @@ class LLM:
                 Lossless: it changes speed only. The output then reports
                 ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``. For a
                 batch, a list with one per prompt (``None`` for none).
+            use_tqdm: show a progress bar of finished requests on stderr while a batch
+                runs (vLLM's argument; its default is ``True``, specdec's ``False``).
 
         Returns:
             GenerationOutput | list: one :class:`GenerationOutput`, or a list of them in
             prompt order for a batch
             (each equal to what the prompt gives alone: greedy token for token, seeded
             sampling the same draws). With ``sampling_params.n > 1``, a prompt's entry is
-            instead a list of ``n`` outputs (choice i: seed ``seed + i``; with
-            ``best_of``, the ``n`` candidates with the highest mean log-probability per
-            token, best first); with ``n == 1`` and ``best_of``, the one best output.
+            instead a :class:`Choices` list of ``n`` outputs (choice i: seed ``seed + i``;
+            with ``best_of``, the ``n`` candidates with the highest mean log-probability
+            per token, best first); with ``n == 1`` and ``best_of``, the one best output.
+            Each also reads as vLLM's ``RequestOutput`` (``.outputs[i].text``).
 
         Raises:
             ValueError: empty prompt or batch, a prompt that fills the model's context, bad
@@ -508,14 +576,18 @@ class LLM:
                 prediction with speculation off (method ``none``).
         """
         if _is_batch(prompt):
-            return self._generate_batch(prompt, sampling_params, speculative, chat, prediction)
+            return self._generate_batch(
+                prompt, sampling_params, speculative, chat, prediction, use_tqdm
+            )
         if isinstance(sampling_params, list) or isinstance(speculative, list):
             raise ValueError(
                 "a list of sampling parameters or speculative settings needs a list of prompts"
             )
         params = self.resolve_params(sampling_params or SamplingParams())
         if params.n > 1 or params.best_of is not None:  # choices run as a batch
-            return self._generate_batch([prompt], [params], [speculative], chat, [prediction])[0]
+            return self._generate_batch(
+                [prompt], [params], [speculative], chat, [prediction], use_tqdm
+            )[0]
         config = speculative or self.speculative
         drafter = self.prediction_drafter(prediction, config)
         prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
@@ -533,6 +605,7 @@ class LLM:
         text = final_text(self.tokenizer, ids, step.finish_reason, step.text_end)
         output = GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats, logprobs)
         output.prompt_logprobs = prompt_logprobs
+        output.prompt = _prompt_text(prompt)
         return output._with_prediction(drafter)
 
     def resolve_params(self, params: SamplingParams) -> SamplingParams:
@@ -578,7 +651,9 @@ class LLM:
             raise ValueError("the prediction is empty")
         return PredictionDrafter(ids)
 
-    def _generate_batch(self, prompts, sampling_params, speculative, chat, prediction=None):
+    def _generate_batch(
+        self, prompts, sampling_params, speculative, chat, prediction=None, use_tqdm=False
+    ):
         if not prompts:
             raise ValueError("the batch of prompts is empty")
         all_params = _per_prompt(sampling_params, len(prompts), "sampling parameters")
@@ -599,18 +674,26 @@ class LLM:
                 encoded, groups, configs, predictions, strict=True) for c in g]  # fmt: skip
             outputs = self._run_batch(
                 [f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat],
-                [f[3] for f in flat],
+                [f[3] for f in flat], use_tqdm,
             )  # fmt: skip
             results: list = []
-            for params, group in zip(all_params, groups, strict=True):
+            for prompt, params, group in zip(prompts, all_params, groups, strict=True):
                 candidates, outputs = outputs[: len(group)], outputs[len(group) :]
                 chosen = _best_of(candidates, params)
-                results.append(chosen if params.n > 1 else chosen[0])
+                for index, out in enumerate(chosen):
+                    out.prompt, out.index = _prompt_text(prompt), index
+                results.append(Choices(chosen) if params.n > 1 else chosen[0])
             return results
-        return self._run_batch(encoded, all_params, configs, predictions)
+        outputs = self._run_batch(encoded, all_params, configs, predictions, use_tqdm)
+        for prompt, out in zip(prompts, outputs, strict=True):
+            out.prompt = _prompt_text(prompt)
+        return outputs
 
-    def _run_batch(self, encoded, all_params, configs, predictions) -> list[GenerationOutput]:
-        """Encoded prompts, one sequence each, through one batched engine."""
+    def _run_batch(
+        self, encoded, all_params, configs, predictions, use_tqdm=False
+    ) -> list[GenerationOutput]:
+        """Encoded prompts, one sequence each, through one batched engine (with
+        ``use_tqdm``, a progress bar of finished sequences)."""
         drafters = [
             self.prediction_drafter(p, c) for p, c in zip(predictions, configs, strict=True)
         ]
@@ -622,13 +705,16 @@ class LLM:
                     zip(encoded, all_params, configs, drafters, strict=True)
                 )
             ]
+        bar = tqdm(total=len(sequences), desc="requests", unit="req", disable=not use_tqdm)
         try:
             while True:
                 with self._lock:
                     if not engine.has_unfinished():
                         break
                     engine.step()
+                bar.update(sum(seq.is_finished for seq in sequences) - bar.n)
         finally:
+            bar.close()
             for seq in sequences:
                 engine.abort(seq.request_id)
         return [
@@ -672,22 +758,39 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         speculative: SpeculativeConfig | list[SpeculativeConfig] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        use_tqdm: bool = False,
     ) -> GenerationOutput | list[GenerationOutput]:
         """vLLM's ``LLM.chat``: :meth:`generate` on one conversation (a list of
         ``{"role", "content"}`` messages, the chat template applied) or on a batch of them.
 
+        ``add_generation_prompt``, ``continue_final_message`` and
+        ``chat_template_kwargs`` are vLLM's (see :meth:`encode`); ``use_tqdm`` as in
+        :meth:`generate`.
+
         Raises:
-            ValueError: a conversation that is not a non-empty list of messages, or what
-                :meth:`generate` refuses.
+            ValueError: a conversation that is not a non-empty list of messages, what
+                :meth:`encode` refuses, or what :meth:`generate` refuses.
         """
         batch = bool(messages) and all(isinstance(m, list) for m in messages)
-        for conversation in messages if batch else [messages]:
+        conversations = messages if batch else [messages]
+        for conversation in conversations:
             if not conversation or not all(isinstance(m, dict) for m in conversation):
                 raise ValueError(
                     "chat takes a conversation (a non-empty list of {'role', 'content'} "
                     "messages) or a list of conversations"
                 )
-        return self.generate(messages, sampling_params, speculative=speculative, chat=True)
+        flags = (add_generation_prompt, continue_final_message, chat_template_kwargs)
+        if flags == (True, False, None):
+            return self.generate(
+                messages, sampling_params, speculative=speculative, chat=True, use_tqdm=use_tqdm
+            )
+        ids = [self.encode(c, True, *flags) for c in conversations]
+        return self.generate(
+            ids if batch else ids[0], sampling_params, speculative=speculative, use_tqdm=use_tqdm
+        )
 
     def stream(
         self,
@@ -709,6 +812,11 @@ class LLM:
         Raises:
             ValueError: as :meth:`generate`, and for ``n > 1`` or ``best_of``.
         """
+        if _is_batch(prompt):
+            raise ValueError(
+                "stream takes one prompt (a string, chat messages, token ids or a prompt "
+                "dict), not a list of prompts: stream each one, or generate(list) a batch"
+            )
         params = self.resolve_params(sampling_params or SamplingParams())
         if params.n > 1 or params.best_of is not None:
             raise ValueError("stream returns one output: use generate for n > 1 or best_of")
@@ -808,6 +916,32 @@ def _best_of(candidates: list[GenerationOutput], params: SamplingParams) -> list
     return chosen
 
 
+def _speculative_config(value) -> SpeculativeConfig:
+    """``speculative=`` as a :class:`SpeculativeConfig`: one, or a dict of its fields
+    (as vLLM's ``speculative_config={...}``).
+
+    Raises:
+        ValueError: another type, or a dict naming fields it does not have (the message
+            names them and lists the fields).
+    """
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, dict):
+        names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(
+                f"speculative: unknown field(s) {', '.join(map(repr, unknown))}; "
+                f"SpeculativeConfig takes {', '.join(sorted(names))} (vLLM's "
+                "prompt_lookup_max/min are ngram's options: method='ngram:max_n=4,min_n=2')"
+            )
+        return SpeculativeConfig(**value)
+    raise ValueError(
+        f"speculative must be a SpeculativeConfig (or a dict of its fields), got "
+        f"{type(value).__name__}"
+    )
+
+
 def _per_prompt(value, num_prompts: int, what: str) -> list:
     """``value`` for every prompt: a list of ``num_prompts`` values, or one value repeated."""
     if not isinstance(value, list):
@@ -818,12 +952,57 @@ def _per_prompt(value, num_prompts: int, what: str) -> list:
 
 
 def _is_batch(prompt) -> bool:
-    """A list of prompts (strings, token-id lists or message lists), not one prompt."""
+    """A list of prompts (strings, token-id lists, message lists or vLLM prompt dicts),
+    not one prompt."""
     return (
         isinstance(prompt, list)
         and bool(prompt)
-        and all(isinstance(p, (str, list, tuple)) for p in prompt)
+        and all(isinstance(p, (str, list, tuple)) or _is_prompt_dict(p) for p in prompt)
     )
+
+
+#: the keys of vLLM's prompt dicts that specdec reads (``TextPrompt``, ``TokensPrompt``)
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _is_prompt_dict(value) -> bool:
+    """vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` (a chat message has a
+    ``role`` instead)."""
+    return isinstance(value, dict) and "role" not in value and any(k in value for k in _PROMPT_KEYS)
+
+
+def _vllm_prompt(prompt: dict) -> str | list[int]:
+    """vLLM's prompt dict as specdec's prompt: the text or the token ids.
+
+    Raises:
+        ValueError: a chat message given alone, other keys (multi-modal data, ...), or
+            both keys.
+    """
+    if "role" in prompt:
+        raise ValueError("a chat message must come in a list: [{'role': 'user', 'content': ...}]")
+    other = sorted(set(prompt) - set(_PROMPT_KEYS))
+    if other:
+        raise ValueError(
+            f"prompt dict keys {', '.join(map(repr, other))} are not supported: specdec reads "
+            "vLLM's {'prompt': text} and {'prompt_token_ids': [ids]}"
+        )
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict has 'prompt' (text) or 'prompt_token_ids' (ids), not both")
+    value = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    if "prompt" in prompt and not isinstance(value, str):
+        raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
+    if "prompt_token_ids" in prompt and not (
+        isinstance(value, (list, tuple)) and all(isinstance(t, int) for t in value)
+    ):
+        raise ValueError("'prompt_token_ids' must be a list of token ids")
+    return value if isinstance(value, str) else list(value)
+
+
+def _prompt_text(prompt) -> str | None:
+    """The prompt's text as given (a string or a ``{"prompt": text}`` dict), else ``None``."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def _output(tokenizer: Tokenizer, seq) -> GenerationOutput:

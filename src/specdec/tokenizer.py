@@ -9,7 +9,8 @@ draft model share one vocabulary unless the draft translates through text
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from specdec.unicode import check_text
 
@@ -64,6 +65,7 @@ class Tokenizer:
         chat: bool | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Tokenize a prompt; with ``chat`` (default: when a template exists) use the chat
         template with the generation prompt appended.
@@ -76,6 +78,9 @@ class Tokenizer:
             continue_final_message: messages: leave the last message (an assistant's, to
                 be continued) open, without its end-of-turn; needs
                 ``add_generation_prompt=False`` (transformers' ``apply_chat_template``).
+            chat_template_kwargs: extra variables for the chat template (vLLM's and
+                transformers' name, e.g. ``{"enable_thinking": False}`` for Qwen3); only
+                where the template applies.
 
         Returns:
             prompt token ids (list of int).
@@ -84,9 +89,11 @@ class Tokenizer:
             ValueError: messages given but the tokenizer has no chat template, text that
                 is not valid Unicode (a lone surrogate; see :mod:`specdec.unicode`), or
                 ``continue_final_message`` with ``add_generation_prompt`` or after a last
-                message that is not the assistant's.
+                message that is not the assistant's; ``chat_template_kwargs`` that is not a
+                mapping of names, or that names one of the arguments above.
         """
         _check_prompt_text(prompt)
+        extra = _template_kwargs(chat_template_kwargs)
         if continue_final_message:
             if add_generation_prompt:
                 raise ValueError(
@@ -113,12 +120,36 @@ class Tokenizer:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **extra,
         )
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Detokenize, dropping special tokens (EOS, end-of-turn)."""
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
+
+
+#: ``apply_chat_template`` arguments that ``chat_template_kwargs`` may not set (specdec
+#: sets them, or they are not template variables)
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+     "return_tensors", "return_dict", "chat_template"}
+)  # fmt: skip
+
+
+def _template_kwargs(values: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` checked: a mapping of string names, none reserved."""
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping) or not all(isinstance(k, str) for k in values):
+        raise ValueError(f"chat_template_kwargs must map variable names to values, got {values!r}")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(values))
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs cannot set {', '.join(reserved)} (give "
+            "add_generation_prompt / continue_final_message as their own arguments)"
+        )
+    return dict(values)
 
 
 def model_eos_token_ids(model) -> set[int]:

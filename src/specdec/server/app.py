@@ -142,12 +142,13 @@ def _add_generation_routes(app: FastAPI, llm: LLM, engine: AsyncEngine, name: st
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        continuing = body.continue_final_message
+        flags = (body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
         try:
-            prompts = [llm.encode(messages, None, body.add_generation_prompt, continuing)]
+            prompts = [llm.encode(messages, None, *flags)]
         except ValueError as error:
-            param = "continue_final_message" if "continue_final_message" in str(error) else None
-            raise BadRequest(str(error), param or "messages") from None
+            fields = ("chat_template_kwargs", "continue_final_message")
+            param = next((f for f in fields if f in str(error)), "messages")
+            raise BadRequest(str(error), param) from None
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         return await _serve(llm, engine, name, body, prompts, request, chat=True)

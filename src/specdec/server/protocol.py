@@ -40,7 +40,7 @@ is. Errors name the offending field in OpenAI's ``param`` (``"temperature"``,
 from __future__ import annotations
 
 import json
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -418,6 +418,13 @@ class _Common(BaseModel):
                 )
         return value
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        """OpenAI's and vLLM's rule: ``stream_options`` only with ``stream: true``."""
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options needs stream: true", "stream_options")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _screen_request(cls, data):
@@ -526,6 +533,8 @@ class ChatCompletionRequest(_Common):
     #: ``continue_final_message`` and this false) continue the last, assistant's, message
     add_generation_prompt: bool = Field(True, strict=True)
     continue_final_message: bool = Field(False, strict=True)
+    #: vLLM's: extra variables for the chat template (e.g. ``{"enable_thinking": false}``)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @classmethod
     def _screen_more(cls, data: dict) -> dict:

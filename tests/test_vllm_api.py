@@ -1,0 +1,121 @@
+"""The library read as vLLM's ``LLM``: prompt dicts, ``RequestOutput``-shaped results
+(``.outputs[i].text``, ``n`` choices), ``get_tokenizer``, ``chat``'s template arguments,
+``use_tqdm``, and the calls that refuse what they cannot do with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_server_llm
+from specdec import LLM, Choices, GenerationOutput, SamplingParams, SpeculativeConfig
+
+PROMPT = "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"
+GREEDY = SamplingParams(max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_server_llm()
+
+
+def test_vllm_prompt_dicts_are_the_text_or_the_ids(llm):
+    """``{"prompt": text}`` decodes as the text, ``{"prompt_token_ids": ids}`` as the ids,
+    alone and in a batch."""
+    ids = llm.encode(PROMPT)
+    text_out = llm.generate(PROMPT, GREEDY)
+    assert llm.generate({"prompt": PROMPT}, GREEDY).token_ids == text_out.token_ids
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY).token_ids == text_out.token_ids
+    batch = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids[:5]}], GREEDY)
+    assert [o.token_ids for o in batch] == [
+        text_out.token_ids,
+        llm.generate(ids[:5], GREEDY).token_ids,
+    ]
+    assert batch[0].prompt == PROMPT and batch[1].prompt is None
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"prompt": PROMPT, "prompt_token_ids": [1]}, "not both"),
+        ({"prompt": PROMPT, "multi_modal_data": {}}, "'multi_modal_data' are not supported"),
+        ({"role": "user", "content": PROMPT}, "must come in a list"),
+        ({"prompt": 5}, "'prompt' must be a string"),
+        ({"prompt_token_ids": "w1"}, "must be a list of token ids"),
+        ({"prompt": " "}, "prompt is empty"),
+    ],
+)
+def test_bad_prompt_dicts_are_refused(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, GREEDY)
+
+
+def test_results_read_as_vllm_request_outputs(llm):
+    """One output is its own only choice; ``n`` choices come as :class:`Choices`, which
+    is the list specdec always returned and vLLM's ``RequestOutput`` at once."""
+    out = llm.generate(PROMPT, GREEDY)
+    assert isinstance(out, GenerationOutput)
+    assert out.outputs == [out] and out.outputs[0].index == 0 and out.finished
+    assert out.prompt == PROMPT
+    assert llm.generate(llm.encode(PROMPT), GREEDY).prompt is None
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=3)
+    results = llm.generate([PROMPT, "w3 w4"], sampled)
+    for prompt, choices in zip([PROMPT, "w3 w4"], results, strict=True):
+        assert isinstance(choices, Choices) and len(choices) == 3
+        assert choices.outputs == list(choices) and choices.finished
+        assert [c.index for c in choices.outputs] == [0, 1, 2]
+        assert choices.prompt == prompt and choices.prompt_token_ids == llm.encode(prompt)
+    alone = llm.generate("w3 w4", sampled)
+    assert [c.token_ids for c in alone] == [c.token_ids for c in results[1]]
+
+
+def test_get_tokenizer_is_the_hugging_face_tokenizer(llm):
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.tokenizer.hf
+    assert tokenizer(PROMPT)["input_ids"] == llm.encode(PROMPT, chat=False)
+
+
+def test_chat_takes_vllms_template_arguments(llm):
+    """``chat(..., continue_final_message=, add_generation_prompt=, chat_template_kwargs=)``
+    is ``generate`` on what ``encode`` makes of the conversation with them."""
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]
+    for flags in (
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+    ):
+        ids = llm.encode(messages, True, **flags)
+        expected = llm.generate(ids, GREEDY).token_ids
+        assert llm.chat(messages, GREEDY, **flags).token_ids == expected
+        assert [o.token_ids for o in llm.chat([messages, messages], GREEDY, **flags)] == [
+            expected,
+            expected,
+        ]
+    with pytest.raises(ValueError, match="add_generation_prompt=false"):
+        llm.chat(messages, GREEDY, continue_final_message=True)
+
+
+def test_use_tqdm_shows_progress_and_changes_nothing(llm, capsys):
+    prompts = [PROMPT, "w3 w4 w5"]
+    quiet = llm.generate(prompts, GREEDY)
+    assert "requests" not in capsys.readouterr().err
+    shown = llm.generate(prompts, GREEDY, use_tqdm=True)
+    assert "requests" in capsys.readouterr().err
+    assert [o.token_ids for o in shown] == [o.token_ids for o in quiet]
+
+
+def test_stream_refuses_a_batch_by_name(llm):
+    with pytest.raises(ValueError, match="stream takes one prompt"):
+        llm.stream([PROMPT, PROMPT], GREEDY)
+    chunks = list(llm.stream({"prompt": PROMPT}, GREEDY))
+    assert chunks[-1].output.token_ids == llm.generate(PROMPT, GREEDY).token_ids
+
+
+def test_speculative_settings_as_a_dict(llm):
+    """``speculative={...}`` (vLLM's ``speculative_config`` shape) is a
+    :class:`SpeculativeConfig` of those fields; anything else is refused by name."""
+    as_dict = LLM(llm.target, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    assert as_dict.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert as_dict.generate(PROMPT, GREEDY).token_ids == llm.generate(PROMPT, GREEDY).token_ids
+    with pytest.raises(ValueError, match="unknown field.*'prompt_lookup_max'.*ngram:max_n"):
+        LLM(llm.target, speculative={"method": "ngram", "prompt_lookup_max": 4})
+    with pytest.raises(ValueError, match="must be a SpeculativeConfig.*got str"):
+        LLM(llm.target, speculative="ngram")
