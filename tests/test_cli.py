@@ -311,12 +311,16 @@ def test_seed_makes_sampling_reproducible(capsys, model_dir):
     assert any(ids != first for ids in others)
 
 
-def test_prompt_from_stdin(capsys, model_dir, monkeypatch):
+@pytest.mark.parametrize("line_end", ["", "\n", "\r\n"])
+def test_prompt_from_stdin(capsys, model_dir, monkeypatch, line_end):
+    """``echo PROMPT | specdec generate -`` asks what ``specdec generate PROMPT`` asks: one
+    final line end (echo's, an editor's) is not part of the prompt."""
     reference = run_json(capsys, model_dir)
-    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT + line_end))
     record = run_json(capsys, model_dir, prompt="-")
     assert record["token_ids"] == reference["token_ids"]
     assert record["text"] == reference["text"]
+    assert record["prompt_tokens"] == reference["prompt_tokens"]
 
 
 def test_stdin_prompt_differs_from_literal_dash(capsys, model_dir, monkeypatch):

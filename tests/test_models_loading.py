@@ -381,16 +381,27 @@ def test_dtype_auto_picks_bfloat16_only_where_the_probe_finds_it_faster(monkeypa
         loading.resolve_dtype("auto", "gpu:x")
 
 
-def test_a_probe_on_a_busy_machine_is_not_kept(monkeypatch, tmp_path):
+def test_a_probe_on_a_busy_machine_is_not_trusted(monkeypatch, tmp_path, caplog):
+    """A busy probe's verdict is neither kept nor used: the process takes this CPU's
+    verdict at another thread count when one is saved, else bfloat16 (the hardware rule),
+    so the same command does not switch dtype with the machine's load."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(loading, "cpu_has_bf16_matmul", lambda: True)
     monkeypatch.setattr(loading, "MIN_PROBE_SHARE", 2.0)  # no probe can reach it
     monkeypatch.setattr(loading, "_UNSAVED", {})
     calls = []
-    monkeypatch.setattr(loading, "_decoding_probe_ms", lambda: calls.append(1) or (10.0, 5.0))
-    assert loading.resolve_dtype("auto", "cpu") == "bfloat16"
+    monkeypatch.setattr(loading, "_decoding_probe_ms", lambda: calls.append(1) or (10.0, 9.9))
+    with caplog.at_level("WARNING", logger="specdec.models.loading"):
+        assert loading.resolve_dtype("auto", "cpu") == "bfloat16"  # the probe said float32
+    assert "not trusted" in caplog.text and "--dtype pins it" in caplog.text
     assert not (tmp_path / "dtype_auto.json").exists()
     assert loading.resolve_dtype("auto", "cpu") == "bfloat16" and len(calls) == 1  # per process
+    from specdec.runtime.linear import cpu_identity
+
+    other = f"{cpu_identity()}|torch {torch.__version__}|99 threads"
+    (tmp_path / "dtype_auto.json").write_text(json.dumps({other: {"dtype": "float32"}}))
+    monkeypatch.setattr(loading, "_UNSAVED", {})
+    assert loading.resolve_dtype("auto", "cpu") == "float32" and len(calls) == 2
 
 
 def test_the_decoding_probe_measures_both_dtypes():

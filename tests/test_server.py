@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import re
 import time
 
@@ -16,6 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import specdec
 from conftest import (
     free_port,
     make_model,
@@ -583,6 +585,64 @@ def test_chat_template_kwargs_and_stream_options_follow_vllm(server, client, llm
         assert error["param"] == param and message in error["message"]
     body = {"model": NAME, "prompt": PROMPT, "stream_options": {"include_usage": True}}
     assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
+
+
+def test_vllms_model_version_and_tokenizer_routes(server, llm):
+    """``GET /v1/models/{id}``, ``/version``, ``POST /tokenize`` (what a completions or a
+    chat request feeds the model) and ``/detokenize``, with their refusals."""
+    url, _, _ = server
+    card = httpx.get(f"{url}/v1/models/{NAME}").json()
+    assert card["id"] == NAME and card["created"] > 1_700_000_000
+    assert card == httpx.get(f"{url}/v1/models").json()["data"][0]
+    missing = httpx.get(f"{url}/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(f"{url}/version").json()["version"] == specdec.__version__
+    out = httpx.post(f"{url}/tokenize", json={"model": NAME, "prompt": PROMPT}).json()
+    assert out["tokens"] == llm.encode(PROMPT, chat=False) and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == llm.target.max_context
+    messages = [{"role": "user", "content": "w1 w2"}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == llm.encode(messages)
+    back = httpx.post(f"{url}/detokenize", json={"tokens": out["tokens"]}).json()
+    assert back["prompt"] == llm.tokenizer.hf.decode(out["tokens"])
+    for route, body, param in (
+        ("tokenize", {"prompt": PROMPT, "messages": messages}, "prompt"),
+        ("tokenize", {}, "prompt"),
+        ("tokenize", {"prompt": ""}, "prompt"),
+        ("tokenize", {"prompt": PROMPT, "model": "other"}, "model"),
+        ("detokenize", {"tokens": [10**6]}, "tokens"),
+        ("detokenize", {"tokens": [-1]}, "tokens[0]"),
+    ):
+        response = httpx.post(f"{url}/{route}", json=body)
+        assert response.status_code in (400, 404), response.text
+        assert response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_names_the_stop_that_ended_a_choice(server, llm, stream):
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice,
+    ``None`` for the length limit."""
+    url, _, _ = server
+    ids = _plain(llm, PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
+    word = llm.tokenizer.decode(ids[3:4]).strip()
+    cases = (
+        ({"stop": ["w_none", word]}, "stop", word),
+        ({"stop_token_ids": [ids[3]]}, "stop", ids[3]),
+        ({}, "length", None),
+    )
+    for extra, finish, reason in cases:
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "stream": stream, **extra}  # fmt: skip
+        response = httpx.post(f"{url}/v1/completions", json=body)
+        if stream:
+            chunks = [
+                json.loads(line[6:]) for line in response.text.splitlines()
+                if line.startswith("data: {")
+            ]  # fmt: skip
+            choice = chunks[-1]["choices"][0]
+        else:
+            choice = response.json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == (finish, reason), extra
 
 
 def test_speculation_metrics_carry_a_hybrids_draft_sources_only_when_it_has_them():

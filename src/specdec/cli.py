@@ -392,7 +392,9 @@ def _interrupted(run: _Run, args: argparse.Namespace, meta: dict) -> int:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    """The prompt: argv text, standard input (``-``, read as UTF-8 bytes) or the demo's.
+    """The prompt: argv text, standard input (``-``, read as UTF-8 bytes, without one final
+    line end, so ``echo TEXT | specdec generate -`` is ``specdec generate TEXT``) or the
+    demo's.
 
     Raises:
         ValueError: none or two given, or text (the prompt, a stop string) that is not
@@ -413,6 +415,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
             if raw is None
             else decode_utf8(raw.read(), "standard input")
         )
+        if text.endswith("\n"):  # the line end `echo` and editors add, as $(cat FILE) drops it
+            text = text[:-2] if text.endswith("\r\n") else text[:-1]
     else:
         text = check_text(args.prompt, "the prompt", from_argv=True)
     if not text.strip():

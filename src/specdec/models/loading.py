@@ -94,7 +94,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
       version, threads) in ``$SPECDEC_CACHE/dtype_auto.json`` (delete it to measure
       again), unless other
       processes kept the cores busy during the probe (its threads ran less than
-      :data:`MIN_PROBE_SHARE` of the time): then it holds for this process only.
+      :data:`MIN_PROBE_SHARE` of the time): then the probe is not trusted, and this
+      process uses the verdict saved for this CPU at another thread count, else
+      ``bfloat16`` (the hardware rule), measuring again next time.
     * other devices: ``float32``.
 
     Raises:
@@ -127,11 +129,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     chosen = "bfloat16" if bf16_ms < (1 - BF16_GAIN) * fp32_ms else "float32"
     logger.info("dtype auto: %s (probe: float32 %.2f ms, bfloat16 %.2f ms, CPU share %.0f%%)",
                 chosen, fp32_ms, bf16_ms, 100 * share)  # fmt: skip
-    if share < MIN_PROBE_SHARE:  # other processes took the cores: do not keep the verdict
+    if share < MIN_PROBE_SHARE:  # other processes took the cores: the probe is not trusted
+        machine = key.rsplit("|", 1)[0] + "|"
+        saved = [v["dtype"] for k, v in table.items() if k.startswith(machine)]
+        chosen = saved[0] if saved else "bfloat16"
         logger.warning(
-            "dtype auto chose %s while other processes kept this machine busy (the probe "
-            "ran %.0f%% of the time); it is measured again next time",
-            chosen, 100 * share,
+            "dtype auto: other processes kept this machine busy during the probe (its "
+            "threads ran %.0f%% of the time), so its verdict is not trusted; using %s (%s) "
+            "for this process, measured again next time (--dtype pins it)",
+            100 * share, chosen,
+            "this machine's verdict at another thread count" if saved
+            else "the CPU has bfloat16 matrix instructions",
         )  # fmt: skip
         _UNSAVED[key] = chosen
         return chosen

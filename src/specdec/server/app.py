@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import time
@@ -30,8 +31,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec import registry
+from specdec import __version__, registry
 from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
+from specdec.engine.stops import WHOLE_TEXT
 from specdec.llm import LLM
 from specdec.sampling import TokenLogprob
 from specdec.server.async_engine import AsyncEngine, Overloaded, Unavailable, Update
@@ -40,8 +42,10 @@ from specdec.server.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelNotFound,
     SpeculativeOptions,
+    TokenizeRequest,
     describe_errors,
     error_body,
 )
@@ -99,20 +103,54 @@ def create_app(
             raise Unavailable("the server is shutting down")
         return {"status": "ok"}
 
+    created = int(time.time())
+
+    def card() -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "specdec",
+            "max_model_len": llm.target.max_context,
+        }
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "specdec",
-                    "max_model_len": llm.target.max_context,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(model_id, name)
+        return card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's route: the prompt's token ids, as a completions or chat request would
+        feed them to the model."""
+        if body.model is not None:
+            _check_model(body.model, name)
+        if body.prompt is not None:
+            prompts = _completion_prompts(llm, body.prompt)
+            ids = prompts[0]
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in body.messages]
+            ids = _chat_prompt(llm, messages, body)
+        return {"count": len(ids), "max_model_len": llm.target.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's route: token ids back to text."""
+        if body.model is not None:
+            _check_model(body.model, name)
+        vocab = llm.target.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise BadRequest(f"token ids outside the vocabulary ({vocab}): {bad[:5]}", "tokens")
+        return {"prompt": llm.tokenizer.hf.decode(body.tokens)}
 
     @app.get("/metrics")
     async def metrics():
@@ -142,13 +180,7 @@ def _add_generation_routes(app: FastAPI, llm: LLM, engine: AsyncEngine, name: st
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        flags = (body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
-        try:
-            prompts = [llm.encode(messages, None, *flags)]
-        except ValueError as error:
-            fields = ("chat_template_kwargs", "continue_final_message")
-            param = next((f for f in fields if f in str(error)), "messages")
-            raise BadRequest(str(error), param) from None
+        prompts = [_chat_prompt(llm, messages, body)]
         if body.max_tokens is None and body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         return await _serve(llm, engine, name, body, prompts, request, chat=True)
@@ -286,12 +318,17 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
         llm.engine_config.enable_prefix_caching,
     )  # fmt: skip
     meta = dict(id=response_id, created=int(time.time()), model=name)
+    reason = functools.partial(_stop_reason, llm.tokenizer, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs)
+        events = _events(
+            engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs, reason
+        )
         return StreamingResponse(events, media_type="text/event-stream")
     pick = (body.n, best_of)
-    return await _complete(engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick)
+    return await _complete(
+        engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick, reason
+    )
 
 
 def _prediction(llm: LLM, body, speculative: SpeculativeConfig):
@@ -351,7 +388,9 @@ class Usage:
         return usage
 
 
-async def _complete(engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick):
+async def _complete(
+    engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick, reason
+):
     """Wait for every candidate (aborting all if the client goes away); answer the ``n``
     of each prompt's ``best_of`` with the highest mean log-probability per token
     (``pick = (n, best_of)``; all of them when equal)."""
@@ -389,6 +428,7 @@ async def _complete(engine, ids, queues, streams, meta, chat, usage, request, lo
             "index": out,
             "logprobs": logprobs.format(index, entries),
             "finish_reason": update.finish_reason,
+            "stop_reason": reason(stream, update),
         }
         if chat:
             choice["message"] = {"role": "assistant", "content": stream.text}
@@ -491,7 +531,7 @@ async def _collect(
             return update
 
 
-async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs):
+async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs, reason):
     """Server-sent events: one chunk per step and choice, then usage, then ``[DONE]``.
     A choice's token log-probabilities ride on its next chunk (text held back for a stop
     string holds its tokens' entries back with it)."""
@@ -535,6 +575,8 @@ async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage
                 delta = {"content": text} if chat else text
                 choice = _chunk(index, delta, update.finish_reason, chat)
                 choice["logprobs"] = logprobs.format(index, pending[index])
+                if update.finish_reason is not None:
+                    choice["stop_reason"] = reason(streams[index], update)
                 if first and echo.top is not None and not chat:
                     choice["prompt_logprobs"] = echo.vllm_format(index)
                 pending[index] = []
@@ -691,6 +733,21 @@ def _is_ids(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) for t in value) and bool(value)
 
 
+def _stop_reason(tokenizer, body, stream: TextStream, update: Update) -> str | int | None:
+    """vLLM's ``stop_reason`` of a finished choice: the stop string (the first of the
+    request's that begins where the text ends) or the request's stop token id that ended
+    it; ``None`` for EOS / end-of-turn, ``length`` or a completed grammar."""
+    if update.finish_reason != "stop" or update.text_end == WHOLE_TEXT:
+        return None
+    if update.text_end is None:  # a stop token, the last id
+        last = stream.ids[-1] if stream.ids else None
+        wanted = set(body.stop_token_ids or ())
+        return last if last in wanted and last not in tokenizer.eos_token_ids else None
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+    rest = tokenizer.decode(stream.ids)[update.text_end :]
+    return next((s for s in stops if rest.startswith(s)), None)
+
+
 def _chunk(index: int, delta, finish_reason, chat: bool) -> dict:
     choice = {"index": index, "logprobs": None, "finish_reason": finish_reason}
     choice["delta" if chat else "text"] = delta
@@ -708,6 +765,18 @@ def _check_model(requested: str, served: str) -> None:
     if requested != served:
         message = f"the model {requested!r} does not exist; this server has {served!r}"
         raise ModelNotFound(message, "model")
+
+
+def _chat_prompt(llm: LLM, messages: list[dict], body) -> list[int]:
+    """A chat's messages as token ids, with the request's template fields; a 400 naming
+    the field at fault."""
+    flags = (body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+    try:
+        return llm.encode(messages, None, *flags)
+    except ValueError as error:
+        fields = ("chat_template_kwargs", "continue_final_message")
+        param = next((f for f in fields if f in str(error)), "messages")
+        raise BadRequest(str(error), param) from None
 
 
 def _completion_prompts(llm: LLM, prompt) -> list[list[int]]:

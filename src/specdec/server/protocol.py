@@ -546,6 +546,48 @@ class ChatCompletionRequest(_Common):
         return data
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: ``prompt`` (raw text, as completions read it) or
+    ``messages`` (through the chat template, as chat reads them, with chat's template
+    fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = Field(True, strict=True)
+    continue_final_message: bool = Field(False, strict=True)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data):
+        if isinstance(data, dict):
+            check_unicode(data)
+            messages = data.get("messages")
+            if isinstance(messages, list):
+                data = {**data, "messages": [
+                    _screen_message(m, f"messages[{i}]") for i, m in enumerate(messages)
+                ]}  # fmt: skip
+        return data
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise BadRequest("give prompt (text) or messages (a chat), one of them", "prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text (special tokens included)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, strict=True)]]
+
+
 # ---------------------------------------------------------------- screening
 
 
