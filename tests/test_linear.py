@@ -4,6 +4,9 @@ rows as unpadded ones."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,6 +92,53 @@ def test_kernel_table_is_measured_once_and_cached(tmp_path, monkeypatch):
     linear.kernel_choices(products, refresh=True)
     assert len(calls) == 2
     assert len(first["p"].fast_rows) == len(BUCKETS)
+
+
+def test_a_calibration_on_a_busy_machine_is_not_kept(tmp_path, monkeypatch, caplog):
+    """Timings taken while other processes kept the cores busy choose kernels from their
+    time slices: used by this process only (measured once), never written to disk, and
+    measured again by the next process; on an idle machine the table keeps them."""
+    from specdec import machine
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(linear, "_PROCESS_ONLY", {})
+    calls = []
+    monkeypatch.setattr(linear, "calibrate", lambda products: calls.append(1) or {})
+    busy = {"cores": 1.5}
+
+    def exit_(self, *exc):
+        self.cores_busy = busy["cores"]
+
+    monkeypatch.setattr(machine.OthersLoad, "__exit__", exit_)
+    products = {"p": [torch.randn(16, 8)]}
+    with caplog.at_level("WARNING", logger="specdec.runtime.linear"):
+        linear.kernel_choices(products)
+    assert "1.5 cores busy" in caplog.text and "measured again next time" in caplog.text
+    linear.kernel_choices(products)
+    assert len(calls) == 1 and not (tmp_path / "kernels.json").exists()
+    monkeypatch.setattr(linear, "_PROCESS_ONLY", {})  # the next process
+    busy["cores"] = 0.1
+    linear.kernel_choices(products)
+    assert len(calls) == 2 and (tmp_path / "kernels.json").exists()
+    monkeypatch.setattr(linear, "_PROCESS_ONLY", {})
+    linear.kernel_choices(products)
+    assert len(calls) == 2  # read back from disk
+
+
+def test_others_load_counts_other_processes_busy_time(monkeypatch):
+    """``/proc/stat``'s busy time minus this process's CPU time, over the wall time; a
+    block too short to judge says nothing."""
+    from specdec import machine
+
+    with machine.OthersLoad() as quick:
+        pass
+    assert quick.cores_busy is None
+    monkeypatch.setattr(machine.OthersLoad, "MIN_JUDGED_S", 0.0)
+    ticks = iter([(1000, 5000), (1000 + 3 * os.sysconf("SC_CLK_TCK"), 9000)])
+    monkeypatch.setattr(machine, "_cpu_ticks", lambda: next(ticks))
+    with machine.OthersLoad() as load:
+        time.sleep(0.05)
+    assert load.cores_busy > 10  # 3 s of other processes' work within about 0.05 s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -52,6 +52,38 @@ def busy_cores() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
+class OthersLoad:
+    """Measures, as a context manager, how many cores other processes kept busy while its
+    block ran: the busy time of every CPU (``/proc/stat``, VM steal included) minus this
+    process's own CPU time, over the wall time.
+
+    Attributes:
+        cores_busy: that average, in cores, after the block; ``None`` where ``/proc/stat``
+            is absent or the block ran under :data:`MIN_JUDGED_S` (too short for the
+            kernel's 10 ms ticks to say).
+    """
+
+    #: blocks shorter than this (seconds) are not judged
+    MIN_JUDGED_S = 0.5
+
+    def __enter__(self) -> OthersLoad:
+        self.cores_busy: float | None = None
+        self._ticks = _cpu_ticks()
+        self._own = time.process_time()
+        self._wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self._wall
+        ticks = _cpu_ticks()
+        if self._ticks is None or ticks is None or wall < self.MIN_JUDGED_S:
+            return
+        per_second = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        busy = (ticks[0] - self._ticks[0]) / per_second
+        own = time.process_time() - self._own
+        self.cores_busy = max(0.0, busy - own) / wall
+
+
 def threads_for(usual: int, cores: int, load: float) -> int:
     """PyTorch's usual thread count, lowered to the cores that other processes leave free:
     ``cores`` minus the busy ones (:func:`busy_cores`, rounded), at least 1.

@@ -31,6 +31,18 @@ What this module implements:
   implemented). Token trees are drafted by specdec's tree builders over the same cache
   with tree attention (:class:`LayerSkipTreeSession`), not by SWIFT's confidence-based
   candidate expansion.
+* **The lookup level** (``lookup=N``, also on ``quantized`` and ``sparse-kv``): a free
+  second level under the draft, as the statistical bottom level of Cascade Speculative
+  Drafting (Chen et al. 2024, arXiv:2312.11462) or the second level of ML-SpecQD
+  (Georganas et al. 2025). Each draft forward runs the pending token followed by up to
+  ``N`` tokens prompt lookup expects after it (:func:`~specdec.drafters.ngram.
+  find_ngram_continuation` over the sequence and the draft so far); row i's draft token
+  is picked exactly as a forward of that row alone would pick it (argmax, or a draw from
+  the sequence's generator in the same order), and row i + 1 counts only while the guess
+  holds row i's token; the cache is rolled back to the rows used. In exact mode every row
+  of a forward has the bits it has alone (and the KV window is per row), so the chain,
+  its distributions and its confidences are those drafted without the level, in fewer
+  forwards (tested bit for bit). Chains only; tree sessions forward as before.
 * **The skipped set.** Whole decoder layers (the papers may skip attention and MLP
   sub-layers separately; the native runtime skips layers). Either fixed (``skip=``), or
   chosen on the fly by :class:`SkipSetSearch`: start from ``skip_ratio * num_layers``

@@ -5,7 +5,9 @@ Sources:
 * ML-SpecQD (Georganas et al. 2025, arXiv:2503.13565): a BF16 target's weights cast to a
   4-bit format (MXFP4, weight-only) make a plug-and-play draft with no training and no
   second model to find; measured on CPUs, up to 2x over BF16 decoding (2.72x with a
-  second, smaller draft drafting for the quantized one, not implemented here).
+  second, smaller draft drafting for the quantized one: here that level is prompt lookup,
+  ``lookup=``, see :mod:`specdec.drafters.layer_skip`; a second draft *model* is not
+  implemented).
 * QSpec (Zhao et al. 2025, arXiv:2410.11305): a model already quantized weight-only (W4A16)
   drafts with its activations quantized too (W4A4) and verifies at W4A16, sharing the
   weights and the KV cache between the two phases.

@@ -47,11 +47,13 @@ class BatchItem:
             same chunk comes, alone or in a batch) instead of the batch-invariant tiles
             that decoding and verification rows need; a chunk recomputing earlier *output*
             (after preemption) must say ``False`` to get its first bits again.
-        kv_window: native backend only: ``(sinks, recent)``: attend to only the first
-            ``sinks`` and the last ``recent`` slots of the context (the cached slots
-            before these rows, or before a tree's first slot), besides these rows as the
-            mask says: StreamingLLM's attention sinks + recent window (Xiao et al. 2024,
-            arXiv:2309.17453), for sparse-KV self-drafting. ``None`` = the whole context.
+        kv_window: native backend only: ``(sinks, recent)``: each row attends to only the
+            first ``sinks`` slots and the last ``recent`` before it along its path (the
+            context, then its ancestors among these rows as the mask says), and itself:
+            StreamingLLM's attention sinks + rolling window (Xiao et al. 2024,
+            arXiv:2309.17453), for sparse-KV self-drafting. A row sees the same slots
+            whether it is forwarded alone or at depth d of a chain or tree. ``None`` = the
+            whole context.
     """
 
     token_ids: Sequence[int] | torch.Tensor

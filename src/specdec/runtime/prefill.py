@@ -403,13 +403,9 @@ def prefill_plan(
         from specdec.runtime.quant import keep_dense_budget
 
         key += "|dense-kept" if keep_dense_budget() > 0 else "|dense-expanded"
-    path = linear.kernel_table_path()
-    table = linear._read_table(path)
-    entries = table.setdefault(key, {})
-    if model_key not in entries:
+
+    def timed() -> dict:
         logger.info("timing prompt chunks in %s and float32 (%s)", dtype, model_key)
-        entries[model_key] = vars(
-            measure(products, heads, dtype, quantized=quantized, kernel=kernel)
-        )
-        linear._write_table(path, table)
-    return PrefillPlan(**entries[model_key])
+        return vars(measure(products, heads, dtype, quantized=quantized, kernel=kernel))
+
+    return PrefillPlan(**linear.measured_entry(key, model_key, timed, "prompt chunk timing"))

@@ -467,10 +467,8 @@ def quant_kernel_choices(
         f"{name}={m[0].kind}:{'x'.join(map(str, m[0].shape))}*{len(m)}"
         for name, m in quantized.items()
     )
-    path = linear.kernel_table_path()
-    table = linear._read_table(path)
-    entries = table.setdefault(key, {})
-    if model_key not in entries:
+
+    def measure() -> dict:
         logger.info("timing the quantized product kernels (%s)", model_key)
         gen = torch.Generator().manual_seed(0)
         chosen = {}
@@ -493,9 +491,10 @@ def quant_kernel_choices(
             ok = [kn for kn in times if check_row_invariance(matrices[0].kind, k, dtype, kernel=kn)]
             chosen[name] = {"kernel": choose_quant_kernel({kn: times[kn] for kn in ok} or times),
                             "times_ms": times}  # fmt: skip
-        entries[model_key] = chosen
-        linear._write_table(path, table)
-    return {name: entry["kernel"] for name, entry in entries[model_key].items()}
+        return chosen
+
+    entries = linear.measured_entry(key, model_key, measure, "quantized kernel timing")
+    return {name: entry["kernel"] for name, entry in entries.items()}
 
 
 def available_memory() -> int | None:
