@@ -119,3 +119,10 @@ def test_speculative_settings_as_a_dict(llm):
         LLM(llm.target, speculative={"method": "ngram", "prompt_lookup_max": 4})
     with pytest.raises(ValueError, match="must be a SpeculativeConfig.*got str"):
         LLM(llm.target, speculative="ngram")
+    plain = {"method": "none"}  # per call too: generate, a batch, stream
+    expected = llm.generate(PROMPT, GREEDY, speculative=SpeculativeConfig(method="none"))
+    assert llm.generate(PROMPT, GREEDY, speculative=plain).metrics.num_draft_tokens == 0
+    batch = llm.generate([PROMPT, PROMPT], GREEDY, speculative=[plain, None])
+    assert [o.token_ids for o in batch] == [expected.token_ids] * 2
+    chunks = list(llm.stream(PROMPT, GREEDY, speculative=plain))
+    assert chunks[-1].output.token_ids == expected.token_ids

@@ -575,6 +575,8 @@ class LLM:
                 whose length is not the number of prompts, an empty prediction, or a
                 prediction with speculation off (method ``none``).
         """
+        if isinstance(speculative, dict):
+            speculative = _speculative_config(speculative)
         if _is_batch(prompt):
             return self._generate_batch(
                 prompt, sampling_params, speculative, chat, prediction, use_tqdm
@@ -659,7 +661,7 @@ class LLM:
         all_params = _per_prompt(sampling_params, len(prompts), "sampling parameters")
         all_params = [self.resolve_params(p or SamplingParams()) for p in all_params]
         configs = _per_prompt(speculative, len(prompts), "speculative settings")
-        configs = [c or self.speculative for c in configs]
+        configs = [self.speculative if c is None else _speculative_config(c) for c in configs]
         if prediction is not None and not isinstance(prediction, list):
             raise ValueError("for a batch, prediction is a list with one per prompt")
         predictions = _per_prompt(prediction, len(prompts), "predictions")
@@ -820,6 +822,8 @@ class LLM:
         params = self.resolve_params(sampling_params or SamplingParams())
         if params.n > 1 or params.best_of is not None:
             raise ValueError("stream returns one output: use generate for n > 1 or best_of")
+        if isinstance(speculative, dict):
+            speculative = _speculative_config(speculative)
         drafter = self.prediction_drafter(prediction, speculative or self.speculative)
         prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
         check_prompt_fits(self.target, prompt_ids)

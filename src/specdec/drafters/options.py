@@ -365,14 +365,9 @@ class SparseKVOptions:
         kernel: the quantized draft's product kernel, as the ``quantized`` drafter's
             ``kernel`` (``auto`` = ``q8``); only with a ``quantization`` other than
             ``none``.
-        lookup: a second, free level under the draft (Cascade Speculative Drafting's
-            statistical bottom level, Chen et al. 2024, arXiv:2312.11462; ML-SpecQD's
-            second level, Georganas et al. 2025): each draft forward also takes up to this
-            many tokens that prompt lookup (the ``ngram`` drafter) expects next, and every
-            guess the draft agrees with saves a draft forward. The draft tokens stay
-            exactly what the draft proposes without it (each row of a forward is what a
-            forward of that row alone gives in exact mode); only their cost changes.
-            ``0`` (default) disables; chains only.
+        lookup: prompt lookup's guesses per draft forward, a free second level that
+            makes the same drafts in fewer forwards (as :class:`LayerSkipOptions`'
+            ``lookup``); ``0`` (default) disables.
     """
 
     sinks: int = option(16, "first cached tokens the draft attends to (attention sinks, >= 0)")
@@ -441,14 +436,9 @@ class QuantizedOptions:
             none), for a cheaper draft at a lower acceptance.
         confidence: end a chain draft before a token whose draft top-1 probability is
             below this, in [0, 1); ``0`` (default) disables.
-        lookup: a second, free level under the draft (Cascade Speculative Drafting's
-            statistical bottom level, Chen et al. 2024, arXiv:2312.11462; ML-SpecQD's
-            second level, Georganas et al. 2025): each draft forward also takes up to this
-            many tokens that prompt lookup (the ``ngram`` drafter) expects next, and every
-            guess the draft agrees with saves a draft forward. The draft tokens stay
-            exactly what the draft proposes without it (each row of a forward is what a
-            forward of that row alone gives in exact mode); only their cost changes.
-            ``0`` (default) disables; chains only.
+        lookup: prompt lookup's guesses per draft forward, a free second level that
+            makes the same drafts in fewer forwards (as :class:`LayerSkipOptions`'
+            ``lookup``); ``0`` (default) disables.
     """
 
     quantization: str = option(
