@@ -603,6 +603,10 @@ def test_vllms_model_version_and_tokenizer_routes(server, llm):
     messages = [{"role": "user", "content": "w1 w2"}]
     chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
     assert chat["tokens"] == llm.encode(messages)
+    bare = {"prompt": PROMPT, "add_special_tokens": False, "return_token_strs": True}
+    plain = httpx.post(f"{url}/tokenize", json=bare).json()
+    assert plain["tokens"] == llm.tokenizer.hf(PROMPT, add_special_tokens=False)["input_ids"]
+    assert plain["token_strs"] == llm.tokenizer.hf.convert_ids_to_tokens(plain["tokens"])
     back = httpx.post(f"{url}/detokenize", json={"tokens": out["tokens"]}).json()
     assert back["prompt"] == llm.tokenizer.hf.decode(out["tokens"])
     for route, body, param in (

@@ -19,15 +19,18 @@ def llm():
 
 
 def test_vllm_prompt_dicts_are_the_text_or_the_ids(llm):
-    """``{"prompt": text}`` decodes as the text, ``{"prompt_token_ids": ids}`` as the ids,
-    alone and in a batch."""
-    ids = llm.encode(PROMPT)
-    text_out = llm.generate(PROMPT, GREEDY)
-    assert llm.generate({"prompt": PROMPT}, GREEDY).token_ids == text_out.token_ids
-    assert llm.generate({"prompt_token_ids": ids}, GREEDY).token_ids == text_out.token_ids
+    """``{"prompt": text}`` is raw text, as vLLM reads it (the chat template only with
+    ``chat=True``), ``{"prompt_token_ids": ids}`` the ids, alone and in a batch."""
+    ids = llm.encode(PROMPT, chat=False)
+    raw = llm.generate(PROMPT, GREEDY, chat=False)
+    assert llm.generate({"prompt": PROMPT}, GREEDY).token_ids == raw.token_ids
+    assert llm.generate({"prompt": PROMPT}, GREEDY).prompt_token_ids == ids
+    templated = llm.generate({"prompt": PROMPT}, GREEDY, chat=True)
+    assert templated.prompt_token_ids == llm.generate(PROMPT, GREEDY).prompt_token_ids
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY).token_ids == raw.token_ids
     batch = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": ids[:5]}], GREEDY)
     assert [o.token_ids for o in batch] == [
-        text_out.token_ids,
+        raw.token_ids,
         llm.generate(ids[:5], GREEDY).token_ids,
     ]
     assert batch[0].prompt == PROMPT and batch[1].prompt is None
@@ -42,6 +45,8 @@ def test_vllm_prompt_dicts_are_the_text_or_the_ids(llm):
         ({"prompt": 5}, "'prompt' must be a string"),
         ({"prompt_token_ids": "w1"}, "must be a list of token ids"),
         ({"prompt": " "}, "prompt is empty"),
+        ({}, "it has neither"),
+        ([{"prompt": PROMPT}, {}], "it has neither"),  # a batch, not a chat
     ],
 )
 def test_bad_prompt_dicts_are_refused(llm, prompt, message):
@@ -106,7 +111,7 @@ def test_stream_refuses_a_batch_by_name(llm):
     with pytest.raises(ValueError, match="stream takes one prompt"):
         llm.stream([PROMPT, PROMPT], GREEDY)
     chunks = list(llm.stream({"prompt": PROMPT}, GREEDY))
-    assert chunks[-1].output.token_ids == llm.generate(PROMPT, GREEDY).token_ids
+    assert chunks[-1].output.token_ids == llm.generate({"prompt": PROMPT}, GREEDY).token_ids
 
 
 def test_speculative_settings_as_a_dict(llm):
@@ -126,3 +131,17 @@ def test_speculative_settings_as_a_dict(llm):
     assert [o.token_ids for o in batch] == [expected.token_ids] * 2
     chunks = list(llm.stream(PROMPT, GREEDY, speculative=plain))
     assert chunks[-1].output.token_ids == expected.token_ids
+
+
+def test_stop_reason_names_the_stop_like_vllm(llm):
+    """``stop_reason``: the stop string or requested stop token id that ended the output,
+    ``None`` for the length limit; the same alone, in a batch and streamed."""
+    ids = llm.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True)).token_ids
+    word = llm.tokenizer.decode(ids[3:4]).strip()
+    for extra, reason in (({"stop": ["w_none", word]}, word), ({"stop_token_ids": [ids[3]]},
+                          ids[3]), ({}, None)):  # fmt: skip
+        params = SamplingParams(max_tokens=8, ignore_eos=True, **extra)
+        alone = llm.generate(PROMPT, params)
+        assert alone.stop_reason == reason and alone.outputs[0].stop_reason == reason
+        assert [o.stop_reason for o in llm.generate([PROMPT, PROMPT], params)] == [reason] * 2
+        assert list(llm.stream(PROMPT, params))[-1].output.stop_reason == reason

@@ -26,7 +26,7 @@ from specdec.engine.engine import (
 )
 from specdec.engine.generate import generate_steps
 from specdec.engine.prefix_cache import PrefixCache
-from specdec.engine.stops import StopChecker
+from specdec.engine.stops import StopChecker, stop_reason
 from specdec.machine import warn_once_if_busy
 from specdec.metrics import SpecStats
 from specdec.models.base import Backend
@@ -82,6 +82,9 @@ class GenerationOutput:
             ``{"prompt": text}``), else ``None`` (token ids, chat messages), as vLLM's
             ``RequestOutput.prompt``.
         index: the choice's rank among its prompt's ``n`` outputs (0 without ``n``).
+        stop_reason: vLLM's: the stop string or requested stop token id that ended the
+            output; ``None`` for EOS / end-of-turn, the length limit or a completed
+            grammar (:func:`~specdec.engine.stops.stop_reason`).
 
     vLLM's shape reads too: ``out.outputs[0].text`` (:attr:`outputs` is ``[out]``: one
     output is its own only choice), ``out.finished``.
@@ -98,6 +101,7 @@ class GenerationOutput:
     rejected_prediction_tokens: int | None = None
     prompt: str | None = field(default=None, repr=False)
     index: int = 0
+    stop_reason: str | int | None = None
 
     @property
     def outputs(self) -> list[GenerationOutput]:
@@ -483,7 +487,8 @@ class LLM:
 
         A prompt is a string, a list of chat messages, a list of token ids, or vLLM's
         prompt dicts ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (read as the
-        text or the ids). ``add_generation_prompt``, ``continue_final_message`` and
+        text, raw as vLLM reads it unless ``chat=True``, or the ids).
+        ``add_generation_prompt``, ``continue_final_message`` and
         ``chat_template_kwargs`` apply where the chat template does (see
         :meth:`specdec.tokenizer.Tokenizer.encode`; vLLM's chat arguments).
 
@@ -494,6 +499,8 @@ class LLM:
                 assistant's, or bad ``chat_template_kwargs``.
         """
         if isinstance(prompt, dict):
+            if "prompt" in prompt and chat is None:  # vLLM's text prompt: raw text
+                chat = False
             prompt = _vllm_prompt(prompt)
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(
@@ -608,6 +615,7 @@ class LLM:
         output = GenerationOutput(text, ids, prompt_ids, step.finish_reason, step.stats, logprobs)
         output.prompt_logprobs = prompt_logprobs
         output.prompt = _prompt_text(prompt)
+        output.stop_reason = _stop_reason(self.tokenizer, ids, step, params)
         return output._with_prediction(drafter)
 
     def resolve_params(self, params: SamplingParams) -> SamplingParams:
@@ -937,7 +945,8 @@ def _speculative_config(value) -> SpeculativeConfig:
             raise ValueError(
                 f"speculative: unknown field(s) {', '.join(map(repr, unknown))}; "
                 f"SpeculativeConfig takes {', '.join(sorted(names))} (vLLM's "
-                "prompt_lookup_max/min are ngram's options: method='ngram:max_n=4,min_n=2')"
+                "prompt_lookup_max/min are ngram's options: method='ngram:max_n=4,min_n=2'; "
+                "its draft 'model' is draft_model, with method='draft-model')"
             )
         return SpeculativeConfig(**value)
     raise ValueError(
@@ -970,9 +979,9 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def _is_prompt_dict(value) -> bool:
-    """vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` (a chat message has a
-    ``role`` instead)."""
-    return isinstance(value, dict) and "role" not in value and any(k in value for k in _PROMPT_KEYS)
+    """A dict that is not a chat message (no ``role``): vLLM's ``{"prompt": ...}`` /
+    ``{"prompt_token_ids": ...}``, or a malformed one that :func:`_vllm_prompt` names."""
+    return isinstance(value, dict) and "role" not in value
 
 
 def _vllm_prompt(prompt: dict) -> str | list[int]:
@@ -991,7 +1000,10 @@ def _vllm_prompt(prompt: dict) -> str | list[int]:
             "vLLM's {'prompt': text} and {'prompt_token_ids': [ids]}"
         )
     if len(prompt) != 1:
-        raise ValueError("a prompt dict has 'prompt' (text) or 'prompt_token_ids' (ids), not both")
+        raise ValueError(
+            "a prompt dict has 'prompt' (text) or 'prompt_token_ids' (ids): "
+            + ("not both" if prompt else "it has neither")
+        )
     value = prompt.get("prompt", prompt.get("prompt_token_ids"))
     if "prompt" in prompt and not isinstance(value, str):
         raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
@@ -1023,7 +1035,16 @@ def _output(tokenizer: Tokenizer, seq) -> GenerationOutput:
     output = GenerationOutput(text, ids, seq.prompt_ids, seq.finish_reason, seq.stats, logprobs)
     if seq.params.prompt_logprobs is not None:
         output.prompt_logprobs = list(seq.prompt_logprobs)
+    output.stop_reason = _stop_reason(tokenizer, ids, seq, seq.params)
     return output
+
+
+def _stop_reason(tokenizer: Tokenizer, ids: list[int], ended, params: SamplingParams):
+    """vLLM's ``stop_reason`` of an output whose last step (or sequence) is ``ended``."""
+    return stop_reason(
+        ids, ended.finish_reason, ended.text_end, params.stop, params.stop_token_ids,
+        tokenizer.eos_token_ids, tokenizer.decode,
+    )  # fmt: skip
 
 
 def _stream_text(tokenizer: Tokenizer, prompt_ids: list[int], steps, params: SamplingParams):
@@ -1045,4 +1066,5 @@ def _stream_text(tokenizer: Tokenizer, prompt_ids: list[int], steps, params: Sam
                 stream.text, stream.ids, prompt_ids, step.finish_reason, step.stats, logprobs
             )
             output.prompt_logprobs = prompt_logprobs
+            output.stop_reason = _stop_reason(tokenizer, stream.ids, step, params)
         yield GenerationChunk(delta, list(step.new_token_ids), output, step.stats, step.logprobs)

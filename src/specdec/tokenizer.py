@@ -145,10 +145,13 @@ def _template_kwargs(values: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"chat_template_kwargs must map variable names to values, got {values!r}")
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(values))
     if reserved:
-        raise ValueError(
-            f"chat_template_kwargs cannot set {', '.join(reserved)} (give "
-            "add_generation_prompt / continue_final_message as their own arguments)"
+        own = {"add_generation_prompt", "continue_final_message"}.intersection(reserved)
+        why = (
+            f"give {' / '.join(sorted(own))} as its own argument"
+            if own
+            else "the messages and the template's call are specdec's"
         )
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)} ({why})")
     return dict(values)
 
 

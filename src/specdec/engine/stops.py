@@ -79,3 +79,33 @@ class StopChecker:
             if any(s in self.decode(output_ids[:n]) for s in self.stop_strings):
                 return StopMatch(n, text_end)
         return StopMatch(limit, text_end)
+
+
+def stop_reason(
+    ids: list[int],
+    finish_reason: str | None,
+    text_end: int | None,
+    stop_strings: Iterable[str],
+    stop_token_ids: Iterable[int],
+    eos_token_ids: Iterable[int],
+    decode: Callable[[list[int]], str],
+) -> str | int | None:
+    """vLLM's ``stop_reason`` of a finished output: the stop string that ended it (the
+    first of ``stop_strings`` that begins where its text ends), or the requested stop
+    token id it ends with; ``None`` for EOS / end-of-turn, the length limit or a completed
+    grammar.
+
+    Args:
+        ids: the output's token ids; finish_reason, text_end: as the engine reported them.
+        stop_strings, stop_token_ids: the request's.
+        eos_token_ids: the ids that end generation by themselves (not a stop reason).
+        decode: detokenizer, the one the stop checker used.
+    """
+    if finish_reason != "stop" or text_end == WHOLE_TEXT:
+        return None
+    if text_end is None:  # a stop token, the last id
+        last = ids[-1] if ids else None
+        wanted = set(stop_token_ids)
+        return last if last in wanted and last not in set(eos_token_ids) else None
+    rest = decode(list(ids))[text_end:]
+    return next((s for s in stop_strings if rest.startswith(s)), None)

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec import __version__, registry
 from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
-from specdec.engine.stops import WHOLE_TEXT
+from specdec.engine.stops import stop_reason
 from specdec.llm import LLM
 from specdec.sampling import TokenLogprob
 from specdec.server.async_engine import AsyncEngine, Overloaded, Unavailable, Update
@@ -134,12 +134,16 @@ def create_app(
         if body.model is not None:
             _check_model(body.model, name)
         if body.prompt is not None:
-            prompts = _completion_prompts(llm, body.prompt)
-            ids = prompts[0]
+            ids = _completion_prompts(llm, body.prompt)[0]
+            if not body.add_special_tokens:
+                ids = list(llm.tokenizer.hf(body.prompt, add_special_tokens=False)["input_ids"])
         else:
             messages = [{"role": m.role, "content": m.content} for m in body.messages]
             ids = _chat_prompt(llm, messages, body)
-        return {"count": len(ids), "max_model_len": llm.target.max_context, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": llm.target.max_context, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = llm.tokenizer.hf.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -734,18 +738,13 @@ def _is_ids(value) -> bool:
 
 
 def _stop_reason(tokenizer, body, stream: TextStream, update: Update) -> str | int | None:
-    """vLLM's ``stop_reason`` of a finished choice: the stop string (the first of the
-    request's that begins where the text ends) or the request's stop token id that ended
-    it; ``None`` for EOS / end-of-turn, ``length`` or a completed grammar."""
-    if update.finish_reason != "stop" or update.text_end == WHOLE_TEXT:
-        return None
-    if update.text_end is None:  # a stop token, the last id
-        last = stream.ids[-1] if stream.ids else None
-        wanted = set(body.stop_token_ids or ())
-        return last if last in wanted and last not in tokenizer.eos_token_ids else None
+    """vLLM's ``stop_reason`` of a finished choice (:func:`~specdec.engine.stops.stop_reason`
+    with the request's stops)."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
-    rest = tokenizer.decode(stream.ids)[update.text_end :]
-    return next((s for s in stops if rest.startswith(s)), None)
+    return stop_reason(
+        stream.ids, update.finish_reason, update.text_end, stops, body.stop_token_ids or (),
+        tokenizer.eos_token_ids, tokenizer.decode,
+    )  # fmt: skip
 
 
 def _chunk(index: int, delta, finish_reason, chat: bool) -> dict:

@@ -556,6 +556,10 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    #: vLLM's: a ``prompt``'s special tokens (BOS) added, as completions add them
+    add_special_tokens: bool = Field(True, strict=True)
+    #: vLLM's: also the tokens' strings (``token_strs``)
+    return_token_strs: bool = Field(False, strict=True)
     add_generation_prompt: bool = Field(True, strict=True)
     continue_final_message: bool = Field(False, strict=True)
     chat_template_kwargs: dict[str, Any] | None = None
