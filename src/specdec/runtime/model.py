@@ -652,19 +652,18 @@ def _visibility(tree_mask, start: int, t: int, device, window=None) -> list[Visi
             )
         base = start + t - s  # slots before the tree part: all visible (context)
         tree_rows = [base + torch.nonzero(mask[row]).flatten() for row in range(t)]
-    context = torch.arange(base)
     out: list[Visibility] = []
     for row in range(t):
         own = torch.arange(start, start + row + 1) if tree_rows is None else tree_rows[row]
         n = own.numel()
         if window is not None and base + n > sum(window) + 1:
             sinks, recent = window
-            path = torch.cat([context, own])
+            path = torch.cat([torch.arange(base), own])
             out.append(torch.cat([path[:sinks], path[-(recent + 1) :]]).to(device))
         elif torch.equal(own, torch.arange(base, base + n)):
             out.append(base + n)  # a plain prefix of the slots (the causal case)
         else:
-            out.append(torch.cat([context, own]).to(device))
+            out.append(torch.cat([torch.arange(base), own]).to(device))
     return out
 
 
