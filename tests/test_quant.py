@@ -631,8 +631,9 @@ def test_q8_runs_only_when_asked_for(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("kernel", "dtype"),
     [("fma", "float32"), ("q8", "float32"),
-     *[pytest.param(k.values[0], "bfloat16", marks=k.marks) for k in TILE_KERNELS[1:]],
+     *[pytest.param(k.values[0], "bfloat16", marks=k.marks) for k in TILE_KERNELS],
      pytest.param("dense", "bfloat16", marks=TILE_KERNELS[1].marks),
+     pytest.param("dense-amx", "bfloat16", marks=TILE_KERNELS[0].marks),
      pytest.param("dense", "float32", marks=pytest.mark.skipif(
          not _f32_tiles(), reason="the float32 tile product needs AVX-512"))],
 )  # fmt: skip
@@ -645,7 +646,8 @@ def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
     caches, in both modes, for a ragged batch of a decoding row, a chain of 3 and a token
     tree of 7 rows, over all layers and over a subset (layer skipping); a prompt chunk in
     the batch keeps the Python path. ``dense``: the model unquantized, every product on
-    specdec's tile formulation for its dtype (``dpbf16``, ``f32_tiles``)."""
+    specdec's tile formulation for its dtype (``dpbf16``, ``f32_tiles``; ``dense-amx``:
+    ``amx``)."""
     from specdec.models.base import BatchItem
     from specdec.models.native import NativeModel
     from specdec.runtime import model as runtime_model
@@ -653,6 +655,8 @@ def test_fused_decode_layers_give_the_bits_of_the_layers_run_from_python(
     from specdec.trees import ROOT, TokenTree
 
     formulation = "dpbf16" if dtype == "bfloat16" else "f32_tiles"
+    if kernel == "dense-amx":
+        kernel, formulation = "dense", "amx"
     if kernel == "dense":
         dense = KernelChoice([formulation] * len(BUCKETS), formulation, ANY_ROWS, 1)
         monkeypatch.setattr(

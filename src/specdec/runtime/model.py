@@ -48,7 +48,8 @@ KERNEL_ROWS = 64
 
 #: Run a layer of decoding / verification rows as one call into the extension
 #: (:func:`~specdec.runtime.kernels.decode_layer`) where its products are quantized
-#: (``fma``, ``q8`` or ``dpbf16`` kernel, no bias, no query/key norms), and all the layers of such a
+#: (``fma``, ``q8``, ``dpbf16`` or ``amx`` kernel, no bias, no query/key norms) or dense on
+#: specdec's tile formulations (:data:`_DENSE_KERNELS`), and all the layers of such a
 #: forward in one call (:func:`~specdec.runtime.kernels.decode_layers`) where every layer
 #: qualifies and no hidden state is captured: the same functions in the same order as
 #: :meth:`NativeDecoder._fused_layer`, so the same bits (tested), without about a dozen
@@ -58,7 +59,10 @@ FUSED_DECODE_LAYER = True
 
 #: Dense formulations the fused decoding layers run: name -> (kernel code, tile kind) of
 #: ``decode_layer`` (see :mod:`specdec.runtime.linear`).
-_DENSE_KERNELS = {"dpbf16": (2, 2), "f32_tiles": (3, 0)}
+_DENSE_KERNELS = {"dpbf16": (2, 2), "f32_tiles": (3, 0), "amx": (4, 2)}
+
+#: Kernel codes of ``decode_layer`` for quantized products (``csrc/attention.cpp``).
+_QUANT_KERNELS = {"fma": 0, "q8": 1, "dpbf16": 2, "amx": 4}
 
 
 class NativeDecoder:
@@ -350,25 +354,24 @@ class NativeDecoder:
     def _decode_spec(self, index: int, exact: bool):
         """``(blocks, codes, kernels, rows)`` of layer ``index``'s four products for
         :func:`decode_layer` in ``exact`` or fast mode (``kernels``: 0 ``fma``, 1 ``q8``, 2
-        ``dpbf16``, 3 ``f32_tiles``; ``rows``: the most rows one call of each computes the
-        way that mode computes them), or ``None`` where a product runs elsewhere: a dense
-        product on another formulation than :data:`_DENSE_KERNELS` (in fast mode, for
-        every row-count bucket up to ``rows``) or padded to two rows, a quantized one on
-        ``amx``, tiles with N not a multiple of 16, a bias, or a layer with query/key
-        norms."""
+        ``dpbf16``, 3 ``f32_tiles``, 4 ``amx``; ``rows``: the most rows one call of each
+        computes the way that mode computes them), or ``None`` where a product runs
+        elsewhere: a dense product on another formulation than :data:`_DENSE_KERNELS` (in
+        fast mode, for every row-count bucket up to ``rows``) or padded to two rows, tiles
+        with N not a multiple of 16, a bias, or a layer with query/key norms."""
         layer = self.layers[index]
         parts = [layer[name] for name in ("qkv", "o", "gate_up", "down")]
         if self.weights.layers[index].q_norm is not None or any(p.bias is not None for p in parts):
             return None
-        codes = {"fma": 0, "q8": 1, "dpbf16": 2}
         blocks, kinds, kernels, rows = [], [], [], []
         for p in parts:
             if isinstance(p, QuantLinear):
-                if p.kernel not in codes or (p.kernel == "dpbf16" and p.matrix.shape[0] % 16):
+                tiled = p.kernel in ("dpbf16", "amx")
+                if p.kernel not in _QUANT_KERNELS or (tiled and p.matrix.shape[0] % 16):
                     return None
                 blocks.append(p.layout[0])
                 kinds.append(int(p.layout[1]))
-                kernels.append(codes[p.kernel])
+                kernels.append(_QUANT_KERNELS[p.kernel])
                 rows.append(p.tile)
                 continue
             name = p.choice.exact if exact else p.choice.fast[0]
@@ -389,7 +392,7 @@ class NativeDecoder:
                 if not run:
                     return None
                 rows.append(run)
-            blocks.append(tiles.tiles)
+            blocks.append(tiles.packed if name == "amx" else tiles.tiles)
             kinds.append(_DENSE_KERNELS[name][1])
             kernels.append(_DENSE_KERNELS[name][0])
         return blocks, kinds, kernels, min(rows)

@@ -951,12 +951,18 @@ void prompt_attention(torch::Tensor q, torch::Tensor kv, int64_t layer, int64_t 
                       double scale, torch::Tensor out);
 
 // Per product of decode_layer, its kernel: quant_gemm, q8_gemm, dpbf16_quant_gemm (GGUF
-// tiles, or dense bfloat16 tiles: code 2) or f32_tile_gemm (dense float32 tiles).
-enum LayerKernel : int64_t { kLayerFma = 0, kLayerQ8 = 1, kLayerDpbf16 = 2, kLayerTilesF32 = 3 };
+// tiles, or dense bfloat16 tiles: code 2), f32_tile_gemm (dense float32 tiles) or the AMX
+// products (amx_quant_gemm on GGUF tiles, codes 0 and 1; amx_gemm on dense bfloat16
+// weights packed by amx_pack: code 2, as for dpbf16).
+enum LayerKernel : int64_t {
+  kLayerFma = 0, kLayerQ8 = 1, kLayerDpbf16 = 2, kLayerTilesF32 = 3, kLayerAmx = 4
+};
+constexpr int64_t kDenseCode = 2;  // the code of a dense bfloat16 matrix (dpbf16, amx)
 
 // One decoder layer of decoding / verification rows whose four products run on specdec's
-// own kernels (fma, q8 or dpbf16 on GGUF blocks, dpbf16 or f32 tiles on dense weights:
-// `kernels`, LayerKernel; tiles hold whole tiles of 16 outputs), after the attention norm: the calls _fused_layer makes in Python
+// own kernels (fma, q8, dpbf16 or amx on GGUF blocks, dpbf16, amx or f32 tiles on dense
+// weights: `kernels`, LayerKernel; tiles hold whole tiles of 16 outputs), after the
+// attention norm: the calls _fused_layer makes in Python
 // (specdec.runtime.model), in the same order on the same functions, so the same bits,
 // without a dozen Python calls and allocations per layer. Returns {x + attention output,
 // MLP output} (the sum left to the next layer's add_rms_norm).
@@ -970,9 +976,16 @@ std::vector<torch::Tensor> decode_layer(
               "four products: qkv, o, gate_up, down");
   TORCH_CHECK(!kv.empty(), "no KV caches");
   auto product = [&](const torch::Tensor& in, int i) {
-    const bool tiles = kernels[i] == kLayerDpbf16 || kernels[i] == kLayerTilesF32;
+    const bool tiles = kernels[i] == kLayerDpbf16 || kernels[i] == kLayerTilesF32 ||
+                       kernels[i] == kLayerAmx;
     auto y = at::empty({in.size(0), blocks[i].size(0) * (tiles ? 16 : 1)}, in.options());
-    if (kernels[i] == kLayerDpbf16) {
+    if (kernels[i] == kLayerAmx) {
+      if (codes[i] == kDenseCode) {
+        amx_gemm(in, blocks[i], y);
+      } else {
+        amx_quant_gemm(in, blocks[i], codes[i], y);
+      }
+    } else if (kernels[i] == kLayerDpbf16) {
       dpbf16_quant_gemm(in, blocks[i], codes[i], y);
     } else if (kernels[i] == kLayerTilesF32) {
       f32_tile_gemm(in, blocks[i], y);
