@@ -489,6 +489,10 @@ def test_compare_says_what_a_short_run_or_a_differing_output_means(capsys):
     assert "identical to baseline    yes" in out and "`--backend native`" not in out
     assert "speculation off          1 of 4 steps" in out
     assert "speedup after the prompt" not in out  # no prefill in these runs
+    # sampled runs can differ in length: both counts, the baseline's named
+    _print_metrics(_fake_output([1, 2, 3], 0.1), _fake_output([1, 2], 0.1),
+                   SamplingParams(temperature=0.8), None, meta)  # fmt: skip
+    assert "(only 3 and 2 (baseline) tokens: timing noise)" in capsys.readouterr().out
 
 
 def test_compare_on_a_long_prompt_says_the_speedup_after_the_prompt(capsys):

@@ -347,6 +347,21 @@ def test_thread_choice(monkeypatch, capsys, load, env, flag, threads, reason):
     assert ("busy" in err) == (reason == "busy")
 
 
+def test_more_threads_than_cores_is_said(monkeypatch, capsys):
+    """A new user's trial: --threads 64 on 2 cores ran 8x slower without a word."""
+    import argparse
+
+    import torch
+
+    monkeypatch.setattr(cli_common, "machine_cores", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    cli_common.choose_threads(argparse.Namespace(threads=64))
+    err = capsys.readouterr().err
+    assert "--threads 64 is more than this machine's 2 cores" in err
+    cli_common.choose_threads(argparse.Namespace(threads=2))
+    assert capsys.readouterr().err == ""
+
+
 def test_threads_below_one_are_refused(capsys, tiny_model_dir, no_loading):
     code, _, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--threads", "0")
     assert_one_line_error(code, err, "--threads must be >= 1")
@@ -555,6 +570,48 @@ def test_ctrl_c_while_python_imports_the_cli(monkeypatch, capsys):
     check = "import sys, specdec; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("swallowed", [True, False])
+def test_ctrl_c_that_a_library_swallows_or_mangles_during_the_imports(
+    monkeypatch, capsys, swallowed
+):
+    """Ctrl-C while the CLI's libraries import can land in code that does not let
+    ``KeyboardInterrupt`` through (a destructor's "Exception ignored", an ImportError of
+    a partially initialized module; both seen in a new user's trial): the entry point
+    still stops with ``specdec: interrupted`` and status 130, and runs nothing."""
+    import os
+    import signal
+    import time
+    import types
+
+    import specdec.entry as entry
+
+    ran = []
+
+    class Cli(types.ModuleType):
+        def __getattr__(self, name):
+            try:  # a library's code that catches the interrupt
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+            except KeyboardInterrupt:
+                pass
+            if not swallowed:
+                raise ImportError("cannot import name 'x' from partially initialized module")
+            return lambda: ran.append(True) or 0
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setitem(sys.modules, "specdec.cli", Cli("specdec.cli"))
+    assert entry.main() == 130
+    assert capsys.readouterr().err.strip() == "specdec: interrupted" and not ran
+    assert signal.getsignal(signal.SIGINT) is before  # the watch put Python's handler back
+    with entry.InterruptWatch() as watch:  # and without a Ctrl-C, nothing is seen
+        pass
+    assert not watch.seen
+    monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_IGN)
+    monkeypatch.setattr(signal, "signal", lambda *a: pytest.fail("an ignored SIGINT changed"))
+    with entry.InterruptWatch() as watch:  # ignored by the parent (a script's & job): kept
+        pass
 
 
 def test_folder_without_weights_is_refused_before_loading(capsys, tmp_path, no_loading):

@@ -573,6 +573,14 @@ def test_asking_more_tokens_than_medusa_has_heads_says_so(target, heads, caplog)
     with caplog.at_level(logging.WARNING, logger="specdec.llm"):
         LLM(target, speculative=spec)
     assert "drafts at most" not in caplog.text
+    caplog.clear()  # the default k (5) was not asked for: said at INFO, not as a warning
+    spec = SpeculativeConfig(method=f"medusa:head={heads['target', 'medusa']}")
+    with caplog.at_level(logging.INFO, logger="specdec.llm"):
+        LLM(target, speculative=spec)
+    assert [r.levelno for r in caplog.records if "drafts at most" in r.getMessage()] == [
+        logging.INFO
+    ]
+    assert "not the 5 of the default" in caplog.text
     for depth, warned in ((5, True), (3, False)):
         caplog.clear()
         spec = SpeculativeConfig(

@@ -5,6 +5,7 @@ speculative identity, rollback / compaction, and clear refusals."""
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -383,6 +384,12 @@ def test_backend_choice(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert load(str(tmp_path / "gpt2"), backend="auto").backend == "hf"
     assert "runs on transformers (backend auto)" in caplog.text
+    # dtype auto on that fallback is float32, as for backend hf, whatever the native choice
+    with mock.patch("specdec.models.loading.resolve_dtype", return_value="bfloat16"):
+        fell_back = load(str(tmp_path / "gpt2"), dtype="auto", backend="auto")
+        assert fell_back.backend == "hf" and fell_back.dtype == torch.float32
+        assert load(str(tmp_path / "qwen3"), dtype="auto", backend="auto").dtype == torch.bfloat16
+    assert load(str(tmp_path / "gpt2"), dtype="bfloat16", backend="auto").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unknown backend"):
         load(str(tmp_path / "gpt2"), backend="tpu")
     with pytest.raises(ValueError, match="needs the transformers backend"):

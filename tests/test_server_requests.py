@@ -342,6 +342,8 @@ def test_unknown_fields_are_refused_by_name(server, route, change, param):
          "unknown drafter 'magic'"),
         ("completions", {"speculative": {"method": "hybrid:model=ngram"}}, "speculative.method",
          "drafter options cannot be set per request"),
+        ("completions", {"speculative": {"method": "magic:k=3"}}, "speculative.method",
+         "unknown drafter 'magic:k=3'; choose one of"),
         ("completions", {"speculative": {"num_speculative_tokens": 0}},
          "speculative.num_speculative_tokens", "greater than or equal to 1"),
         ("completions", {"speculative": "fast"}, "speculative", "speculative: "),
@@ -608,3 +610,19 @@ def test_an_empty_body_says_so(server):
     )
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "the request body is empty; send a JSON object"
+
+
+def test_unknown_drafter_hint_only_when_options_were_sent():
+    """A new user's trial: the per-request options hint follows an unknown name only
+    when the name carried options."""
+    from pydantic import ValidationError
+
+    from specdec.server.protocol import SpeculativeOptions
+
+    for method, hinted in (("bogus", False), ("bogus:k=3", True)):
+        with pytest.raises(ValidationError) as info:
+            SpeculativeOptions(method=method)
+        assert ("cannot be set per request" in str(info.value)) == hinted
+    with pytest.raises(ValidationError) as info:
+        SpeculativeOptions(controller="bogus")
+    assert "per request" not in str(info.value)

@@ -26,6 +26,7 @@ from specdec.cli_common import (
     warn_if_busy,
 )
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.entry import InterruptWatch, interrupted
 from specdec.llm import LLM, GenerationOutput
 from specdec.metrics import SpecStats
 from specdec.models.loading import DEFAULT_MODEL
@@ -55,7 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 refused, 130 interrupted)."""
     _printable_output()
     _plugin_warnings_as_lines()
-    parser = _build_parser()
+    with InterruptWatch() as watch:  # the subcommands' parsers import their libraries
+        try:
+            parser = _build_parser()
+        except KeyboardInterrupt:
+            return interrupted()
+        except Exception:
+            if watch.seen:  # Ctrl-C that a library turned into another error
+                return interrupted()
+            raise
+    if watch.seen:  # Ctrl-C that a library swallowed
+        return interrupted()
     args = None
     try:
         args = parser.parse_args(argv)
@@ -554,7 +565,12 @@ def _print_metrics(
     print(f"autoregressive baseline  {b.elapsed_s:.2f} s ({b.tokens_per_s:.1f} tokens/s)")
     note = ""
     if min(m.num_output_tokens, b.num_output_tokens) < NOISY_TOKENS:
-        note = f" (only {min(m.num_output_tokens, b.num_output_tokens)} tokens: timing noise)"
+        counts = (
+            f"{m.num_output_tokens} tokens"
+            if m.num_output_tokens == b.num_output_tokens
+            else f"{m.num_output_tokens} and {b.num_output_tokens} (baseline) tokens"
+        )
+        note = f" (only {counts}: timing noise)"
     print(f"speedup                  {_speedup(output, baseline):.2f}x{note}")
     share = max(x.prefill_s / x.elapsed_s if x.elapsed_s > 0 else 0.0 for x in (m, b))
     if share >= PREFILL_SHARE:

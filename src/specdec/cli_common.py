@@ -530,6 +530,12 @@ def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice
             raise ValueError(f"--threads must be >= 1, got {requested}")
         torch.set_num_threads(requested)
         reason = "--threads"
+        if cores and requested > cores:
+            print(
+                f"specdec: warning: --threads {requested} is more than this machine's {cores} "
+                f"cores: the threads wait for each other (slower); --threads {cores} or fewer",
+                file=sys.stderr,
+            )
     elif os.environ.get("OMP_NUM_THREADS"):
         reason = "OMP_NUM_THREADS"
     else:

@@ -428,6 +428,10 @@ class SamplingParams:
         return self.needs_history or bool(self.logit_bias)
 
 
+#: ``SpeculativeConfig.num_speculative_tokens`` when not given (the draft length k).
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Which drafter proposes tokens, with which options, and how many per step.
@@ -481,7 +485,7 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     options: object = None
     draft_model: str | None = None
     tree: TreeSpec | str | None = None

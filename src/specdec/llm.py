@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from specdec import registry
-from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
+from specdec.config import (
+    CUSTOM,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    SamplingParams,
+    SpeculativeConfig,
+)
 from specdec.control.base import SpeculationController
 from specdec.control.cost import CostModel
 from specdec.drafters.base import Drafter, check_drafter
@@ -427,10 +432,15 @@ class LLM:
             else "its max_draft_tokens"
         )  # fmt: skip
         if config.tree is None and most is not None and config.num_speculative_tokens > most:
-            logger.warning(
-                "%s drafts at most %d tokens a step (%s), not the %d asked "
+            # the default k was not asked for: say it quietly (a new user's trial found
+            # every default run of a head drafter warning about "the 5 asked")
+            asked = config.num_speculative_tokens != DEFAULT_NUM_SPECULATIVE_TOKENS
+            logger.log(
+                logging.WARNING if asked else logging.INFO,
+                "%s drafts at most %d tokens a step (%s), not the %d %s "
                 "(num_speculative_tokens); chains of %d run",
-                config.method, most, cap, config.num_speculative_tokens, most,
+                config.method, most, cap, config.num_speculative_tokens,
+                "asked" if asked else "of the default", most,
             )  # fmt: skip
         elif config.tree is not None and most is not None:
             depth = make_tree_builder(config.tree).max_depth

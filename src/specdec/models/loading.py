@@ -319,7 +319,8 @@ def load(
         name_or_path: ``smollm2-135m-instruct`` (embedded), a ``.gguf`` file, a local HF
             model directory, or a Hugging Face hub id (needs network).
         dtype: ``float32`` (default), ``bfloat16``, ``float16``, ``auto`` (per machine,
-            see :func:`resolve_dtype`; float32 for ``backend="hf"`` on CPU, where only
+            see :func:`resolve_dtype`; float32 for ``backend="hf"`` on CPU, and for
+            ``backend="auto"`` where it falls back to transformers, since there only
             float32 keeps greedy output identical to plain decoding), or
             ``int8-dynamic``: float32 weights whose decoder linear layers are then quantized
             to int8 with dynamic activation quantization
@@ -349,7 +350,8 @@ def load(
             hub id without network).
     """
     check_backend(backend, str(dtype))
-    if backend == "hf" and str(dtype).lower() == AUTO_DTYPE and str(device).startswith("cpu"):
+    auto_on_cpu = str(dtype).lower() == AUTO_DTYPE and str(device).startswith("cpu")
+    if backend == "hf" and auto_on_cpu:
         dtype = "float32"  # transformers on CPU: only float32 keeps greedy output identical
     dtype = resolve_dtype(dtype, device)
     if str(dtype).lower() == INT8_DYNAMIC:
@@ -366,7 +368,15 @@ def load(
         return quantize_int8_dynamic(load(name_or_path, "float32", device))
     check_quantization(quantization, backend)
     model = _load_hf(name_or_path, dtype, device)
-    return model if backend == "hf" else with_backend(model, backend, exact, quantization)
+    if backend == "hf":
+        return model
+    chosen = with_backend(model, backend, exact, quantization)
+    if chosen is model and auto_on_cpu and dtype != "float32":
+        # backend auto fell back to transformers: dtype auto means there what it means
+        # for backend="hf" (float32), not the native runtime's choice
+        logger.info("dtype auto: float32 on transformers (%s was the native choice)", dtype)
+        return _load_hf(name_or_path, "float32", device)
+    return chosen
 
 
 #: ``quantization`` values of :func:`load` (``auto`` and those of the native runtime).

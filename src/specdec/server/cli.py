@@ -64,6 +64,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     served = args.served_model_name
     name = f"{args.model} as '{served}'" if served and served != args.model else args.model
     print(f"specdec: serving {name} ({ran_on}) on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"specdec: {describe_speculation(speculative)}", flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
     # HTTP on a thread, the model on the main thread (see AsyncEngine.run); SIGTERM and
@@ -112,3 +113,24 @@ def bind(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot serve on {host}:{port}: {reason}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def describe_speculation(speculative) -> str:
+    """What a request runs unless it asks otherwise (the line after the start line).
+
+    Example:
+        >>> from specdec.config import SpeculativeConfig
+        >>> describe_speculation(SpeculativeConfig(method="suffix", controller="cost"))
+        'speculation: suffix, up to 5 draft tokens a step, cost controller'
+        >>> describe_speculation(SpeculativeConfig(method="none"))
+        'speculation: off (plain decoding)'
+    """
+    if speculative.method == "none":
+        return "speculation: off (plain decoding)"
+    parts = [speculative.method]
+    if speculative.tree is not None:
+        parts.append(f"token tree {speculative.tree}")
+    else:
+        parts.append(f"up to {speculative.num_speculative_tokens} draft tokens a step")
+    parts.append(f"{speculative.controller} controller")
+    return "speculation: " + ", ".join(parts)

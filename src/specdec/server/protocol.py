@@ -139,10 +139,8 @@ class SpeculativeOptions(BaseModel):
 
         if value is not None and value not in registry.controller_names():
             names = ", ".join(registry.controller_names())
-            raise ValueError(
-                f"unknown controller {value!r}; choose one of {names} "
-                "(options cannot be set per request)"
-            )
+            hint = " (options cannot be set per request)" if ":" in value else ""
+            raise ValueError(f"unknown controller {value!r}; choose one of {names}{hint}")
         return value
 
     @field_validator("method")
@@ -158,9 +156,10 @@ class SpeculativeOptions(BaseModel):
                     f"only ({name!r}: the server's options if it runs that drafter, else its "
                     f"defaults), or start the server with --drafter '{value}'"
                 )
+            hint = " (options cannot be set per request)" if ":" in value else ""
             raise ValueError(
                 f"unknown drafter {value!r}; choose one of {', '.join(registry.drafter_names())}"
-                " (options cannot be set per request)"
+                + hint
             )
         return value
 
