@@ -570,6 +570,15 @@ def test_ctrl_c_while_python_imports_the_cli(monkeypatch, capsys):
     check = "import sys, specdec; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+    # --version answers without the CLI's imports, as the parser would
+    check = (
+        "import sys; sys.argv = ['specdec', '--version']; import specdec.entry as e; "
+        "code = e.main(); print(code, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    from specdec import __version__
+
+    assert out.stdout.splitlines() == [f"specdec {__version__}", "0 False"], out.stderr
 
 
 @pytest.mark.parametrize("swallowed", [True, False])

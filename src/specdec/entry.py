@@ -58,7 +58,13 @@ def interrupted() -> int:
 
 
 def main() -> int:
-    """Import the CLI and run it; returns its exit status (130 after Ctrl-C)."""
+    """Import the CLI and run it; returns its exit status (130 after Ctrl-C).
+    ``specdec --version`` answers without importing it (PyTorch: seconds)."""
+    if sys.argv[1:] == ["--version"]:
+        from specdec import __version__
+
+        print(f"specdec {__version__}")
+        return 0
     with InterruptWatch() as watch:
         try:
             from specdec.cli import main as cli_main
