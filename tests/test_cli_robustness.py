@@ -595,6 +595,7 @@ def test_ctrl_c_that_a_library_swallows_or_mangles_during_the_imports(
     import types
 
     import specdec.entry as entry
+    from specdec.interrupt import InterruptWatch
 
     ran = []
 
@@ -614,12 +615,12 @@ def test_ctrl_c_that_a_library_swallows_or_mangles_during_the_imports(
     assert entry.main() == 130
     assert capsys.readouterr().err.strip() == "specdec: interrupted" and not ran
     assert signal.getsignal(signal.SIGINT) is before  # the watch put Python's handler back
-    with entry.InterruptWatch() as watch:  # and without a Ctrl-C, nothing is seen
+    with InterruptWatch() as watch:  # and without a Ctrl-C, nothing is seen
         pass
     assert not watch.seen
     monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_IGN)
     monkeypatch.setattr(signal, "signal", lambda *a: pytest.fail("an ignored SIGINT changed"))
-    with entry.InterruptWatch() as watch:  # ignored by the parent (a script's & job): kept
+    with InterruptWatch() as watch:  # ignored by the parent (a script's & job): kept
         pass
 
 

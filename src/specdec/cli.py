@@ -26,7 +26,7 @@ from specdec.cli_common import (
     warn_if_busy,
 )
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.entry import InterruptWatch, interrupted
+from specdec.interrupt import InterruptWatch, interrupted
 from specdec.llm import LLM, GenerationOutput
 from specdec.metrics import SpecStats
 from specdec.models.loading import DEFAULT_MODEL
