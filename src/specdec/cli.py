@@ -26,7 +26,7 @@ from specdec.cli_common import (
     warn_if_busy,
 )
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.interrupt import InterruptWatch, interrupted
+from specdec.interrupt import watched
 from specdec.llm import LLM, GenerationOutput
 from specdec.metrics import SpecStats
 from specdec.models.loading import DEFAULT_MODEL
@@ -56,17 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 refused, 130 interrupted)."""
     _printable_output()
     _plugin_warnings_as_lines()
-    with InterruptWatch() as watch:  # the subcommands' parsers import their libraries
-        try:
-            parser = _build_parser()
-        except KeyboardInterrupt:
-            return interrupted()
-        except Exception:
-            if watch.seen:  # Ctrl-C that a library turned into another error
-                return interrupted()
-            raise
-    if watch.seen:  # Ctrl-C that a library swallowed
-        return interrupted()
+    parser, code = watched(_build_parser)  # the subcommands' parsers import their libraries
+    if code is not None:
+        return code
     args = None
     try:
         args = parser.parse_args(argv)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from specdec.interrupt import InterruptWatch, interrupted
+from specdec.interrupt import watched
 
 
 def main() -> int:
@@ -20,17 +20,15 @@ def main() -> int:
 
         print(f"specdec {__version__}")
         return 0
-    with InterruptWatch() as watch:
-        try:
-            from specdec.cli import main as cli_main
-        except KeyboardInterrupt:
-            return interrupted()
-        except Exception:
-            if watch.seen:  # Ctrl-C that a library turned into another error
-                return interrupted()
-            raise
-    if watch.seen:  # Ctrl-C that a library swallowed
-        return interrupted()
+
+    def load():
+        from specdec.cli import main as cli_main
+
+        return cli_main
+
+    cli_main, code = watched(load)
+    if code is not None:
+        return code
     return cli_main()  # which handles Ctrl-C from here on
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class InterruptWatch:
@@ -51,3 +55,25 @@ def interrupted() -> int:
     """Say so on standard error; returns the exit status after Ctrl-C (128 + SIGINT)."""
     print("\nspecdec: interrupted", file=sys.stderr)
     return 130
+
+
+def watched(load: Callable[[], T]) -> tuple[T | None, int | None]:
+    """Call ``load`` (imports, parser building) under an :class:`InterruptWatch`.
+
+    Returns:
+        ``(load's value, None)``, or ``(None, 130)`` after Ctrl-C (said on standard error),
+        whether the interrupt reached here, became another error on the way, or was
+        swallowed by a library.
+    """
+    with InterruptWatch() as watch:
+        try:
+            value = load()
+        except KeyboardInterrupt:
+            return None, interrupted()
+        except Exception:
+            if watch.seen:  # Ctrl-C that a library turned into another error
+                return None, interrupted()
+            raise
+    if watch.seen:  # Ctrl-C that a library swallowed
+        return None, interrupted()
+    return value, None
