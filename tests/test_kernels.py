@@ -177,6 +177,51 @@ def test_rows_sharing_key_reads_get_the_bits_they_get_alone(dtype, d):
         assert torch.equal(out[i], alone[0]), i
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_verified_chain_split_over_the_threads_keeps_each_rows_bits(dtype, threads):
+    """One sequence verifying a chain alone is one task per KV head, fewer than the
+    threads can share: its rows are split into smaller groups (each packing the keys for
+    itself) until there are twice as many tasks as threads. Each row still gets the bits
+    it gets alone on one thread, in chains of 2 to 16 rows, and next to a tree."""
+    caches = _caches(dtype, 64, [300], seed=8)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(17, H, 64, generator=gen).to(dtype)
+    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    empty = torch.empty(0, dtype=torch.long)
+    alone = []
+    with torch_threads(1):
+        for i in range(16):
+            out = torch.empty(1, H * 64, dtype=dtype)
+            kernels.ragged_attention(
+                q[i : i + 1], caches, 0, t([0]), t([129 + i]), t([-1]), empty, 0.125, out
+            )
+            alone.append(out[0])
+    with torch_threads(threads):
+        for rows in (2, 5, 16):
+            out = torch.empty(rows, H * 64, dtype=dtype)
+            kernels.ragged_attention(
+                q[:rows], caches, 0, t([0] * rows), t(range(129, 129 + rows)),
+                t([-1] * rows), empty, 0.125, out,
+            )  # fmt: skip
+            for i in range(rows):
+                assert torch.equal(out[i], alone[i]), (rows, i)
+        slots = _tree_slots(129, [140, 200])  # a tree row after the chain's 16
+        out = torch.empty(17, H * 64, dtype=dtype)
+        kernels.ragged_attention(
+            q, caches, 0, t([0] * 17), t(list(range(129, 145)) + [slots.numel()]),
+            t([-1] * 16 + [0]), slots, 0.125, out,
+        )  # fmt: skip
+    for i in range(16):
+        assert torch.equal(out[i], alone[i]), i
+    with torch_threads(1):
+        tree = torch.empty(1, H * 64, dtype=dtype)
+        kernels.ragged_attention(
+            q[16:], caches, 0, t([0]), t([slots.numel()]), t([0]), slots, 0.125, tree
+        )
+    assert torch.equal(out[16], tree[0])
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_long_rows_split_into_chunks_equal_the_reference_and_get_their_bits_alone(dtype, d):

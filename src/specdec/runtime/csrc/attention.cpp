@@ -702,6 +702,36 @@ void run(const torch::Tensor& q, const std::vector<torch::Tensor>& kv, int64_t l
       t = e;
     }
     first.push_back(T);
+    // Fewer tasks than twice the threads (one sequence's chain or tree verified alone:
+    // one task per KV head, 3 on 2 threads for SmolLM2) leave a thread idle for part of
+    // the layer: split the group with the most rows in half until there are enough. Only
+    // the sharing of the packed keys changes; a row's arithmetic does not depend on its
+    // group, so neither do its bits.
+    {
+      const int64_t target = 2 * at::get_num_threads();
+      auto group_tasks = [&](size_t i) -> int64_t {
+        if (row_seq[first[i]] < 0) return 0;
+        int64_t most = 1;
+        for (int64_t t = first[i]; t < first[i + 1]; ++t)
+          most = row_chunks(row_n[t]) > most ? row_chunks(row_n[t]) : most;
+        return most * G;
+      };
+      int64_t total = 0;
+      for (size_t i = 0; i + 1 < first.size(); ++i) total += group_tasks(i);
+      while (total < target) {
+        size_t widest = 0;
+        int64_t rows = 1;
+        for (size_t i = 0; i + 1 < first.size(); ++i)
+          if (row_seq[first[i]] >= 0 && first[i + 1] - first[i] > rows) {
+            rows = first[i + 1] - first[i];
+            widest = i;
+          }
+        if (rows < 2) break;
+        total -= group_tasks(widest);
+        first.insert(first.begin() + widest + 1, first[widest] + rows / 2);
+        total += group_tasks(widest) + group_tasks(widest + 1);
+      }
+    }
     const int64_t groups = static_cast<int64_t>(first.size()) - 1;
     // Tasks: (group, chunk, KV head); a group has as many chunks as its row with the
     // most. A group with several keeps every chunk's partial sums for the merge below.
