@@ -177,6 +177,41 @@ def test_rows_sharing_key_reads_get_the_bits_they_get_alone(dtype, d):
         assert torch.equal(out[i], alone[0]), i
 
 
+def test_a_kernel_lets_other_python_threads_run_while_it_computes():
+    """The kernels release the interpreter lock, as PyTorch's operations do. With the
+    interpreter's switch interval at 100 s a thread that holds the lock keeps it; so the
+    main thread, waiting for a kernel that another thread started, gets to run before that
+    kernel ends only if the kernel let go of the lock. Its result is the one it gets
+    without another thread about."""
+    import sys
+    import threading
+
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(16, 4096, generator=gen)
+    w = torch.randn(16384, 4096, generator=gen)  # 256 MB of float32: many milliseconds
+    y = torch.empty(16, 16384)
+    small_gemm = kernels._module_or_raise().small_gemm  # no PyTorch call (they let go too)
+    started, done = threading.Event(), threading.Event()
+
+    def work():
+        started.set()
+        small_gemm(x, w, y)
+        done.set()
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()
+        started.wait()
+        ran_during = not done.is_set()  # the main thread holds the lock again here
+        thread.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert ran_during, "the kernel held the interpreter lock for its whole run"
+    assert torch.equal(y, kernels.small_gemm(x, w))
+
+
 @pytest.mark.parametrize("threads", [2, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_verified_chain_split_over_the_threads_keeps_each_rows_bits(dtype, threads):

@@ -1089,30 +1089,43 @@ std::string simd() {
 #endif
 }
 
+// The compute kernels run without the Python interpreter lock, as PyTorch's own operations
+// do: their arguments are converted (and kept alive by the caller) before the call, and
+// they touch no Python object, so another Python thread (the server's HTTP thread, an
+// overlapped drafter) runs while a forward computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto kReleaseGil = py::call_guard<py::gil_scoped_release>();
   m.def("simd", &simd, "the instruction set of the kernels: avx512, avx2 or portable");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
-  m.def("add_rms_norm", &add_rms_norm, "residual sum, then RMSNorm of each row");
-  m.def("rotary_kv", &rotary_kv, "rotary queries; rotary keys and values into the KV caches");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("small_gemm", &small_gemm, "x W^T for few rows, weights streamed once");
-  m.def("quant_gemm", &quant_gemm, "x W^T with W in GGUF blocks (Q4_1, Q8_0), expanded per call");
-  m.def("dequantize", &dequantize, "GGUF blocks (Q4_1, Q8_0) to a dense matrix");
+  m.def("rms_norm", &rms_norm, kReleaseGil, "RMSNorm of each row");
+  m.def("add_rms_norm", &add_rms_norm, kReleaseGil, "residual sum, then RMSNorm of each row");
+  m.def("rotary_kv", &rotary_kv, kReleaseGil,
+        "rotary queries; rotary keys and values into the KV caches");
+  m.def("silu_mul", &silu_mul, kReleaseGil, "silu(gate) * up");
+  m.def("small_gemm", &small_gemm, kReleaseGil, "x W^T for few rows, weights streamed once");
+  m.def("quant_gemm", &quant_gemm, kReleaseGil,
+        "x W^T with W in GGUF blocks (Q4_1, Q8_0), expanded per call");
+  m.def("dequantize", &dequantize, kReleaseGil, "GGUF blocks (Q4_1, Q8_0) to a dense matrix");
   m.def("amx_available", &amx_available, "whether amx_gemm runs here (AMX-BF16 and the tile state)");
-  m.def("amx_gemm", &amx_gemm, "bfloat16 x W^T on AMX tiles, W packed; row-invariant for any M");
-  m.def("amx_quant_gemm", &amx_quant_gemm, "bfloat16 x W^T on AMX tiles, W in Q4_1 / Q8_0 tiles");
+  m.def("amx_gemm", &amx_gemm, kReleaseGil,
+        "bfloat16 x W^T on AMX tiles, W packed; row-invariant for any M");
+  m.def("amx_quant_gemm", &amx_quant_gemm, kReleaseGil,
+        "bfloat16 x W^T on AMX tiles, W in Q4_1 / Q8_0 tiles");
   m.def("dpbf16_available", &dpbf16_available, "whether dpbf16_quant_gemm runs here (AVX512-BF16)");
-  m.def("dpbf16_quant_gemm", &dpbf16_quant_gemm,
+  m.def("dpbf16_quant_gemm", &dpbf16_quant_gemm, kReleaseGil,
         "bfloat16 x W^T with AVX512-BF16 pair dot products, W in Q4_1 / Q8_0 tiles");
   m.def("f32_tiles_available", &f32_tiles_available, "whether f32_tile_gemm runs here (AVX-512)");
-  m.def("f32_tile_gemm", &f32_tile_gemm,
+  m.def("f32_tile_gemm", &f32_tile_gemm, kReleaseGil,
         "float32 x W^T with W in tiles of 16 outputs; row-invariant for any M");
-  m.def("q8_gemm", &q8_gemm, "x W^T with x quantized to 8 bits per block of 32, W in Q4_1 / Q8_0");
-  m.def("decode_layer", &decode_layer, "one decoder layer of decoding rows, quantized products");
-  m.def("decode_layers", &decode_layers, "decode_layer over several layers, with their norms");
-  m.def("ragged_attention", &ragged_attention, "ragged attention over per-sequence KV caches");
+  m.def("q8_gemm", &q8_gemm, kReleaseGil,
+        "x W^T with x quantized to 8 bits per block of 32, W in Q4_1 / Q8_0");
+  m.def("decode_layer", &decode_layer, kReleaseGil,
+        "one decoder layer of decoding rows, quantized products");
+  m.def("decode_layers", &decode_layers, kReleaseGil,
+        "decode_layer over several layers, with their norms");
+  m.def("ragged_attention", &ragged_attention, kReleaseGil,
+        "ragged attention over per-sequence KV caches");
   m.def("prompt_attention_available", &prompt_attention_available,
         "whether prompt_attention runs here (AVX512-BF16)");
-  m.def("prompt_attention", &prompt_attention,
+  m.def("prompt_attention", &prompt_attention, kReleaseGil,
         "causal attention of a prompt chunk over a bfloat16 KV cache, in blocks");
 }
