@@ -401,10 +401,15 @@ def test_busy_warning_comes_after_the_metrics(capsys, monkeypatch, shared_llm, t
     code, out, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--compare")
     assert code == 0 and "speedup" in out and "30% of the time" in err
     assert "the speedup above is unreliable" in err
+    # the figure itself says so too: a reader sees the speedup line first
+    assert "x (UNRELIABLE: the machine was busy, see the warning below)" in out
     argv = ["generate", PROMPT, "--model", tiny_model_dir, "--compare", "--json"]
     code, out, err = run_cli(capsys, *argv)  # no "above" on a JSON record
     assert code == 0 and json.loads(out)["busy"] is True
     assert "the speedup in the JSON record is unreliable" in err
+    monkeypatch.setattr(cli_common.CpuMeter, "share", lambda self: 0.95)
+    code, out, err = run_cli(capsys, "generate", PROMPT, "--model", tiny_model_dir, "--compare")
+    assert code == 0 and "speedup" in out and "UNRELIABLE" not in out and "unreliable" not in err
 
 
 def test_ctrl_c_during_the_baseline_keeps_the_speculative_output(

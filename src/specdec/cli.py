@@ -309,7 +309,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             record["interrupted"] = "baseline"  # the speculative output above is whole
         print(json.dumps(record))
     else:
-        _print_metrics(output, baseline, params, speculative.tree, meta)
+        busy = baseline is not None and share < MIN_CPU_SHARE
+        _print_metrics(output, baseline, params, speculative.tree, meta, busy)
     if baseline is not None:
         warn_if_busy(
             share,
@@ -497,8 +498,10 @@ NOISY_TOKENS = 32
 
 
 def _print_metrics(
-    output: GenerationOutput, baseline, params: SamplingParams, tree=None, meta=None
+    output: GenerationOutput, baseline, params: SamplingParams, tree=None, meta=None, busy=False
 ) -> None:
+    """``generate``'s report; ``busy``: other processes took the run's cores (the
+    speedup lines then say they are unreliable, beside the figure a reader sees first)."""
     m = output.metrics
     per_position = ", ".join(f"{r:.2f}" for r in m.per_position_acceptance_rate) or "-"
     print("-" * 60)
@@ -563,6 +566,8 @@ def _print_metrics(
             else f"{m.num_output_tokens} and {b.num_output_tokens} (baseline) tokens"
         )
         note = f" (only {counts}: timing noise)"
+    if busy:
+        note += " (UNRELIABLE: the machine was busy, see the warning below)"
     print(f"speedup                  {_speedup(output, baseline):.2f}x{note}")
     share = max(x.prefill_s / x.elapsed_s if x.elapsed_s > 0 else 0.0 for x in (m, b))
     if share >= PREFILL_SHARE:
