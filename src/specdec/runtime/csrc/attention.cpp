@@ -306,31 +306,44 @@ inline bool slots_in_order(const int64_t* sl, int64_t jb, int64_t je) {
 // The scores of QG query heads of one row (queries q + g D; scores at out + g len,
 // indexed by position) over positions jb .. je - 1 of a packed block: per query and tile,
 // VDPBF16PS over the pairs in order from 0, then times scale. QG queries at once give
-// 4 QG independent sums (one query's 4 would wait on VDPBF16PS's latency); each query's
-// arithmetic is its own, so the bits do not depend on QG.
-template <int64_t D, int QG>
-inline void score_tiles(const c10::BFloat16* q, const __m512i* kp, float* out, int64_t len,
-                        int64_t jb, int64_t je, float scale) {
-  __m512 acc[QG][4];
+// NT QG independent sums (one query's would wait on VDPBF16PS's latency); each query's
+// and each tile's arithmetic is its own, so the bits depend neither on QG nor on NT, the
+// 16-key tiles computed: those the row sees (je - jb keys; lanes past je unused), so that
+// a row ending early in a block (a chain's or a decoding row's last block) skips the rest.
+template <int64_t D, int QG, int NT>
+inline void score_tiles_n(const c10::BFloat16* q, const __m512i* kp, float* out, int64_t len,
+                          int64_t jb, int64_t je, float scale) {
+  __m512 acc[QG][NT];
   for (int g = 0; g < QG; ++g)
-    for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_setzero_ps();
-  for (int p = 0; p < static_cast<int>(D / 2); ++p) {  // all 4 tiles: past je, unused lanes
-    __m512bh k[4];
-    for (int t = 0; t < 4; ++t) k[t] = as_bh(kp[p * 4 + t]);
+    for (int t = 0; t < NT; ++t) acc[g][t] = _mm512_setzero_ps();
+  for (int p = 0; p < static_cast<int>(D / 2); ++p) {
+    __m512bh k[NT];
+    for (int t = 0; t < NT; ++t) k[t] = as_bh(kp[p * 4 + t]);
     for (int g = 0; g < QG; ++g) {
       int32_t pair;
       std::memcpy(&pair, q + g * D + 2 * p, sizeof(pair));
       const __m512bh qb = as_bh(_mm512_set1_epi32(pair));
-      for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_dpbf16_ps(acc[g][t], qb, k[t]);
+      for (int t = 0; t < NT; ++t) acc[g][t] = _mm512_dpbf16_ps(acc[g][t], qb, k[t]);
     }
   }
   const __m512 sv = _mm512_set1_ps(scale);
-  for (int t = 0; jb + 16 * t < je; ++t) {
+  for (int t = 0; t < NT && jb + 16 * t < je; ++t) {
     const int64_t first = jb + 16 * t;
     const int64_t cnt = je - first < 16 ? je - first : 16;
     const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1u);
     for (int g = 0; g < QG; ++g)
       _mm512_mask_storeu_ps(out + g * len + first, mask, _mm512_mul_ps(acc[g][t], sv));
+  }
+}
+
+template <int64_t D, int QG>
+inline void score_tiles(const c10::BFloat16* q, const __m512i* kp, float* out, int64_t len,
+                        int64_t jb, int64_t je, float scale) {
+  switch ((je - jb + 15) / 16) {
+    case 1: score_tiles_n<D, QG, 1>(q, kp, out, len, jb, je, scale); break;
+    case 2: score_tiles_n<D, QG, 2>(q, kp, out, len, jb, je, scale); break;
+    case 3: score_tiles_n<D, QG, 3>(q, kp, out, len, jb, je, scale); break;
+    default: score_tiles_n<D, QG, 4>(q, kp, out, len, jb, je, scale); break;
   }
 }
 
