@@ -447,3 +447,22 @@ def test_exact_product_is_row_major_whatever_the_row_count(name, rows):
     x = torch.randn(rows, 8, dtype=torch.bfloat16)
     y = exact_product(x, FORMULATIONS[name].prepare(weight), name, tile=16, min_rows=2)
     assert y.shape == (rows, 24) and y.is_contiguous()
+
+
+@pytest.mark.parametrize("window", [None, (2, 5), (4, 60)])
+@pytest.mark.parametrize("start,t", [(0, 1), (0, 9), (7, 1), (7, 16), (128, 16), (3, 70)])
+def test_causal_rows_see_what_the_same_rows_as_a_chain_tree_see(start, t, window):
+    """The causal shortcut of ``_visibility`` (no tree mask: row r sees ``start + r + 1``
+    slots while inside the window) gives each row what the general path gives the same
+    rows written as a chain's tree mask, with and without a StreamingLLM window."""
+    from specdec.runtime.model import _visibility
+
+    chain = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    fast = _visibility(None, start, t, "cpu", window)
+    general = _visibility(chain, start, t, "cpu", window)
+    assert len(fast) == len(general) == t
+    for a, b in zip(fast, general, strict=True):
+        if isinstance(b, int):
+            assert a == b
+        else:
+            assert torch.equal(torch.as_tensor(a), b)

@@ -644,6 +644,11 @@ def _visibility(tree_mask, start: int, t: int, device, window=None) -> list[Visi
     (the ``recent`` before it and itself). A row forwarded alone after ``n`` cached slots
     therefore sees the same slots as the same row at depth ``d`` of a chain or tree
     forwarded after ``n - d`` cached slots and its ``d`` ancestors."""
+    if tree_mask is None and (window is None or start + t <= sum(window) + 1):
+        # causal rows inside any window: row r sees the prefix of start + r + 1 slots (what
+        # the loop below finds row by row, at two aranges and a compare per row: 0.15 ms
+        # of a 16-row verification, 20 ms of a 2,000-token prompt chunk)
+        return list(range(start + 1, start + t + 1))
     if tree_mask is None:
         base, tree_rows = start, None
     else:
