@@ -154,22 +154,25 @@ def forward_times(
 ) -> list[float]:
     """Median milliseconds of one forward of T new tokens after ``context`` cached ones
     (random token ids; the timing does not depend on them). On a GPU each forward is timed
-    from an idle device until its queued work is done."""
+    from an idle device until its queued work is done.
+
+    The sizes are timed in rounds, each round one forward of every T (after one warm-up
+    round): a machine whose speed drifts over a minute (a shared VM) then slows every T
+    alike, so the ratio t(T) / t(1) compares forwards of the same moments, where timing
+    each T's repeats back to back compared T = 1 on one minute with T = 16 on another."""
     gen = torch.Generator().manual_seed(0)
     high = min(model.vocab_size, len(model.tokenizer))
     prefix = torch.randint(3, high, (context,), generator=gen).tolist()
     device = next(model.model.parameters()).device
     cache = model.new_cache(context + max(tokens))
     model.forward(prefix, cache, num_logits=1)
-    out = []
-    for t in tokens:
-        new = torch.randint(3, high, (t,), generator=gen).tolist()
-        samples = []
-        for _ in range(repeats + 1):  # the first run warms up
-            samples.append(_seconds(lambda new=new: model.forward(new, cache), device) * 1e3)
+    news = [torch.randint(3, high, (t,), generator=gen).tolist() for t in tokens]
+    samples: list[list[float]] = [[] for _ in tokens]
+    for _ in range(repeats + 1):  # the first round warms up
+        for i, new in enumerate(news):
+            samples[i].append(_seconds(lambda new=new: model.forward(new, cache), device) * 1e3)
             cache.truncate(context)
-        out.append(sorted(samples[1:])[repeats // 2])
-    return out
+    return [sorted(s[1:])[repeats // 2] for s in samples]
 
 
 def exact_plan(model) -> dict[str, str]:
