@@ -12,8 +12,10 @@ from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.drafters.options import SuffixOptions
 from specdec.drafters.suffix import (
     GlobalSuffixCache,
+    SequenceIndex,
     SuffixDrafter,
     SuffixTree,
+    best_match,
     greedy_path,
     ranked_children,
 )
@@ -145,24 +147,97 @@ def test_draft_length_is_capped_by_the_match_length():
         assert state.propose(text, 10, GENERATOR).token_ids == expected
 
 
-def test_a_sequence_builds_its_tree_when_it_first_drafts():
-    """The prompt goes into the sequence's tree at its first match, not at start (a
-    request that never drafts never pays for it); the tree is then the tree of every
-    committed token, as if built token by token."""
+def test_a_sequence_indexes_its_tokens_when_it_first_drafts():
+    """The prompt goes into the sequence's index at its first match, not at start; the
+    index then counts every committed token's substrings as a suffix tree built token by
+    token does."""
     prompt = [5, 6, 7, 5, 6, 8, 5, 6]
     state = SuffixDrafter(SuffixOptions(global_cache=False)).start(prompt, SamplingParams())
-    assert state.tree.num_nodes == 1  # nothing inserted yet
+    assert state.tree.tokens == []  # nothing indexed yet
     tokens = [*prompt, 7, 5]
     assert state.propose(tokens, 4, GENERATOR).token_ids[0] == 6  # "7 5" went on with 6
     eager = SuffixTree(SuffixOptions().max_depth)
     eager.extend("self", tokens)
-    assert state.tree.num_nodes == eager.num_nodes and state.tokens == tokens
+    assert state.tree.tokens == state.tokens == tokens
     assert state.tree.count([5, 6]) == eager.count([5, 6]) == 3
     more = [*tokens, 6, 7]
     state.propose(more, 4, GENERATOR)
     eager.extend("self", [6, 7])
-    assert state.tree.num_nodes == eager.num_nodes
     assert state.tree.count([6, 7]) == eager.count([6, 7]) == 3
+    for path in _all_paths(eager):
+        assert state.tree.count(path) == eager.count(path)
+
+
+def _trie_reference(tokens, max_tokens, options):
+    """What the drafter proposed when each sequence kept a SuffixTree of its own: the best
+    match over the trie's suffix nodes, then the greedy path from it."""
+    trie = SuffixTree(options.max_depth)
+    trie.extend("self", tokens)
+    candidates = [(node, i + 1) for i, node in enumerate(trie.suffix_nodes("self"))]
+    found = best_match(candidates, max_tokens, options)
+    if found is None:
+        return [], None
+    return greedy_path(found.node, found.limit, options.min_token_prob)[0], found
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.lists(st.integers(0, 4), min_size=1, max_size=60),
+    depth=st.integers(2, 7),
+    factor=st.sampled_from([0.5, 1.0, 3.0]),
+    min_prob=st.sampled_from([0.0, 0.2, 0.5]),
+)
+def test_the_sequence_index_counts_and_drafts_as_a_suffix_tree(text, depth, factor, min_prob):
+    """Oracle: a sequence's index (:class:`SequenceIndex`) against the suffix tree it
+    replaced, on small alphabets (many repeats). Every substring's count, each suffix
+    node's continuations where the trie has any, and, at every prefix of the text, the
+    chain proposed and the tree session's expansions are the trie's."""
+    options = SuffixOptions(
+        max_depth=depth, max_spec_factor=factor, min_token_prob=min_prob, global_cache=False
+    )
+    index, trie = SequenceIndex(depth), SuffixTree(depth)
+    index.extend(text)
+    trie.extend("self", text)
+    for path, count in _all_paths(trie).items():
+        assert index.count(path) == count
+    nodes, trie_nodes = index.suffix_nodes(), trie.suffix_nodes("self")
+    for i, node in enumerate(trie_nodes):
+        if i < len(nodes):
+            assert nodes[i].depth == i + 1 and nodes[i][0] == node[0]
+            assert ranked_children(nodes[i], 99) == ranked_children(node, 99)
+        else:  # past the first suffix that occurs once: no continuation in the trie
+            assert node[0] == 1 and not node[1]
+    drafter = SuffixDrafter(options)
+    state = drafter.start(text[:1], SamplingParams())
+    for end in range(1, len(text) + 1):
+        prefix = text[:end]
+        expected, found = _trie_reference(prefix, 5, options)
+        assert state.propose(prefix, 5, GENERATOR).token_ids == expected
+        session = state.tree_session(prefix, SamplingParams())
+        _, found = _trie_reference(prefix, depth, options)  # a session matches up to depth
+        if found is None:
+            assert session.found is None
+            continue
+        assert session.found.length == found.length and session.found.limit == found.limit
+        got = session.expand([ROOT], 3)[0]
+        want = ranked_children(found.node, 3)
+        keep = [i for i, p in enumerate(want[1]) if p >= min_prob]
+        assert (got.tokens, got.scores) == ([want[0][i] for i in keep], [want[1][i] for i in keep])
+
+
+def test_a_long_prompt_is_indexed_without_a_node_per_substring():
+    """A 6,000-token prompt: the index holds the tokens and their positions, not the
+    144,000 trie nodes of its substrings; the first draft still finds the prompt's
+    repeat."""
+    import random
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000, 40000) for _ in range(6000)]
+    prompt[3000:3010] = prompt[100:110]  # a repeat inside the prompt
+    state = SuffixDrafter(SuffixOptions(global_cache=False)).start(prompt, SamplingParams())
+    context = [*prompt, *prompt[100:105]]
+    assert state.propose(context, 4, GENERATOR).token_ids == prompt[105:109]
+    assert len(state.tree.tokens) == len(context) and state.tree.count(prompt[100:110]) == 2
 
 
 def test_global_cache_drafts_from_earlier_outputs_and_evicts_lru():
