@@ -216,11 +216,12 @@ class SequenceIndex:
     sequence's own drafting asks (the nodes of its last suffixes and the paths below them).
 
     Why: a trie stores about ``max_depth`` nodes per token. A 7,454-token prompt made
-    178,000 nodes (52 MB of Python objects, 0.1-0.2 s to insert at depth 24, measured on
-    this project's 2-core Xeon), paid by every request at its first draft: a server
-    with 16 streaming clients and speculation mostly off lost 3-5% to those first drafts
-    alone. Here appending a token costs one list append, and a match walks the positions
-    of the context's last token, narrowed one token further back per suffix length.
+    178,000 nodes (52 MB of Python objects, 0.15-0.3 s to insert at depth 24, measured on
+    this project's 2-core Xeon), paid by every request at its first draft: 16 clients'
+    requests in one engine, speculation mostly off, spent 3-5% of their time on those
+    first drafts. Here appending a token costs one list append, and a match walks the
+    positions of the context's last token, narrowed one token further back per suffix
+    length.
 
     Args:
         max_depth: longest substring (>= 1), as :class:`SuffixTree`'s.
