@@ -323,6 +323,12 @@ def test_unknown_fields_are_refused_by_name(server, route, change, param):
         ("completions", {"temperature": "hot"}, "temperature", "temperature: "),
         ("completions", {"top_p": 0}, "top_p", "greater than 0"),
         ("completions", {"n": True}, "n", "n: must be a number, not a boolean"),
+        ("completions", {"max_tokens": True}, "max_tokens", "max_tokens: "),
+        ("chat/completions", {"max_completion_tokens": "8"}, "max_completion_tokens",
+         "max_completion_tokens: "),
+        ("completions", {"stream": "yes"}, "stream", "stream: "),
+        ("chat/completions", {"logprobs": 1}, "logprobs", "logprobs: "),
+        ("completions", {"seed": 1.5}, "seed", "seed: "),
         ("completions", {"max_tokens": -1}, "max_tokens", "max_tokens"),
         ("completions", {"max_tokens": 10**9}, "max_tokens", "maximum context length"),
         ("completions", {"prompt": "w1 " * 200}, "prompt", "nothing could be generated"),
@@ -626,3 +632,14 @@ def test_unknown_drafter_hint_only_when_options_were_sent():
     with pytest.raises(ValidationError) as info:
         SpeculativeOptions(controller="bogus")
     assert "per request" not in str(info.value)
+
+
+def test_max_completion_tokens_wins_over_max_tokens_in_chat(server):
+    """OpenAI's current name wins when a chat request sends both (vLLM's rule:
+    ``max_completion_tokens or max_tokens``); an integer temperature is still a float."""
+    url, _ = server
+    both = chat(url, max_tokens=8, max_completion_tokens=2, temperature=0)
+    assert both.status_code == 200, both.text
+    assert both.json()["usage"]["completion_tokens"] <= 2
+    only_old = chat(url, max_tokens=3, temperature=0)
+    assert only_old.json()["usage"]["completion_tokens"] <= 3

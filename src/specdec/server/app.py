@@ -185,7 +185,7 @@ def _add_generation_routes(app: FastAPI, llm: LLM, engine: AsyncEngine, name: st
         _check_model(body.model, name)
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         prompts = [_chat_prompt(llm, messages, body)]
-        if body.max_tokens is None and body.max_completion_tokens is not None:
+        if body.max_completion_tokens is not None:  # OpenAI's name; vLLM's rule: it wins
             body.max_tokens = body.max_completion_tokens
         return await _serve(llm, engine, name, body, prompts, request, chat=True)
 

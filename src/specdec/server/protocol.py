@@ -291,7 +291,9 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    #: strict: a number, a boolean or a string only where the field has that type (``true``
+    #: is not ``max_tokens`` 1, ``"yes"`` not ``stream: true``); an integer is still a float
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
