@@ -124,6 +124,13 @@ def test_speculative_settings_as_a_dict(llm):
         LLM(llm.target, speculative={"method": "ngram", "prompt_lookup_max": 4})
     with pytest.raises(ValueError, match="must be a SpeculativeConfig.*got str"):
         LLM(llm.target, speculative="ngram")
+    # vLLM's own keyword takes the same values; both at once are refused
+    vllm_style = LLM(
+        llm.target, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+    )
+    assert vllm_style.speculative == as_dict.speculative
+    with pytest.raises(ValueError, match="speculative or speculative_config"):
+        LLM(llm.target, speculative=as_dict.speculative, speculative_config={"method": "ngram"})
     plain = {"method": "none"}  # per call too: generate, a batch, stream
     expected = llm.generate(PROMPT, GREEDY, speculative=SpeculativeConfig(method="none"))
     assert llm.generate(PROMPT, GREEDY, speculative=plain).metrics.num_draft_tokens == 0

@@ -215,6 +215,8 @@ class LLM:
         speculative: drafter settings (a :class:`SpeculativeConfig`, or a dict of its
             fields as vLLM's ``speculative_config``); default ``ngram`` (or
             ``draft-model`` when ``draft`` is given, ``custom`` when ``drafter`` is).
+        speculative_config: vLLM's name for ``speculative`` (the same values; give one of
+            the two).
         drafter: your own :class:`~specdec.drafters.Drafter` object (see
             :class:`~specdec.drafters.DrafterBase`); configs with ``method="custom"`` use
             it. Its output is verified like any drafter's, so it cannot change what is
@@ -272,7 +274,14 @@ class LLM:
         exact: bool = True,
         engine_config: EngineConfig | None = None,
         quantization: str = DEFAULT_QUANTIZATION,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ) -> None:
+        if speculative_config is not None:  # vLLM's name for the same argument
+            if speculative is not None:
+                raise ValueError(
+                    "give speculative or speculative_config (vLLM's name for it), not both"
+                )
+            speculative = speculative_config
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if drafter is not None:
