@@ -467,6 +467,7 @@ def _bench_argv(tmp_path, *extra):
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "--top-p"),
         (["--method", "ngram:k=0"], "num_speculative_tokens must be an integer >= 1"),
+        (["--method", "ngram:k=abc"], "--method: option 'k' of 'ngram' needs an integer"),
         (["--method", "ngram:min_n=5,max_n=2"], "min_n <= max_n"),
         (["--method", "hf-prompt-lookup:k=0"], "k=0 must be >= 1"),
         (["--draft-dtype", "int4"], "int4"),

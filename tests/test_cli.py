@@ -434,7 +434,9 @@ def test_sampling_transform_flags_apply_and_stay_lossless(capsys, model_dir):
     assert block["token_ids"] == shaped["token_ids"]
 
 
-def _fake_output(tokens: list[int], seconds: float, steps_off: int = 0, prefill: float = 0.0):
+def _fake_output(
+    tokens: list[int], seconds: float, steps_off: int = 0, prefill: float = 0.0, drafted: int = 4
+):
     from types import SimpleNamespace
 
     from specdec.metrics import SpecStats
@@ -442,6 +444,7 @@ def _fake_output(tokens: list[int], seconds: float, steps_off: int = 0, prefill:
     metrics = SpecStats(
         verifier="rejection", num_output_tokens=len(tokens), num_steps=len(tokens),
         chosen_k_counts=[3, 1], num_steps_off=steps_off, elapsed_s=seconds, prefill_s=prefill,
+        num_draft_tokens=drafted,
     )  # fmt: skip
     return SimpleNamespace(
         metrics=metrics, finish_reason="length", token_ids=tokens, prompt_token_ids=[5] * 700
@@ -493,6 +496,11 @@ def test_compare_says_what_a_short_run_or_a_differing_output_means(capsys):
     _print_metrics(_fake_output([1, 2, 3], 0.1), _fake_output([1, 2], 0.1),
                    SamplingParams(temperature=0.8), None, meta)  # fmt: skip
     assert "(only 3 and 2 (baseline) tokens: timing noise)" in capsys.readouterr().out
+    # a drafter that proposed nothing (sparse-kv below its min_context): no speedup to read
+    _print_metrics(_fake_output(long, 0.087, drafted=0), _fake_output(long, 0.1),
+                   SamplingParams(), None, {**meta, "exact": True})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "speedup                  1.15x (nothing was drafted: the difference is timing" in out
 
 
 def test_compare_on_a_long_prompt_says_the_speedup_after_the_prompt(capsys):

@@ -618,6 +618,21 @@ def test_an_empty_body_says_so(server):
     assert response.json()["error"]["message"] == "the request body is empty; send a JSON object"
 
 
+@pytest.mark.parametrize(
+    "body, kind", [(b"[1, 2]", "an array"), (b'"hi"', "a string"), (b"3", "a number")]
+)
+def test_a_body_that_is_not_an_object_says_what_it_is(server, body, kind):
+    url, app = server
+    for route in ("completions", "chat/completions"):
+        response = _http().post(
+            f"{url}/v1/{route}", content=body, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400
+        message = response.json()["error"]["message"]
+        assert message == f"the request body must be a JSON object, got {kind}"
+    assert app.state.engine.num_live == 0
+
+
 def test_unknown_drafter_hint_only_when_options_were_sent():
     """A new user's trial: the per-request options hint follows an unknown name only
     when the name carried options."""

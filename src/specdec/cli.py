@@ -566,6 +566,8 @@ def _print_metrics(
             else f"{m.num_output_tokens} and {b.num_output_tokens} (baseline) tokens"
         )
         note = f" (only {counts}: timing noise)"
+    if m.num_draft_tokens == 0 and m.num_output_tokens > 1:
+        note += " (nothing was drafted: the difference is timing noise)"
     if busy:
         note += " (UNRELIABLE: the machine was busy, see the warning below)"
     print(f"speedup                  {_speedup(output, baseline):.2f}x{note}")

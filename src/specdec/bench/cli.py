@@ -182,7 +182,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     # Every option is checked before any model loads: a mistake never costs a run.
-    methods = parse_methods(args.methods or DEFAULT_METHODS, args.controller)
+    try:
+        methods = parse_methods(args.methods or DEFAULT_METHODS, args.controller)
+    except ValueError as error:  # name the flag, as the other options' errors do
+        raise ValueError(f"--method: {error}") from None
     params = sampling_params(args)
     if args.limit_per_category is not None and args.limit_per_category < 1:
         raise ValueError(f"--limit-per-category must be >= 1, got {args.limit_per_category}")

@@ -742,6 +742,8 @@ def describe_errors(errors: list[dict], body) -> tuple[str, str | None]:
     for e in errors:
         if e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",):
             return "the request body is empty; send a JSON object", None
+        if tuple(e.get("loc", ())) == ("body",) and not isinstance(body, dict):
+            return f"the request body must be a JSON object, got {_json_kind(body)}", None
         if e.get("type") == "json_invalid":
             loc = e.get("loc", ())
             where = f" at character {loc[1]}" if len(loc) > 1 else ""
@@ -754,6 +756,15 @@ def describe_errors(errors: list[dict], body) -> tuple[str, str | None]:
         params.append(param)
         parts.append(_error_text(e, param))
     return "; ".join(parts) or "invalid request", next((p for p in params if p), None)
+
+
+def _json_kind(value) -> str:
+    """The JSON type of a decoded value, as a user would name it."""
+    for kind, name in ((bool, "a boolean"), (int, "a number"), (float, "a number"),
+                       (str, "a string"), (list, "an array")):  # fmt: skip
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
 
 
 def _error_text(error: dict, param: str | None) -> str:
