@@ -103,7 +103,7 @@ class SpeculativeOptions(BaseModel):
             server started with a lossy verifier runs this request with ``rejection``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no type coercion (see _Common)
 
     method: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64, strict=True)
@@ -284,7 +284,7 @@ class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts;
     ``include_obfuscation`` (padding against side channels) is accepted and ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no type coercion (see _Common)
 
     include_usage: bool | None = False
     include_obfuscation: bool | None = None
