@@ -1,8 +1,9 @@
-"""The blocked prompt kernel (``specdec.runtime.kernels.prompt_attention``, AVX512-BF16):
-causal attention of a prompt chunk against a float64 reference (as close as the library's
-bfloat16 attention), the same bits whatever the chunking, the threads or the other rows,
-clear errors; and in the runtime: the prefill plan chooses it by measurement, the model's
-prompt chunks run on it, and greedy speculation still equals plain decoding."""
+"""The blocked prompt kernel (``specdec.runtime.kernels.prompt_attention``, AVX512-BF16,
+and its AMX variant where the CPU has AMX-BF16): causal attention of a prompt chunk against
+a float64 reference (as close as the library's bfloat16 attention), the same bits whatever
+the chunking, the threads or the other rows, clear errors; and in the runtime: the prefill
+plan chooses it (and its variant) by measurement, the model's prompt chunks run on it, and
+greedy speculation still equals plain decoding."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 G, H = 3, 9  # KV heads, query heads (3 per KV head, as SmolLM2)
+#: The kernel's variants this CPU runs: pair dot products, and AMX tiles where it has them.
+VARIANTS = [False, True] if kernels.amx_available() else [False]
 
 
 def _inputs(start: int, t: int, d: int, seed: int = 0, layers: int = 2):
@@ -45,14 +48,16 @@ def _reference(q, kv, layer, start, scale, dtype=torch.float64):
     return (scores.softmax(-1) @ values).transpose(0, 1).reshape(t, h * d)
 
 
+@pytest.mark.parametrize("amx", VARIANTS)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(
-    "start,t", [(0, 1), (0, 3), (0, 64), (0, 150), (5, 1), (37, 53), (64, 64), (300, 250)]
+    "start,t",
+    [(0, 1), (0, 3), (0, 64), (0, 150), (5, 1), (37, 53), (64, 64), (300, 250), (3, 700)],
 )
-def test_prompt_attention_is_as_close_to_the_reference_as_the_library(d, start, t):
+def test_prompt_attention_is_as_close_to_the_reference_as_the_library(d, start, t, amx):
     q, kv = _inputs(start, t, d, seed=start + t)
     scale = d**-0.5
-    out = kernels.prompt_attention(q, kv, 1, start, scale)
+    out = kernels.prompt_attention(q, kv, 1, start, scale, amx)
     assert out.shape == (t, H * d) and out.dtype == torch.bfloat16
     exact = _reference(q, kv, 1, start, scale)
     visible = torch.arange(start + t)[None, :] <= (start + torch.arange(t))[:, None]
@@ -66,31 +71,44 @@ def test_prompt_attention_is_as_close_to_the_reference_as_the_library(d, start, 
     assert err < 0.03
 
 
-def test_a_row_gets_the_same_bits_in_any_chunking_and_on_any_threads():
+@pytest.mark.parametrize("amx", VARIANTS)
+def test_a_row_gets_the_same_bits_in_any_chunking_and_on_any_threads(amx):
     """A row reads its own query and keys in blocks fixed by its position: the prompt in
     one chunk, in two chunks or one row at a time gives the same bits, on 1, 2 or 3
     threads."""
     q, kv = _inputs(0, 400, 64, seed=3)
-    whole = kernels.prompt_attention(q, kv, 0, 0, 0.125)
+    whole = kernels.prompt_attention(q, kv, 0, 0, 0.125, amx)
     parts = [
-        kernels.prompt_attention(q[a:b].contiguous(), kv, 0, a, 0.125)
+        kernels.prompt_attention(q[a:b].contiguous(), kv, 0, a, 0.125, amx)
         for a, b in ((0, 130), (130, 131), (131, 400))
     ]
     assert torch.equal(whole, torch.cat(parts))
     for row in (0, 63, 64, 399):
-        alone = kernels.prompt_attention(q[row : row + 1].contiguous(), kv, 0, row, 0.125)
+        alone = kernels.prompt_attention(q[row : row + 1].contiguous(), kv, 0, row, 0.125, amx)
         assert torch.equal(alone, whole[row : row + 1])
     for threads in (1, 3):
         with torch_threads(threads):
-            assert torch.equal(kernels.prompt_attention(q, kv, 0, 0, 0.125), whole)
+            assert torch.equal(kernels.prompt_attention(q, kv, 0, 0, 0.125, amx), whole)
 
 
-def test_what_lies_past_the_chunk_is_never_read():
+@pytest.mark.skipif(not kernels.amx_available(), reason="needs AMX-BF16")
+def test_the_amx_variant_computes_other_bits_of_the_same_attention():
+    """The variants are two arithmetics (so a plan names the one it chose): close to each
+    other, not the same bits everywhere."""
+    q, kv = _inputs(0, 300, 64, seed=5)
+    pairs = kernels.prompt_attention(q, kv, 0, 0, 0.125)
+    tiles = kernels.prompt_attention(q, kv, 0, 0, 0.125, amx=True)
+    assert (pairs.float() - tiles.float()).abs().max().item() < 0.02
+    assert not torch.equal(pairs, tiles)
+
+
+@pytest.mark.parametrize("amx", VARIANTS)
+def test_what_lies_past_the_chunk_is_never_read(amx):
     """Slots past the chunk's last row (stale or never written: here NaN) change nothing."""
     q, kv = _inputs(20, 70, 64, seed=4)
-    out = kernels.prompt_attention(q, kv, 0, 20, 0.125)
+    out = kernels.prompt_attention(q, kv, 0, 20, 0.125, amx)
     kv[:, :, :, 90:] = float("nan")
-    assert torch.equal(kernels.prompt_attention(q, kv, 0, 20, 0.125), out)
+    assert torch.equal(kernels.prompt_attention(q, kv, 0, 20, 0.125, amx), out)
     assert not out.isnan().any()
 
 
@@ -122,7 +140,13 @@ def test_the_plan_times_the_blocked_kernel_and_chooses_it_where_it_wins():
         for i, r in enumerate(prefill.PREFILL_ROWS)
     ]
     others = [min(x, y) for x, y in zip(library, a["kernel"], strict=True)]
-    assert plan.blocked_attention_from == prefill.threshold(others, a["blocked"])
+    if kernels.amx_available():  # both variants timed, the faster in total chosen
+        assert len(a["blocked_amx"]) == len(prefill.PREFILL_ROWS)
+        assert plan.blocked_amx == (sum(a["blocked_amx"]) < sum(a["blocked"]))
+    else:
+        assert "blocked_amx" not in a and not plan.blocked_amx
+    chosen = a["blocked_amx"] if plan.blocked_amx else a["blocked"]
+    assert plan.blocked_attention_from == prefill.threshold(others, chosen)
     # not a candidate: float32, a head_dim it is not built for, no kernels
     for dtype, d, kernel in ((torch.float32, 64, True), (torch.bfloat16, 8, True),
                              (torch.bfloat16, 64, False)):  # fmt: skip
@@ -143,18 +167,23 @@ def _model_64() -> NativeModel:
     return NativeModel(HFModel(hf.model.to(torch.bfloat16), hf.tokenizer), exact=True)
 
 
-def test_prompt_chunks_run_on_the_blocked_kernel_close_to_the_library(monkeypatch):
+@pytest.mark.parametrize("amx", VARIANTS)
+def test_prompt_chunks_run_on_the_blocked_kernel_close_to_the_library(monkeypatch, amx):
     """With ``blocked_attention_from``, a causal prompt chunk's attention runs on the
-    blocked kernel (no row through the library or the ragged kernel), logits close to the
-    library's; a chunk after a cached prefix (chunked prefill) too."""
+    blocked kernel (no row through the library or the ragged kernel), in the variant the
+    plan names, logits close to the library's; a chunk after a cached prefix (chunked
+    prefill) too."""
     from specdec.runtime import model as runtime_model
 
     model = _model_64()
     calls = []
     real = runtime_model.prompt_attention
     monkeypatch.setattr(
-        runtime_model, "prompt_attention", lambda *a: calls.append(a[3]) or real(*a)
+        runtime_model,
+        "prompt_attention",
+        lambda *a: calls.append(a[3]) or variants.add(a[5]) or real(*a),
     )
+    variants = set()
 
     def prompt_logits(plan):
         model.decoder.prefill_plan = plan
@@ -163,8 +192,8 @@ def test_prompt_chunks_run_on_the_blocked_kernel_close_to_the_library(monkeypatc
     library = prompt_logits(NEVER)
     float32 = prompt_logits(PrefillPlan(attention_from=1))  # the attention in float32
     assert not calls
-    blocked = prompt_logits(PrefillPlan(blocked_attention_from=1))
-    assert calls == [0, 0]  # both layers, from slot 0
+    blocked = prompt_logits(PrefillPlan(blocked_attention_from=1, blocked_amx=amx))
+    assert calls == [0, 0] and variants == {amx}  # both layers, from slot 0
     # as close to float32 attention as the library's bfloat16 attention is
     error, library_error = ((x - float32).abs().max().item() for x in (blocked, library))
     assert error <= 1.5 * library_error + 0.05, (error, library_error)
@@ -179,9 +208,10 @@ def test_prompt_chunks_run_on_the_blocked_kernel_close_to_the_library(monkeypatc
     assert (chunked - blocked).abs().max().item() <= 1.5 * library_error + 0.05
 
 
-def test_greedy_speculation_equals_plain_decoding_with_blocked_prompts():
+@pytest.mark.parametrize("amx", VARIANTS)
+def test_greedy_speculation_equals_plain_decoding_with_blocked_prompts(amx):
     model = _model_64()
-    model.decoder.prefill_plan = PrefillPlan(blocked_attention_from=1)
+    model.decoder.prefill_plan = PrefillPlan(blocked_attention_from=1, blocked_amx=amx)
     llm = LLM(model, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     for prompt in (PROMPT, "w5 w6 w7 w5 w6 w7 w5 w6"):

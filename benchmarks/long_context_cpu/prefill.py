@@ -1,7 +1,8 @@
 """Prefill (time to first token) of long prompts: the blocked prompt kernel against the
 prompt attention the runtime chose before it (the library's ``scaled_dot_product_attention``
 or the runtime's ragged kernel, whichever the prefill plan measured faster), same model,
-same process, alternated.
+same process, alternated. Where the plan chose the kernel's AMX variant, its pair-dot-
+product variant runs too (``pairs``).
 
 Prompts: the long-context benchmark's documents (``run.py``: GNU licence texts and Python
 standard-library modules found offline), cut to the given lengths of the embedded model's
@@ -119,6 +120,8 @@ def main() -> None:
         "before": dataclasses.replace(measured, blocked_attention_from=None),
         "blocked": measured,
     }
+    if measured.blocked_amx:
+        plans["pairs"] = dataclasses.replace(measured, blocked_amx=False)
     llm = LLM(target, speculative=SpeculativeConfig(method="none"))
     params = SamplingParams(max_new_tokens=1)
     prompts = build_prompts(target.tokenizer, args.lengths, args.documents)
@@ -157,7 +160,7 @@ def main() -> None:
                 records.append(rec)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                   for k, v in rec.items()}), flush=True)  # fmt: skip
-        same = first["before"] == first["blocked"]
+        same = all(first[name] == first["before"] for name in first)
         for rec in records:
             if rec["prompt"] == prompt["id"]:
                 rec["same_first_token"] = same
@@ -176,9 +179,8 @@ def main() -> None:
         }
         med = {name: statistics.median(r["seconds"] for r in rs) for name, rs in rows.items()}
         tokens = statistics.mean(r["prompt_tokens"] for r in rows["blocked"])
-        peers = {
-            f"{name}_s": med[name] for name in plans if name.startswith("llama.cpp")
-        }  # fmt: skip
+        others = [name for name in plans if name.startswith("llama.cpp") or name == "pairs"]
+        peers = {f"{name}_s": med[name] for name in others}
         summary[key] = {
             **peers,
             "prompt_tokens": tokens,

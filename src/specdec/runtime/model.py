@@ -475,7 +475,10 @@ class NativeDecoder:
             and p.causal
             and self.prefill_plan.blocked_attention(p.length)
         ):  # see runtime.prefill
-            return prompt_attention(q.contiguous(), p.item.cache.kv, index, p.start, self.scale)
+            return prompt_attention(
+                q.contiguous(), p.item.cache.kv, index, p.start, self.scale,
+                self.prefill_plan.blocked_amx,
+            )  # fmt: skip
         if exact and not p.prefill:
             return attention_exact(q, kv[0], kv[1], p.attention(exact), self.scale)
         filled = p.start + p.length

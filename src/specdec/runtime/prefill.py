@@ -113,6 +113,9 @@ class PrefillPlan:
             :data:`PREFILL_ROWS` size from which, at it and every larger one, it beat the
             best other candidate by :data:`UPCAST_GAIN` (``None``: never; only on CPUs with
             AVX512-BF16). Takes precedence over :attr:`kernel_attention_to`.
+        blocked_amx: the blocked prompt kernel runs its two products on AMX tiles
+            (``prompt_attention(..., amx=True)``), measured faster than its pair dot products
+            in total over :data:`PREFILL_ROWS` (only on CPUs with AMX-BF16).
     """
 
     products_from: int | None = None
@@ -121,6 +124,7 @@ class PrefillPlan:
     quantized_to: int | None = None
     kernel_attention_to: int | None = None
     blocked_attention_from: int | None = None
+    blocked_amx: bool = False
 
     def products(self, rows: int) -> bool:
         """Whether a chunk of ``rows`` rows computes its products in float32."""
@@ -247,11 +251,17 @@ def _blocked_available() -> bool:
     return prompt_attention_available()
 
 
-def _run_blocked_attention(q: torch.Tensor, cache: torch.Tensor) -> None:
+def _amx_available() -> bool:
+    from specdec.runtime.kernels import amx_available
+
+    return amx_available()
+
+
+def _run_blocked_attention(q: torch.Tensor, cache: torch.Tensor, amx: bool = False) -> None:
     """The blocked prompt kernel over a prompt from an empty cache."""
     from specdec.runtime.kernels import prompt_attention
 
-    prompt_attention(q, cache, 0, 0, q.shape[-1] ** -0.5)
+    prompt_attention(q, cache, 0, 0, q.shape[-1] ** -0.5, amx)
 
 
 def _run_kernel_attention(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> None:
@@ -283,7 +293,8 @@ def measure(
     ``kernel``, also the attention on the runtime's kernel (:func:`kernel_threshold`
     against the chosen arithmetic) and, for bfloat16 on a
     CPU with AVX512-BF16, on the blocked prompt kernel (:func:`threshold` against the best
-    of the others at each size).
+    of the others at each size; on a CPU with AMX-BF16, its pair-dot-product and AMX
+    variants are both timed and the faster in total is the one chosen).
 
     Args:
         products: ``(prefill, in_features)`` per product of one layer; ``prefill(x,
@@ -309,6 +320,9 @@ def measure(
     blocked = kernel and dtype == torch.bfloat16 and d in BLOCKED_HEAD_DIMS and _blocked_available()
     if blocked:
         times["attention"]["blocked"] = []
+    blocked_amx = blocked and _amx_available()
+    if blocked_amx:
+        times["attention"]["blocked_amx"] = []
     for rows in PREFILL_ROWS:
         inputs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in products]
         q = torch.randn(rows, h, d, generator=gen).to(dtype)
@@ -331,6 +345,10 @@ def measure(
                 times["attention"]["blocked"].append(
                     _fastest(lambda q=q, c=cache: _run_blocked_attention(q, c), repeats)
                 )
+            if blocked_amx:
+                times["attention"]["blocked_amx"].append(
+                    _fastest(lambda q=q, c=cache: _run_blocked_attention(q, c, True), repeats)
+                )
         if quantized:
             times["products"]["quantized"].append(
                 _fastest(
@@ -352,11 +370,13 @@ def measure(
     blocked_attention_from = None
     if blocked:
         a = times["attention"]
+        blocked_amx = blocked_amx and sum(a["blocked_amx"]) < sum(a["blocked"])
         others = [min(x, y) for x, y in zip(_chosen(a, attention_from), a["kernel"], strict=True)]
-        blocked_attention_from = threshold(others, a["blocked"])
+        chosen = a["blocked_amx"] if blocked_amx else a["blocked"]
+        blocked_attention_from = threshold(others, chosen)
     return PrefillPlan(
         products_from, attention_from, times, quantized_to, kernel_attention_to,
-        blocked_attention_from,
+        blocked_attention_from, bool(blocked_amx),
     )  # fmt: skip
 
 
@@ -397,8 +417,9 @@ def prefill_plan(
         return NEVER
     # prefill5: plans that choose the quantized kernel up to a size, for every quantized
     # kernel, at five sizes; a quantized model's dense product timed as it then runs, on
-    # expansions kept between chunks or expanded per chunk (quant.DENSE_KEEPER)
-    key = f"prefill5|{linear.machine_key(dtype, device)}"
+    # expansions kept between chunks or expanded per chunk (quant.DENSE_KEEPER); prefill6:
+    # the blocked prompt kernel's AMX variant timed too
+    key = f"prefill6|{linear.machine_key(dtype, device)}"
     if quantized:
         from specdec.runtime.quant import keep_dense_budget
 

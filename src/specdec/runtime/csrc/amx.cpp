@@ -26,6 +26,7 @@
 // Source: Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 2, TDPBF16PS
 // (AMX-BF16), LDTILECFG / TILELOADD / TILESTORED (AMX-TILE); Linux's arch_prctl
 // ARCH_REQ_XCOMP_PERM for the tile data state.
+#include "amx_tiles.h"
 #include "common.h"
 #include "quant_tiles.h"
 
@@ -56,26 +57,6 @@ constexpr int64_t kBlockElems = kTileRows * kTileK;  // bfloat16 values in one B
 constexpr int64_t kPrefetchBytes = 4096;
 // The same for the quantized tiles' stream (bytes ahead of the tile being expanded).
 constexpr int64_t kQuantPrefetchBytes = 8192;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {0};
-  uint16_t colsb[16] = {0};
-  uint8_t rows[16] = {0};
-};
-
-// Every tile 16 rows of 64 bytes (A: 16 rows x 32 bfloat16; B: 16 k pairs x 16 outputs;
-// C: 16 rows x 16 float32).
-inline void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kTileRows;
-  }
-  _tile_loadconfig(&config);
-}
-
 
 // GCC's tile intrinsics paste the tile number into the assembly text, so it must be a
 // literal: these switch on a constant (folded away once inlined).

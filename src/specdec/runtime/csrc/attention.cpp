@@ -991,7 +991,7 @@ void q8_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y);
 // prompt_attention.cpp
 bool prompt_attention_available();
 void prompt_attention(torch::Tensor q, torch::Tensor kv, int64_t layer, int64_t start,
-                      double scale, torch::Tensor out);
+                      double scale, torch::Tensor out, bool amx);
 
 // Per product of decode_layer, its kernel: quant_gemm, q8_gemm, dpbf16_quant_gemm (GGUF
 // tiles, or dense bfloat16 tiles: code 2), f32_tile_gemm (dense float32 tiles) or the AMX
