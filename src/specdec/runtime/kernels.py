@@ -731,8 +731,8 @@ def prompt_attention(
     of 16 rows x 64 keys and the value sums of 16 rows x 64 dimensions per block, the same
     online softmax between them on AVX-512. The instruction sums its pairs in its own order,
     so the bits differ from the pair-dot-product path's, but they too depend only on the
-    row's query and keys (about 3-4x faster on a 2-core Xeon with AMX; measured in
-    :mod:`specdec.runtime.prefill`'s plan, which chooses between them).
+    row's query and keys (1.5-3x faster than the pair variant on a 2-core Xeon with AMX;
+    :mod:`specdec.runtime.prefill`'s plan measures both and chooses).
 
     Args:
         q: ``[T, H, d]`` bfloat16 contiguous queries (rotary applied), d = 64 or 128.
