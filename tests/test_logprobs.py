@@ -110,6 +110,27 @@ def test_bad_logprobs_values_are_refused(value):
         SamplingParams(logprobs=value)
 
 
+def test_tied_top_logprobs_come_in_token_id_order_as_greedy_breaks_ties():
+    """From a new user's trial: a greedy token listed after another with the same
+    log-probability in its own top list. Ties now come in id order, the order argmax picks
+    from, so the greedy token is first among its equals."""
+    logits = torch.full((3, 300), -5.0)
+    tied = [250, 7, 130, 31]  # four equal maxima, and a row where they are all there is
+    logits[0, tied] = 2.0
+    logits[1, tied[:2]] = 2.0
+    logits[1, 99] = 1.0
+    logits[2, :] = 0.0
+    greedy = logits.argmax(-1).tolist()
+    rows = token_logprobs(logits, greedy, 5)
+    assert [r.top[0][0] for r in rows] == greedy == [7, 7, 0]
+    assert [t for t, _ in rows[0].top[:4]] == sorted(tied)
+    assert [t for t, _ in rows[1].top[:3]] == [7, 250, 99]
+    assert all(r.rank == 1 for r in rows)
+    for r in rows:
+        values = [v for _, v in r.top]
+        assert values == sorted(values, reverse=True)
+
+
 def test_token_logprobs_checks_its_rows():
     with pytest.raises(ValueError, match="rows"):
         token_logprobs(torch.zeros(2, 5), [1], 0)

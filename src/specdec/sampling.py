@@ -218,7 +218,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> 
         top: how many most probable tokens to list per row (0 to 20).
 
     Returns:
-        ``n`` :class:`TokenLogprob` (``log_softmax`` in float32).
+        ``n`` :class:`TokenLogprob` (``log_softmax`` in float32; each row's ``top`` most
+        probable first, equal ones in token id order, as ``argmax`` breaks ties).
     """
     if logits.shape[0] != len(token_ids):
         raise ValueError(f"{logits.shape[0]} rows for {len(token_ids)} tokens")
@@ -228,11 +229,17 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top: int) -> 
     chosen = chosen_t.tolist()
     tops: list[tuple] = [()] * len(token_ids)
     if top > 0:
-        values, ids = torch.topk(logp, top, dim=-1)  # sorted, most probable first
-        tops = [
-            tuple(zip(i, v, strict=True))
-            for i, v in zip(ids.tolist(), values.tolist(), strict=True)
-        ]
+        # the `top` largest, equal ones in id order, as argmax (greedy decoding) breaks
+        # ties: the greedy token is first among its equals and never left out for one of
+        # them (topk leaves both open; a bfloat16 model's logits tie often)
+        kth = torch.topk(logp, top, dim=-1).values[:, -1:]
+        tops = []
+        for row, bound in zip(logp, kth, strict=True):
+            above = torch.nonzero(row > bound).flatten()
+            equal = torch.nonzero(row == bound).flatten()[: top - above.numel()]
+            ids = torch.cat([above, equal]).tolist()
+            pairs = zip(ids, row[ids].tolist(), strict=True)
+            tops.append(tuple(sorted(pairs, key=lambda p: (-p[1], p[0]))))
     return [
         TokenLogprob(int(t), float(lp), tp, int(r))
         for t, lp, tp, r in zip(token_ids, chosen, tops, ranks, strict=True)
