@@ -320,8 +320,8 @@ def measure(
     blocked = kernel and dtype == torch.bfloat16 and d in BLOCKED_HEAD_DIMS and _blocked_available()
     if blocked:
         times["attention"]["blocked"] = []
-    blocked_amx = blocked and _amx_available()
-    if blocked_amx:
+    time_amx = blocked and _amx_available()  # the kernel's AMX variant is a candidate
+    if time_amx:
         times["attention"]["blocked_amx"] = []
     for rows in PREFILL_ROWS:
         inputs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in products]
@@ -345,7 +345,7 @@ def measure(
                 times["attention"]["blocked"].append(
                     _fastest(lambda q=q, c=cache: _run_blocked_attention(q, c), repeats)
                 )
-            if blocked_amx:
+            if time_amx:
                 times["attention"]["blocked_amx"].append(
                     _fastest(lambda q=q, c=cache: _run_blocked_attention(q, c, True), repeats)
                 )
@@ -367,16 +367,16 @@ def measure(
     if kernel:
         a = times["attention"]
         kernel_attention_to = kernel_threshold(_chosen(a, attention_from), a["kernel"])
-    blocked_attention_from = None
+    blocked_attention_from, blocked_amx = None, False
     if blocked:
         a = times["attention"]
-        blocked_amx = blocked_amx and sum(a["blocked_amx"]) < sum(a["blocked"])
+        blocked_amx = time_amx and sum(a["blocked_amx"]) < sum(a["blocked"])
         others = [min(x, y) for x, y in zip(_chosen(a, attention_from), a["kernel"], strict=True)]
         chosen = a["blocked_amx"] if blocked_amx else a["blocked"]
         blocked_attention_from = threshold(others, chosen)
     return PrefillPlan(
         products_from, attention_from, times, quantized_to, kernel_attention_to,
-        blocked_attention_from, bool(blocked_amx),
+        blocked_attention_from, blocked_amx,
     )  # fmt: skip
 
 
