@@ -184,12 +184,17 @@ def test_ragged_batch_equals_separate_forwards(pair):
                 torch.testing.assert_close(logits, alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("group_rows", [1, 40, 256], ids=["alone", "mixed", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prompt_chunks_in_a_batch_equal_alone(dtype):
-    """Exact mode runs each prompt chunk of a ragged batch as a forward of its own and the
+def test_prompt_chunks_in_a_batch_equal_alone(dtype, group_rows, monkeypatch):
+    """Exact mode runs the prompt chunks of a ragged batch shorter than
+    ``PREFILL_GROUP_ROWS`` as one forward, each longer one as a forward of its own, and the
     decoding rows together: logits and cached keys and values are the bits each item gets
     alone, whatever else is in the batch (two prompts, a later chunk of a prompt, a
-    decoding row, a chain)."""
+    decoding row, a chain) and whatever the grouping."""
+    from specdec.runtime import model as runtime_model
+
+    monkeypatch.setattr(runtime_model, "PREFILL_GROUP_ROWS", group_rows)
     native = NativeModel(tiny_hf("llama", dtype=dtype, head_dim=64), exact=True)
     long = [1, *[(5 * i) % 23 + 2 for i in range(70)]]
 
@@ -205,6 +210,9 @@ def test_prompt_chunks_in_a_batch_equal_alone(dtype):
         ]
 
     batch = items()
+    groups = runtime_model._prefill_groups(batch)
+    expected = {1: [[3], [0], [1], [2]], 40: [[3], [1, 2], [0]], 256: [[3], [0, 1, 2]]}
+    assert groups == expected[group_rows]
     together = native.decoder.forward_full(batch)
     alone_items = items()
     for item, mixed, single in zip(batch, together, alone_items, strict=True):
