@@ -348,6 +348,54 @@ def test_silu_mul_equals_pytorch(dtype, width):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 49157])
+def test_argmax_rows_equals_pytorch_on_ties_infinities_and_nans(width):
+    """The first index of each row's maximum, as ``torch.argmax``: ties (the first wins),
+    +-inf, NaN anywhere (the first NaN wins, whatever is larger), rows that are views of
+    wider rows, lane-sized and odd widths (the vector body and the scalar tail)."""
+    gen = torch.Generator().manual_seed(9)
+    wide = torch.randint(-3, 3, (40, width + 5), generator=gen).float()  # many ties
+    x = wide[:, 2 : width + 2]
+    x[1] = float("-inf")
+    x[2, -1] = float("inf")
+    x[3, width // 2] = float("nan")
+    x[4, -1], x[4, width // 3] = float("nan"), float("nan")
+    x[5, 0] = float("nan")
+    x[6:20] = torch.randn(14, width, generator=gen)
+    x[7, -1] = x[7].max() + 1  # the maximum in the scalar tail
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(kernels.argmax_rows(x[:0]), x[:0].argmax(-1))
+
+
+def test_greedy_ids_equals_argmax_with_and_without_the_kernel(monkeypatch):
+    """``greedy_ids`` gives ``torch.argmax``'s indices on every path: the kernel (float32
+    rows, one row or several), and PyTorch's for other dtypes, layouts and shapes, or while
+    the extension is not loaded."""
+    from specdec.sampling import greedy_ids
+
+    assert kernels.kernel_available()  # loads the extension (greedy_ids never does)
+    calls = []
+    real = kernels.argmax_rows
+    monkeypatch.setattr(kernels, "argmax_rows", lambda x: calls.append(x.shape) or real(x))
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randint(-4, 4, (6, 300), generator=gen).float()
+    cases = [x, x[2], x[:, :77], x.t(), x.bfloat16(), x.double(), x.view(2, 3, 300), x[:0]]
+    for case in cases:
+        assert torch.equal(greedy_ids(case), case.argmax(-1))
+    assert calls == [(6, 300), (1, 300), (6, 77)]  # float32 rows with unit stride only
+    monkeypatch.setattr(kernels, "loaded", lambda: False)
+    assert torch.equal(greedy_ids(x), x.argmax(-1)) and len(calls) == 3
+
+
+def test_argmax_rows_refuses_bad_inputs():
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(torch.zeros(8, 2).t())
+    with pytest.raises(RuntimeError, match="at least one column"):
+        kernels.argmax_rows(torch.zeros(2, 0))
+
+
 @pytest.mark.parametrize("d", [8, 64])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rotary_kv_gives_the_reference_bits_and_fills_the_caches(dtype, d):

@@ -30,6 +30,36 @@ class NoAllowedToken(ValueError):
     every token. The request fails with this message; other requests are unaffected."""
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy decoding's choice: ``logits.argmax(-1)``, the first index of each row's
+    maximum (a NaN counts as the maximum).
+
+    Args:
+        logits: ``[V]`` or ``[N, V]``, any dtype and device.
+
+    Returns:
+        ``[]`` or ``[N]`` int64: the same indices as ``torch.argmax``. Float32 CPU rows run
+        the native runtime's vectorised scan where its extension is loaded already
+        (:func:`specdec.runtime.kernels.argmax_rows`: PyTorch's argmax takes about 0.12 ms
+        for one 49152-wide row on a 2-core Xeon, a few percent of a plain decoding step);
+        anything else runs PyTorch's.
+    """
+    if (
+        logits.dtype == torch.float32
+        and logits.device.type == "cpu"
+        and logits.dim() in (1, 2)
+        and logits.numel() > 0
+        and logits.stride(-1) == 1
+    ):
+        from specdec.runtime import kernels
+
+        if kernels.loaded():
+            if logits.dim() == 1:
+                return kernels.argmax_rows(logits.view(1, -1))[0]
+            return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def dead_rows(logits: torch.Tensor) -> list[int]:
     """Rows of ``[N, V]`` processed logits where no token is allowed (every entry -inf or
     NaN)."""

@@ -57,7 +57,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import DrafterBase, DraftProposal
 from specdec.models.base import Backend
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import greedy_ids, logits_to_probs, sample
 
 #: Target tokens of context re-encoded with each draft (see :meth:`TextAligner.target_ids`).
 TAIL_TOKENS = 8
@@ -217,7 +217,7 @@ class CrossTokenizerSequence(DrafterBase):
             logits = logits.clone()
             logits[:, real:] = float("-inf")
         if self.params.greedy:
-            return int(torch.argmax(logits[0]))
+            return int(greedy_ids(logits[0]))
         return int(sample(logits_to_probs(logits, self.params), generator))
 
     def _sync(self, context: list[int]) -> list[int]:

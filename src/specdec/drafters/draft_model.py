@@ -15,7 +15,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import DrafterBase, DraftProposal
 from specdec.models.base import Backend
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import greedy_ids, logits_to_probs, sample
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
 
@@ -207,7 +207,7 @@ class DraftModelSequence(DrafterBase):
             if stop_drafting is not None and stop_drafting(i, top):
                 break
             if self._params.greedy:
-                token = int(torch.argmax(logits[-1]))
+                token = int(greedy_ids(logits[-1]))
             else:
                 token = int(sample(step_probs, generator))
                 probs.append(step_probs[0])

@@ -11,7 +11,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import DrafterBase, DraftProposal, VerificationFeedback
 from specdec.heads.modules import spread_logits
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import greedy_ids, logits_to_probs, sample
 
 
 class HeadDrafterBase(DrafterBase):
@@ -125,7 +125,7 @@ def chain_from_positions(
         if top < threshold or (stop_drafting is not None and stop_drafting(i, top)):
             break
         if dists is None:
-            best = int(torch.argmax(logits[i]))
+            best = int(greedy_ids(logits[i]))
             tokens.append(best if vocab_map is None else int(vocab_map[best]))
         else:
             tokens.append(int(sample(dists[i : i + 1], generator)))

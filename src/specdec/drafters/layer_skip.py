@@ -87,7 +87,7 @@ from specdec.drafters.draft_model import CachedTreeSession
 from specdec.drafters.ngram import find_ngram_continuation
 from specdec.drafters.options import LayerSkipOptions, parse_layer_set
 from specdec.models.base import BatchItem
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import greedy_ids, logits_to_probs, sample
 
 
 def skippable_layers(num_layers: int) -> tuple[int, ...]:
@@ -589,7 +589,7 @@ class LayerSkipSequence(DrafterBase):
         if top < threshold or (stop is not None and stop(position, top)):
             return None
         if probs is None:
-            return int(torch.argmax(logits[0])), None, top
+            return int(greedy_ids(logits[0])), None, top
         return int(sample(probs, generator)), probs[0], top
 
     def _skip_set(self) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import AuxRows, DrafterBase, DraftProposal, VerificationFeedback
 from specdec.drafters.options import LookaheadOptions
+from specdec.sampling import greedy_ids
 from specdec.trees.builders import Expansion
 from specdec.trees.tree import ROOT
 
@@ -150,7 +151,7 @@ class LookaheadSequence(DrafterBase):
             return
         width = self.options.window
         last = feedback.aux_logits[-width:]
-        new_row = torch.argmax(last, dim=-1).tolist()
+        new_row = greedy_ids(last).tolist()
         for c in range(width):
             self.pool.add([row[c] for row in self.rows] + [new_row[c]])
         self.rows = [*self.rows[1:], new_row]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.sampling import greedy_ids
 from specdec.verify.result import VerifyResult
 
 
@@ -24,7 +25,7 @@ def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) ->
         >>> verify_greedy(torch.tensor([1, 0]), logits)
         VerifyResult(num_accepted=1, output_token_ids=[1, 2])
     """
-    target_ids = target_logits.argmax(dim=-1)
+    target_ids = greedy_ids(target_logits)
     k = draft_token_ids.numel()
     mismatch = (draft_token_ids != target_ids[:k]).nonzero()
     num_accepted = int(mismatch[0, 0]) if mismatch.numel() else k

@@ -34,6 +34,7 @@ from specdec.sampling import (
     TokenHistory,
     as_random_source,
     dead_rows,
+    greedy_ids,
     logits_to_probs,
     no_allowed_token,
     process_logits,
@@ -122,7 +123,7 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> TreeVeri
         :class:`TreeVerifyResult`: the deepest matching node (ties: first in flattened
         order), its path, and the target's argmax after it.
     """
-    best = target_logits.argmax(dim=-1).tolist()
+    best = greedy_ids(target_logits).tolist()
     matched: list[bool] = []  # node i's path matches the argmax all the way down
     deepest = ROOT
     for i, (parent, token) in enumerate(zip(tree.parents, tree.token_ids, strict=True)):

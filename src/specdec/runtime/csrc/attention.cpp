@@ -972,6 +972,7 @@ void rotary_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                std::vector<torch::Tensor> kv, int64_t layer, torch::Tensor row_seq,
                torch::Tensor row_slot, int64_t heads, torch::Tensor q_out);
 void silu_mul(torch::Tensor gate_up, torch::Tensor out);
+void argmax_rows(torch::Tensor x, torch::Tensor out);
 // gemm.cpp
 void small_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor y);
 void quant_gemm(torch::Tensor x, torch::Tensor q, int64_t kind, torch::Tensor y);
@@ -1114,6 +1115,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_kv", &rotary_kv, kReleaseGil,
         "rotary queries; rotary keys and values into the KV caches");
   m.def("silu_mul", &silu_mul, kReleaseGil, "silu(gate) * up");
+  m.def("argmax_rows", &argmax_rows, kReleaseGil, "each float32 row's argmax, as torch.argmax");
   m.def("small_gemm", &small_gemm, kReleaseGil, "x W^T for few rows, weights streamed once");
   m.def("quant_gemm", &quant_gemm, kReleaseGil,
         "x W^T with W in GGUF blocks (Q4_1, Q8_0), expanded per call");

@@ -193,6 +193,48 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
   });
 }
 
+// The index of row x[0..V)'s maximum, as torch.argmax gives it: the first maximal
+// element, a NaN counting as greater than any number (the first NaN wins). Two passes
+// over the row: its maximum (with a NaN flag), then the first element equal to it; the
+// second pass reads the row from the cache the first left it in.
+int64_t argmax_row(const float* x, int64_t V) {
+  int64_t i = 0;
+  float best = -INFINITY;
+  bool nan = false;
+#if defined(__AVX512F__)
+  if (V >= kLanes) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + kLanes <= V; i += kLanes) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, v);
+    }
+    nan = unordered != 0;
+    best = _mm512_reduce_max_ps(m);
+  }
+#endif
+  for (; i < V; ++i) {
+    if (x[i] != x[i]) nan = true;
+    else if (x[i] > best) best = x[i];
+  }
+  if (nan) {
+    for (int64_t j = 0; j < V; ++j)
+      if (x[j] != x[j]) return j;
+  }
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 b = _mm512_set1_ps(best);
+  for (; j + kLanes <= V; j += kLanes) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), b, _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#endif
+  for (; j < V; ++j)
+    if (x[j] == best) return j;
+  return 0;  // unreachable: some element equals the maximum
+}
+
 }  // namespace
 
 // x: [T, D] (rows contiguous); w: [D]; out: [T, D] (rows contiguous); all one dtype.
@@ -269,5 +311,21 @@ void silu_mul(torch::Tensor gate_up, torch::Tensor out) {
   dispatch(gate_up.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     silu_mul_impl<T>(gate_up, out);
+  });
+}
+
+// x: [R, V] float32, rows contiguous (V >= 1); out: [R] int64, each row's argmax.
+void argmax_rows(torch::Tensor x, torch::Tensor out) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
+  TORCH_CHECK(x.size(1) >= 1, "x must have at least one column");
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.size(0) == x.size(0) &&
+                  out.scalar_type() == torch::kInt64,
+              "out must be a contiguous [R] int64 tensor");
+  const int64_t R = x.size(0), V = x.size(1), stride = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) op[r] = argmax_row(xp + r * stride, V);
   });
 }
