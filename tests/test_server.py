@@ -313,8 +313,8 @@ def test_stats_log_writes_a_line_per_interval_of_work_only():
     now[0] = 10.0
     line = stats.tick(2, 1, 0.25)
     assert lines == [line] and line == (
-        "specdec: prompt 50.0 tokens/s, generation 10.0 tokens/s, running 2, waiting 1, "
-        "KV cache 25.0%"
+        "specdec (last 10 s): prompt 50.0 tokens/s, generation 10.0 tokens/s, running 2, "
+        "waiting 1, KV cache 25.0%"
     )
     stats.add(generation=40, drafts=10, drafted=40, accepted=15)
     now[0] = 20.0
@@ -334,7 +334,8 @@ def test_the_server_logs_its_load_while_it_works(llm, capsys):
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         time.sleep(0.2)
     out = capsys.readouterr().out
-    assert re.search(r"specdec: prompt [\d.]+ tokens/s, generation [\d.]+ tokens/s", out), out
+    line = r"specdec \(last [\d.e-]+ s\): prompt [\d.]+ tokens/s, generation [\d.]+ tokens/s"
+    assert re.search(line, out), out
     with serving(llm) as (url, _, _):  # off by default in the library
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         time.sleep(0.1)

@@ -85,6 +85,7 @@ def test_greedy_stays_exact_and_sampled_output_is_labelled(target, near_draft):
     plain = llm.generate(PROMPTS[0], greedy, speculative=SpeculativeConfig("none"))
     out = llm.generate(PROMPTS[0], greedy)
     assert out.token_ids == plain.token_ids and not out.metrics.lossy
+    assert out.metrics.verifier == "greedy"  # what checked it, not the configured verifier
     sampled = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=20, temperature=1.0, seed=1))
     assert sampled.metrics.lossy and sampled.metrics.verifier == VERIFIER
     assert sampled.metrics.to_dict()["lossy"] is True

@@ -521,7 +521,7 @@ def _print_metrics(
     if m.lossy:
         print(f"verifier                 {m.verifier}: LOSSY, the output does not follow the "
               "model's distribution")  # fmt: skip
-    elif m.verifier != "rejection":
+    elif m.verifier not in ("rejection", "greedy"):
         print(f"verifier                 {m.verifier} (lossless)")
     print(f"tokens / steps           {m.num_output_tokens} / {m.num_steps}")
     print(f"mean acceptance length   {m.mean_acceptance_length:.2f} tokens/step")

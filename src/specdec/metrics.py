@@ -41,7 +41,9 @@ class SpecStats:
             it could draft).
         trace: the step trace (:class:`~specdec.control.simulate.TraceStep` per step)
             when the engine records one (``EngineConfig.record_trace``), else empty.
-        verifier: the chain verifier (``SpeculativeConfig.verifier``).
+        verifier: the chain verifier (``SpeculativeConfig.verifier``), or ``"greedy"`` for
+            a greedy request: greedy verification (the longest prefix matching the
+            target's argmax) checks it whatever verifier is configured.
         lossy: a lossy verifier verified sampled steps: the output does not follow the
             target's distribution.
         num_cached_tokens: prompt tokens taken from the prefix cache instead of computed

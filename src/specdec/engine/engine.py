@@ -371,7 +371,7 @@ class Engine:
             verifier=verifier,
             grammar=grammar,
         )
-        seq.stats.verifier = verifier
+        seq.stats.verifier = "greedy" if params.greedy else verifier  # what verifies it
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(prompt_ids)
         seq.stats.lossy = not params.greedy and parse_verifier(verifier)[0] in LOSSY_VERIFIERS

@@ -187,7 +187,7 @@ def loaded() -> bool:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, exactly as ``x.argmax(-1)``: the first index of the maximum, a
     NaN counting as the maximum (the first NaN). A vectorised scan: on a 2-core Xeon with
-    AVX-512, about 10x faster than PyTorch's for a 49152-wide row.
+    AVX-512, 6x faster than PyTorch's for one 49152-wide row, 10x for 64 rows.
 
     Args:
         x: ``[R, V]`` float32 on the CPU with contiguous rows, V >= 1.

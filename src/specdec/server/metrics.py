@@ -169,12 +169,14 @@ class StatsLog:
     goes to ``write`` once ``interval`` seconds have passed since the last one and some
     work happened in between (an idle server stays quiet), e.g.::
 
-        specdec: prompt 812.4 tokens/s, generation 151.0 tokens/s, running 32, waiting 0,
-        KV cache 11.2%, prefix cache hit rate 61.0%; speculation: 210 drafts, mean
-        acceptance length 2.35 per draft, acceptance rate 41.3%
+        specdec (last 10 s): prompt 812.4 tokens/s, generation 151.0 tokens/s, running 32,
+        waiting 0, KV cache 11.2%, prefix cache hit rate 61.0%; speculation: 210 drafts,
+        mean acceptance length 2.35 per draft, acceptance rate 41.3%
 
-    (one line; the prefix cache's part with ``--enable-prefix-caching``: prompt tokens
-    found over prompt tokens looked up in the interval). Mean acceptance length is 1 +
+    (one line; the rates are the interval's tokens over its seconds, idle time included,
+    as vLLM's "Avg ... throughput"; the prefix cache's part with
+    ``--enable-prefix-caching``: prompt tokens found over prompt tokens looked up in the
+    interval). Mean acceptance length is 1 +
     accepted / drafts (vLLM's), per step that drafted ("per draft"; a response's
     ``mean_acceptance_length`` counts every step).
 
@@ -222,7 +224,7 @@ class StatsLog:
         line = None
         if busy:
             line = (
-                f"specdec: prompt {self.prompt / elapsed:.1f} tokens/s, "
+                f"specdec (last {elapsed:.3g} s): prompt {self.prompt / elapsed:.1f} tokens/s, "
                 f"generation {self.generation / elapsed:.1f} tokens/s, running {running}, "
                 f"waiting {waiting}, KV cache {100 * kv_usage:.1f}%"
             )
