@@ -223,8 +223,9 @@ class StatsLog:
         busy = self.prompt or self.generation or running or waiting
         line = None
         if busy:
+            seconds = f"{elapsed:.1f}".removesuffix(".0")  # "10", "10.3"
             line = (
-                f"specdec (last {elapsed:.3g} s): prompt {self.prompt / elapsed:.1f} tokens/s, "
+                f"specdec (last {seconds} s): prompt {self.prompt / elapsed:.1f} tokens/s, "
                 f"generation {self.generation / elapsed:.1f} tokens/s, running {running}, "
                 f"waiting {waiting}, KV cache {100 * kv_usage:.1f}%"
             )
