@@ -662,3 +662,37 @@ def test_max_completion_tokens_wins_over_max_tokens_in_chat(server):
     assert both.json()["usage"]["completion_tokens"] <= 2
     only_old = chat(url, max_tokens=3, temperature=0)
     assert only_old.json()["usage"]["completion_tokens"] <= 3
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_text_far_past_the_context_is_refused_before_it_is_tokenized(server, llm, route):
+    """A prompt of more than ``2 * max_token_chars * max_context`` characters cannot fit
+    (each token covers at most ``max_token_chars`` of them): a 400 naming its characters
+    and the context, without tokenizing it (16 MB of text took about 20 s to tokenize and
+    held the server's event loop that long). A text under that bound that still does not
+    fit is refused after tokenizing, as before."""
+    url, _ = server
+    limit = 2 * llm.tokenizer.max_token_chars * llm.target.max_context
+    field = "prompt" if route == "completions" else "messages"
+
+    def body(text):
+        if route == "completions":
+            return {"model": NAME, "prompt": text, "max_tokens": 4}
+        return {"model": NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+
+    encode, calls = llm.tokenizer.encode, []
+    llm.tokenizer.encode = lambda *a, **k: calls.append(1) or encode(*a, **k)
+    try:
+        huge = "w1 " * (limit // 3 + 1)  # just over the bound
+        response = post(url, route, body(huge))
+        assert response.status_code == 400 and not calls
+        error = response.json()["error"]
+        assert error["param"] == field and f"has {len(huge)} characters" in error["message"]
+        assert f"context is {llm.target.max_context} tokens" in error["message"]
+        over = "w1 " * (llm.target.max_context + 5)  # under the bound, over the context
+        response = post(url, route, body(over))
+        assert response.status_code == 400 and calls  # tokenized, then refused
+        assert "tokens; this model's context is" in response.json()["error"]["message"]
+        assert post(url, route, body(PROMPT)).status_code == 200  # the server is fine
+    finally:
+        llm.tokenizer.encode = encode

@@ -527,6 +527,7 @@ class LLM:
                 f"got {type(prompt).__name__}"
             )
         extra = (add_generation_prompt, continue_final_message, chat_template_kwargs)
+        self._check_text_length(prompt)
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")
@@ -543,6 +544,32 @@ class LLM:
         if all(isinstance(m, dict) for m in prompt):
             return self.tokenizer.encode(prompt, chat, *extra)
         raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
+
+    def _check_text_length(self, prompt) -> None:
+        """Refuse a text far too long for the context before tokenizing it: tokenizing 16 MB
+        of text took about 20 s (and held a server's event loop that long). A prompt of C
+        characters (message contents summed) has at least ``C / max_token_chars`` tokens
+        (:attr:`~specdec.tokenizer.Tokenizer.max_token_chars`); texts over twice that bound
+        are refused, so no prompt that fits is (a margin for tokenizers that normalize the
+        text). Longer prompts that still cannot fit are refused after tokenizing, as
+        before.
+
+        Raises:
+            ValueError: the text is over ``2 * max_token_chars * max_context`` characters.
+        """
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+            chars = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
+        else:
+            return
+        context = self.target.max_context
+        per_token = 2 * self.tokenizer.max_token_chars
+        if chars > per_token * context:
+            raise ValueError(
+                f"the prompt has {chars} characters, at least {chars // per_token} tokens; "
+                f"this model's context is {context} tokens"
+            )
 
     def get_tokenizer(self):
         """vLLM's ``LLM.get_tokenizer``: the target's Hugging Face tokenizer

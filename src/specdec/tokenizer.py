@@ -56,6 +56,15 @@ class Tokenizer:
         return self.hf.get_vocab()
 
     @property
+    def max_token_chars(self) -> int:
+        """The longest token string of the vocabulary, in characters (computed once). A
+        byte-level BPE token string holds one character per byte of the text it covers,
+        so a text of C characters has at least ``C / max_token_chars`` tokens."""
+        if getattr(self, "_max_token_chars", None) is None:
+            self._max_token_chars = max((len(t) for t in self.get_vocab()), default=1)
+        return self._max_token_chars
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
