@@ -696,3 +696,16 @@ def test_a_text_far_past_the_context_is_refused_before_it_is_tokenized(server, l
         assert post(url, route, body(PROMPT)).status_code == 200  # the server is fine
     finally:
         llm.tokenizer.encode = encode
+
+
+@pytest.mark.parametrize("field", ["top_p", "min_p", "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_sampling_value_that_is_not_a_finite_number_is_refused_as_such(server, field, value):
+    """NaN (which fails every range check) and infinities get a 400 saying the value must
+    be a finite number, naming the field, not a range error."""
+    url, _ = server
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2, field: value}
+    response = post(url, "completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "finite number" in error["message"], error

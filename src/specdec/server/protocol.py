@@ -293,7 +293,8 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     #: strict: a number, a boolean or a string only where the field has that type (``true``
     #: is not ``max_tokens`` 1, ``"yes"`` not ``stream: true``); an integer is still a float
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and infinities: "should be a finite number", not a range error that NaN fails
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
