@@ -527,10 +527,10 @@ class LLM:
                 f"got {type(prompt).__name__}"
             )
         extra = (add_generation_prompt, continue_final_message, chat_template_kwargs)
-        self._check_text_length(prompt)
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")
+            self._check_text_length(len(prompt))
             return self.tokenizer.encode(prompt, chat, *extra)
         if not prompt:
             raise ValueError(
@@ -542,10 +542,13 @@ class LLM:
                 raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
             return list(prompt)
         if all(isinstance(m, dict) for m in prompt):
+            self._check_text_length(
+                sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
+            )
             return self.tokenizer.encode(prompt, chat, *extra)
         raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
 
-    def _check_text_length(self, prompt) -> None:
+    def _check_text_length(self, chars: int) -> None:
         """Refuse a text far too long for the context before tokenizing it: tokenizing 16 MB
         of text took about 20 s (and held a server's event loop that long). A prompt of C
         characters (message contents summed) has at least ``C / max_token_chars`` tokens
@@ -557,12 +560,6 @@ class LLM:
         Raises:
             ValueError: the text is over ``2 * max_token_chars * max_context`` characters.
         """
-        if isinstance(prompt, str):
-            chars = len(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
-            chars = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
-        else:
-            return
         context = self.target.max_context
         per_token = 2 * self.tokenizer.max_token_chars
         if chars > per_token * context:

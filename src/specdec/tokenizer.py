@@ -9,6 +9,7 @@ draft model share one vocabulary unless the draft translates through text
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -55,14 +56,12 @@ class Tokenizer:
         """Token string -> id."""
         return self.hf.get_vocab()
 
-    @property
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """The longest token string of the vocabulary, in characters (computed once). A
         byte-level BPE token string holds one character per byte of the text it covers,
         so a text of C characters has at least ``C / max_token_chars`` tokens."""
-        if getattr(self, "_max_token_chars", None) is None:
-            self._max_token_chars = max((len(t) for t in self.get_vocab()), default=1)
-        return self._max_token_chars
+        return max((len(t) for t in self.get_vocab()), default=1)
 
     @property
     def has_chat_template(self) -> bool:
