@@ -25,6 +25,7 @@ import torch
 
 from specdec.models.base import Backend
 from specdec.models.hf import HFModel
+from specdec.paths import cache_root
 from specdec.runtime.quant import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
@@ -275,11 +276,6 @@ def parse_device(device: str | torch.device, what: str = "device") -> torch.devi
     if parsed.type not in ("cpu", "cuda", "mps"):
         raise ValueError(f"unsupported {what} {device!r}; use cpu, cuda, cuda:N or mps")
     return parsed
-
-
-def cache_root() -> Path:
-    """Directory of specdec's converted-model cache (``$SPECDEC_CACHE`` or ``~/.cache/specdec``)."""
-    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
 def embedded_gguf_path(name: str) -> Path:

@@ -500,7 +500,7 @@ def is_row_invariant(x: torch.Tensor, prepared, name: str, tile: int, min_rows: 
 
 def kernel_table_path() -> Path:
     """Where calibration results are kept (``$SPECDEC_CACHE/kernels.json``)."""
-    from specdec.models.loading import cache_root
+    from specdec.paths import cache_root
 
     return cache_root() / "kernels.json"
 
