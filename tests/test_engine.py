@@ -275,6 +275,35 @@ def test_stop_string_ends_output_exactly(target, k):
         assert "".join(c.text for c in chunks) == expected_text  # nothing leaked while streaming
 
 
+@pytest.mark.parametrize("k", [1, 8])
+def test_min_tokens_defers_stop_strings_like_vllm(target, k):
+    """A stop string ending inside the first min_tokens tokens' text is ignored; the next
+    one stops the output: the same ids and text with whole accepted blocks, prompt lookup
+    and streaming, as plain decoding with the rule applied by hand."""
+    prompt = PROMPTS[1]
+    truth = hf_greedy(target, prompt, 40)
+    decode = target.tokenizer.decode
+    text = decode(truth)
+    stop = max(sorted(set(text) - {" "}), key=text.count)  # the most frequent character
+    first = text.find(stop)
+    m = next(i for i in range(1, 40) if len(decode(truth[:i])) > first)  # holds `first`
+    floor = len(decode(truth[:m]))
+    assert text.find(stop, floor) > 0, "the test needs a second occurrence"
+    n = next(i for i in range(m + 1, 41) if decode(truth[:i]).find(stop, floor) >= 0)
+    expected_ids, expected_text = truth[:n], text[: text.find(stop, floor)]
+    params = _greedy(40, stop=(stop,), min_tokens=m)
+    for llm in (
+        _scripted_llm(target, truth, prompt, k),
+        LLM(target, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=k)),
+    ):
+        chunks = list(llm.stream(prompt, params))
+        out = chunks[-1].output
+        assert (out.token_ids, out.text, out.finish_reason) == (expected_ids, expected_text, "stop")
+        assert "".join(c.text for c in chunks) == expected_text
+    plain = LLM(target).generate(prompt, _greedy(40, stop=(stop,)))
+    assert plain.text == text[:first]  # without min_tokens the first occurrence stops it
+
+
 def test_streamed_text_equals_final_text(target):
     llm = LLM(target, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
     chunks = list(llm.stream(PROMPTS[1], _greedy(25)))

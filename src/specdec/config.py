@@ -144,7 +144,8 @@ class SamplingParams:
             the request starts). Stored as sorted ``(id, bias)`` pairs.
         min_tokens: no stop token (EOS, end-of-turn, ``stop_token_ids``) before this many
             output tokens: their logits are -inf until then (int >= 0; vLLM's field).
-            Stop strings still end the output (vLLM also defers them).
+            A stop string counts only where it ends after the text of the first
+            ``min_tokens`` tokens (as vLLM's detokenizer does).
         n: how many outputs (choices) to return per prompt (int 1 to 16; vLLM's and
             OpenAI's field): each is its own sequence with its own drafter state and, when
             ``seed`` is set, the seed ``seed + i`` (choice i); with ``n > 1``

@@ -933,7 +933,7 @@ class LLM:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
-        return StopChecker(stop_ids, params.stop, self.tokenizer.decode)
+        return StopChecker(stop_ids, params.stop, self.tokenizer.decode, params.min_tokens)
 
 
 def _choices(params: SamplingParams) -> list[SamplingParams]:

@@ -34,6 +34,15 @@ class StopChecker:
         stop_token_ids: ids that end generation (kept in the ids, not in the text).
         stop_strings: strings that end generation (dropped with everything after them).
         decode: detokenizer ``list[int] -> str``; needed only with stop strings.
+        min_tokens: the request's ``min_tokens`` (int >= 0). A stop string counts only
+            where it ends after the text of the first ``min_tokens`` output tokens, as in
+            vLLM's detokenizer (vLLM PR #22014): one that lies wholly inside that text is
+            ignored, one that starts inside it and ends after it stops the output. (Stop
+            *tokens* are held back by the sampling transform instead, which puts -inf on
+            them until then.)
+
+    Raises:
+        ValueError: stop strings without ``decode``, or a negative ``min_tokens``.
     """
 
     def __init__(
@@ -41,12 +50,16 @@ class StopChecker:
         stop_token_ids: Iterable[int],
         stop_strings: Iterable[str] = (),
         decode: Callable[[list[int]], str] | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.stop_strings = tuple(stop_strings)
         if self.stop_strings and decode is None:
             raise ValueError("stop strings need a decode function")
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         self.decode = decode
+        self.min_tokens = min_tokens
 
     def check(self, output_ids: list[int], num_new: int) -> StopMatch | None:
         """Return where output must end, or ``None`` to go on.
@@ -62,21 +75,32 @@ class StopChecker:
         )
         if self.stop_strings:
             limit = len(output_ids) if stop_at is None else stop_at
-            match = self._find_stop_string(output_ids, start, limit)
-            if match is not None:
-                return match
+            if limit > self.min_tokens:
+                match = self._find_stop_string(output_ids, max(start, self.min_tokens), limit)
+                if match is not None:
+                    return match
         return None if stop_at is None else StopMatch(stop_at)
 
+    def _first_hit(self, text: str, floor: int) -> int | None:
+        """Where the earliest stop string in ``text`` that ends after ``floor`` begins."""
+        hits = [text.find(s, max(0, floor - len(s) + 1)) for s in self.stop_strings]
+        return min((pos for pos in hits if pos >= 0), default=None)
+
+    def _min_tokens_floor(self, output_ids: list[int]) -> int:
+        """Characters of the first ``min_tokens`` output tokens' text (0 without
+        ``min_tokens``); a partial character at its end (U+FFFD) does not count."""
+        if not self.min_tokens:
+            return 0
+        return len(self.decode(output_ids[: self.min_tokens]).rstrip("\ufffd"))
+
     def _find_stop_string(self, output_ids: list[int], start: int, limit: int) -> StopMatch | None:
-        text = self.decode(output_ids[:limit])
-        hits = [(text.find(s), s) for s in self.stop_strings]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
+        floor = self._min_tokens_floor(output_ids)
+        text_end = self._first_hit(self.decode(output_ids[:limit]), floor)
+        if text_end is None:
             return None
-        text_end = min(pos for pos, _ in hits)
         # Fewest tokens whose text already contains a stop string: nothing after it leaks.
         for n in range(max(start, 1), limit + 1):
-            if any(s in self.decode(output_ids[:n]) for s in self.stop_strings):
+            if self._first_hit(self.decode(output_ids[:n]), floor) is not None:
                 return StopMatch(n, text_end)
         return StopMatch(limit, text_end)
 
