@@ -23,6 +23,7 @@ import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -83,6 +84,9 @@ def create_app(
     name = model_name or llm.target.name
     stats = StatsLog(stats_interval) if stats_interval else None
     engine = AsyncEngine(llm, max_waiting, ServerMetrics(name), stats)
+    # Requests' prompts are tokenized here, one at a time, off the event loop (as vLLM's
+    # server does): a long prompt no longer holds every other request and /health.
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specdec-tokenizer")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -90,9 +94,11 @@ def create_app(
             engine.start()
         yield
         await engine.shutdown(shutdown_timeout)
+        tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.engine = engine
+    app.state.tokenizing = tokenizing
     _add_error_handlers(app)
     if api_key is not None:
         _require_api_key(app, api_key)
@@ -133,17 +139,7 @@ def create_app(
         feed them to the model."""
         if body.model is not None:
             _check_model(body.model, name)
-        if body.prompt is not None:
-            ids = _completion_prompts(llm, body.prompt)[0]
-            if not body.add_special_tokens:
-                ids = list(llm.tokenizer.hf(body.prompt, add_special_tokens=False)["input_ids"])
-        else:
-            messages = [{"role": m.role, "content": m.content} for m in body.messages]
-            ids = _chat_prompt(llm, messages, body)
-        out = {"count": len(ids), "max_model_len": llm.target.max_context, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = llm.tokenizer.hf.convert_ids_to_tokens(ids)
-        return out
+        return await _off_loop(tokenizing, _tokenize, llm, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -154,7 +150,7 @@ def create_app(
         bad = [t for t in body.tokens if t >= vocab]
         if bad:
             raise BadRequest(f"token ids outside the vocabulary ({vocab}): {bad[:5]}", "tokens")
-        return {"prompt": llm.tokenizer.hf.decode(body.tokens)}
+        return {"prompt": await _off_loop(tokenizing, llm.tokenizer.hf.decode, body.tokens)}
 
     @app.get("/metrics")
     async def metrics():
@@ -167,24 +163,48 @@ def create_app(
             raise BadRequest("prefix caching is off: start the server with --enable-prefix-caching")
         return {"reset": True}
 
-    _add_generation_routes(app, llm, engine, name)
+    _add_generation_routes(app, llm, engine, name, tokenizing)
     return app
 
 
-def _add_generation_routes(app: FastAPI, llm: LLM, engine: AsyncEngine, name: str) -> None:
-    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+async def _off_loop(pool: ThreadPoolExecutor, fn, *args):
+    """``fn(*args)`` on ``pool`` (the server's one tokenizer thread), awaited; its
+    exception, if any, is raised here."""
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+
+def _tokenize(llm: LLM, body: TokenizeRequest) -> dict:
+    """``POST /tokenize``'s answer (run on the tokenizer thread)."""
+    if body.prompt is not None:
+        ids = _completion_prompts(llm, body.prompt)[0]
+        if not body.add_special_tokens:
+            ids = list(llm.tokenizer.hf(body.prompt, add_special_tokens=False)["input_ids"])
+    else:
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        ids = _chat_prompt(llm, messages, body)
+    out = {"count": len(ids), "max_model_len": llm.target.max_context, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = llm.tokenizer.hf.convert_ids_to_tokens(ids)
+    return out
+
+
+def _add_generation_routes(
+    app: FastAPI, llm: LLM, engine: AsyncEngine, name: str, tokenizing: ThreadPoolExecutor
+) -> None:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``; prompts are tokenized
+    on ``tokenizing``."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, name)
-        prompts = _completion_prompts(llm, body.prompt)
+        prompts = await _off_loop(tokenizing, _completion_prompts, llm, body.prompt)
         return await _serve(llm, engine, name, body, prompts, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        prompts = [_chat_prompt(llm, messages, body)]
+        prompts = [await _off_loop(tokenizing, _chat_prompt, llm, messages, body)]
         if body.max_completion_tokens is not None:  # OpenAI's name; vLLM's rule: it wins
             body.max_tokens = body.max_completion_tokens
         return await _serve(llm, engine, name, body, prompts, request, chat=True)
@@ -538,7 +558,8 @@ async def _collect(
 async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs, reason):
     """Server-sent events: one chunk per step and choice, then usage, then ``[DONE]``.
     A choice's token log-probabilities ride on its next chunk (text held back for a stop
-    string holds its tokens' entries back with it)."""
+    string holds its tokens' entries back with it). The chunks ready at once are sent
+    together."""
     pending: list[list] = [[] for _ in queues]
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -552,44 +573,58 @@ async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage
     tasks = [asyncio.create_task(forward(i, q)) for i, q in enumerate(queues)]
     live = set(range(len(queues)))
     obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def render(index: int, update: Update) -> str:
+        """The event(s) ``update`` of choice ``index`` makes ("" for none)."""
+        if update.error:
+            kind = "invalid_request_error" if update.status == 400 else "internal_error"
+            live.discard(index)
+            return _sse(error_body(update.error, kind))
+        text = streams[index].push(update.new_token_ids, update.finish_reason, update.text_end)
+        echo = logprobs.prompts
+        first = echo.receive(index, update)
+        if first:  # the echoed prompt and its scores lead the choice's first chunk
+            text = echo.text(index) + text
+            pending[index][:0] = echo.logprob_entries(index)
+        if update.logprobs:
+            pending[index].extend(update.logprobs)
+        if update.finish_reason is not None:
+            live.discard(index)
+            usage.record(index, update)
+        if not (text or update.finish_reason is not None or first):
+            return ""
+        delta = {"content": text} if chat else text
+        choice = _chunk(index, delta, update.finish_reason, chat)
+        choice["logprobs"] = logprobs.format(index, pending[index])
+        if update.finish_reason is not None:
+            choice["stop_reason"] = reason(streams[index], update)
+        if first and echo.top is not None and not chat:
+            choice["prompt_logprobs"] = echo.vllm_format(index)
+        pending[index] = []
+        chunk = {**meta, "object": obj, "choices": [choice]}
+        if first and echo.top is not None and chat:
+            chunk["prompt_logprobs"] = echo.vllm_format(index)
+        if update.stats is not None and len(queues) == 1:
+            chunk["metrics"] = {"speculative_decoding": speculation_metrics(update.stats)}
+        return _sse(chunk)
+
     try:
         if chat:
-            for index in range(len(queues)):
-                delta = {"role": "assistant", "content": ""}
-                yield _sse({**meta, "object": obj, "choices": [_chunk(index, delta, None, chat)]})
+            role = {"role": "assistant", "content": ""}
+            yield "".join(
+                _sse({**meta, "object": obj, "choices": [_chunk(i, role, None, chat)]})
+                for i in range(len(queues))
+            )
         while live:
-            index, update = await merged.get()
-            if update.error:
-                kind = "invalid_request_error" if update.status == 400 else "internal_error"
-                yield _sse(error_body(update.error, kind))
-                live.discard(index)
-                continue
-            text = streams[index].push(update.new_token_ids, update.finish_reason, update.text_end)
-            echo = logprobs.prompts
-            first = echo.receive(index, update)
-            if first:  # the echoed prompt and its scores lead the choice's first chunk
-                text = echo.text(index) + text
-                pending[index][:0] = echo.logprob_entries(index)
-            if update.logprobs:
-                pending[index].extend(update.logprobs)
-            if update.finish_reason is not None:
-                live.discard(index)
-                usage.record(index, update)
-            if text or update.finish_reason is not None or first:
-                delta = {"content": text} if chat else text
-                choice = _chunk(index, delta, update.finish_reason, chat)
-                choice["logprobs"] = logprobs.format(index, pending[index])
-                if update.finish_reason is not None:
-                    choice["stop_reason"] = reason(streams[index], update)
-                if first and echo.top is not None and not chat:
-                    choice["prompt_logprobs"] = echo.vllm_format(index)
-                pending[index] = []
-                chunk = {**meta, "object": obj, "choices": [choice]}
-                if first and echo.top is not None and chat:
-                    chunk["prompt_logprobs"] = echo.vllm_format(index)
-                if update.stats is not None and len(queues) == 1:
-                    chunk["metrics"] = {"speculative_decoding": speculation_metrics(update.stats)}
-                yield _sse(chunk)
+            # Every update already waiting goes out in one write: n choices' chunks of a
+            # step are one send, not n (and a client gone mid-stream meets one failed
+            # send, not a burst of them, each logged by asyncio).
+            ready = [await merged.get()]
+            while not merged.empty():
+                ready.append(merged.get_nowait())
+            events = "".join(render(index, update) for index, update in ready)
+            if events:
+                yield events
         if include_usage:
             yield _sse({**meta, "object": obj, "choices": [], "usage": usage.body()})
         yield "data: [DONE]\n\n"
