@@ -628,11 +628,11 @@ def amx_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def amx_quant_gemm(x: torch.Tensor, tiles: torch.Tensor, kind: int, n: int) -> torch.Tensor:
     """``y = x W^T`` in bfloat16 on AMX tiles with ``W`` in GGUF blocks laid out as tiles
-    (:func:`specdec.runtime.quant.amx_layout`, ``csrc/amx.cpp``): each call expands the
-    weights (ggml's float32 arithmetic, then rounded to bfloat16) into B tiles once,
-    whatever M, and runs :func:`amx_gemm`'s tiles on them. The result is bit for bit
-    ``amx_gemm(x, amx_pack(W.bfloat16()), n)`` with ``W`` the float32 dequantized matrix,
-    so it is row-invariant for any M.
+    (:func:`specdec.runtime.quant.amx_layout`, ``csrc/amx.cpp``), the file's weights
+    exactly: per block of 32 k, one TDPBF16PS dots the rows with the block's integers
+    ``q`` (exact in bfloat16), and the float32 accumulator takes ``acc = fma(x.q, d, acc)``
+    then (Q4_1) ``acc = fma(S(x), m, acc)``, blocks in increasing order, then one rounding
+    to bfloat16. Row-invariant for any M by construction.
 
     Args:
         x: ``[M, K]`` bfloat16 with contiguous rows.
