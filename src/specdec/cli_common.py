@@ -222,7 +222,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int, seed
         type=int,
         default=0,
         metavar="N",
-        help="no EOS or stop token before N output tokens (default: 0)",
+        help="no EOS or stop token before N output tokens, and no --stop string ending inside "
+        "their text (vLLM's rule; default: 0)",
     )
     parser.add_argument(
         "--bad-word",
