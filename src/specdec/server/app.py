@@ -98,7 +98,6 @@ def create_app(
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.engine = engine
-    app.state.tokenizing = tokenizing
     _add_error_handlers(app)
     if api_key is not None:
         _require_api_key(app, api_key)
