@@ -287,6 +287,13 @@ def test_overload_is_429_and_shutdown_drains(llm):
 
         codes = sorted(r.status_code for r in asyncio.run(burst()))
         assert 200 in codes and set(codes) <= {200, 429} and 429 in codes
+        # a request that alone needs more sequences than may wait could never be queued:
+        # a 400 naming the limit (a 429 would have clients retry it for nothing)
+        for extra, param in (({"n": 2}, "n"), ({"prompt": [PROMPT, PROMPT]}, "prompt")):
+            response = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=30)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == param and "--max-waiting 1" in error["message"]
         # shutdown: an in-flight stream finishes; new requests get 503 meanwhile
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
                           timeout=60) as response:  # fmt: skip

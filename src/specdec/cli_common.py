@@ -555,8 +555,10 @@ def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice
         if reason == "busy":
             print(
                 f"specdec: other processes keep this machine busy ({load:.1f} of {cores} cores "
-                f"busy): running on {threads} thread(s) so timings stay meaningful "
-                "(--threads N to choose)",
+                f"busy): running on {threads} thread(s) so timings stay meaningful; the "
+                f"kernels chosen for {threads} may give other greedy text than {usual} threads "
+                f"(each equal to its own plain decoding): --threads {usual} for the idle "
+                "machine's text",
                 file=sys.stderr,
             )
     return ThreadChoice(torch.get_num_threads(), cores, load, reason)

@@ -298,6 +298,13 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
         except ValueError as error:
             raise BadRequest(f"{field}: {error}", field) from None
     best_of = getattr(body, "best_of", None) or body.n  # candidates per prompt
+    if len(prompts) * best_of > engine.max_waiting:  # could never be queued: not a 429
+        count = f"{len(prompts)} prompt(s) x {best_of} choice(s)"
+        raise BadRequest(
+            f"this request needs {len(prompts) * best_of} sequences ({count}), more than the "
+            f"server queues at once (--max-waiting {engine.max_waiting}): split it",
+            "n" if best_of > 1 else "prompt",
+        )
     jobs = []  # (candidate index, prompt ids, params)
     for p, ids in enumerate(prompts):
         for i in range(best_of):

@@ -117,7 +117,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--max-waiting", type=int, default=256,
-        help="queued requests beyond which new ones get HTTP 429 (default: 256)",
+        help="queued sequences (a prompt's n choices count apart) beyond which new requests "
+        "get HTTP 429; a request needing more alone gets 400 (default: 256)",
     )  # fmt: skip
     p.add_argument(
         "--replicas", type=int, default=1,
