@@ -114,6 +114,39 @@ def test_stream_refuses_a_batch_by_name(llm):
     assert chunks[-1].output.token_ids == llm.generate({"prompt": PROMPT}, GREEDY).token_ids
 
 
+def test_call_arguments_of_the_wrong_type_are_refused_by_name(llm):
+    """``generate`` / ``stream`` / ``chat`` with a string for ``speculative``, a dict of
+    unknown fields for ``sampling_params``, or messages a chat template cannot read get a
+    ValueError naming the argument (they raised AttributeError or jinja2's UndefinedError);
+    a dict of SamplingParams' fields is read as SamplingParams."""
+    for call in (llm.generate, llm.stream):
+        with pytest.raises(ValueError, match="speculative must be a SpeculativeConfig.*got str"):
+            list(call(PROMPT, GREEDY, speculative="suffix"))
+        with pytest.raises(ValueError, match="sampling_params must be a SamplingParams.*int"):
+            list(call(PROMPT, 4))
+        with pytest.raises(ValueError, match="unknown field.*'max_length'"):
+            list(call(PROMPT, {"max_length": 4}))
+    with pytest.raises(ValueError, match="speculative must be a SpeculativeConfig"):
+        llm.generate([PROMPT, PROMPT], GREEDY, speculative=["suffix", None])
+    as_dict = llm.generate(PROMPT, {"max_tokens": 4, "temperature": 0})
+    assert as_dict.token_ids == llm.generate(PROMPT, SamplingParams(max_tokens=4)).token_ids
+    batch = llm.generate([PROMPT, PROMPT], [{"max_tokens": n, "ignore_eos": True} for n in (3, 4)])
+    assert [len(o.token_ids) for o in batch] == [3, 4]
+    bad = [
+        ([{"role": "user"}], r"messages\[0\] \(user\) has no 'content'"),
+        ([{"role": "robot", "content": "hi"}], r"messages\[0\].role must be one of system"),
+        ([{"content": "hi"}], r"messages\[0\].role must be one of .* got None"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}],
+         r"messages\[1\].content must be a string or a list of content parts, got int"),
+    ]  # fmt: skip
+    for messages, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, GREEDY)
+    reply = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+             {"role": "user", "content": "again"}]  # fmt: skip
+    assert llm.encode(reply)  # an assistant's content may be null, as in OpenAI's API
+
+
 def test_speculative_settings_as_a_dict(llm):
     """``speculative={...}`` (vLLM's ``speculative_config`` shape) is a
     :class:`SpeculativeConfig` of those fields; anything else is refused by name."""

@@ -542,6 +542,7 @@ class LLM:
                 raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
             return list(prompt)
         if all(isinstance(m, dict) for m in prompt):
+            _check_messages(prompt)
             self._check_text_length(
                 sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
             )
@@ -625,8 +626,12 @@ class LLM:
                 whose length is not the number of prompts, an empty prediction, or a
                 prediction with speculation off (method ``none``).
         """
-        if isinstance(speculative, dict):
+        if speculative is not None and not isinstance(speculative, list):
             speculative = _speculative_config(speculative)
+        if isinstance(sampling_params, list):
+            sampling_params = [_sampling_params(p) for p in sampling_params]
+        elif sampling_params is not None:
+            sampling_params = _sampling_params(sampling_params)
         if _is_batch(prompt):
             return self._generate_batch(
                 prompt, sampling_params, speculative, chat, prediction, use_tqdm
@@ -835,6 +840,7 @@ class LLM:
                     "chat takes a conversation (a non-empty list of {'role', 'content'} "
                     "messages) or a list of conversations"
                 )
+            _check_messages(conversation)
         flags = (add_generation_prompt, continue_final_message, chat_template_kwargs)
         if flags == (True, False, None):
             return self.generate(
@@ -870,11 +876,13 @@ class LLM:
                 "stream takes one prompt (a string, chat messages, token ids or a prompt "
                 "dict), not a list of prompts: stream each one, or generate(list) a batch"
             )
+        if speculative is not None:
+            speculative = _speculative_config(speculative)
+        if sampling_params is not None:
+            sampling_params = _sampling_params(sampling_params)
         params = self.resolve_params(sampling_params or SamplingParams())
         if params.n > 1 or params.best_of is not None:
             raise ValueError("stream returns one output: use generate for n > 1 or best_of")
-        if isinstance(speculative, dict):
-            speculative = _speculative_config(speculative)
         drafter = self.prediction_drafter(prediction, speculative or self.speculative)
         prompt_ids, steps = self._steps(prompt, params, speculative, chat, drafter)
         check_prompt_fits(self.target, prompt_ids)
@@ -969,6 +977,60 @@ def _best_of(candidates: list[GenerationOutput], params: SamplingParams) -> list
         for out in chosen:
             out.logprobs = None
     return chosen
+
+
+#: The roles a chat message may have (OpenAI's, as the server accepts them).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _check_messages(messages: list[dict]) -> None:
+    """Refuse chat messages a chat template cannot read, naming the message: a role outside
+    :data:`CHAT_ROLES`, no ``content``, or content that is neither a string nor a list of
+    content parts (``None`` only for an assistant's, as OpenAI allows).
+
+    Raises:
+        ValueError: the first such message.
+    """
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
+            )
+        if "content" not in message:
+            raise ValueError(f"messages[{i}] ({role}) has no 'content'")
+        content = message["content"]
+        if content is None and role == "assistant":
+            continue
+        if not isinstance(content, (str, list)):
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of content parts, got "
+                f"{type(content).__name__}"
+            )
+
+
+def _sampling_params(value) -> SamplingParams:
+    """``sampling_params=`` as :class:`SamplingParams`: one, or a dict of its fields.
+
+    Raises:
+        ValueError: another type, or a dict naming fields it does not have (the message
+            names them); what :class:`SamplingParams` refuses.
+    """
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, dict):
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(
+                f"sampling_params: unknown field(s) {', '.join(map(repr, unknown))}; "
+                f"SamplingParams takes {', '.join(sorted(names))}"
+            )
+        return SamplingParams(**value)
+    raise ValueError(
+        f"sampling_params must be a SamplingParams (or a dict of its fields), got "
+        f"{type(value).__name__}"
+    )
 
 
 def _speculative_config(value) -> SpeculativeConfig:
