@@ -8,6 +8,7 @@ import pytest
 
 from conftest import make_server_llm
 from specdec import LLM, Choices, GenerationOutput, SamplingParams, SpeculativeConfig
+from specdec.engine import EngineConfig
 
 PROMPT = "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"
 GREEDY = SamplingParams(max_tokens=8)
@@ -112,6 +113,34 @@ def test_stream_refuses_a_batch_by_name(llm):
         llm.stream([PROMPT, PROMPT], GREEDY)
     chunks = list(llm.stream({"prompt": PROMPT}, GREEDY))
     assert chunks[-1].output.token_ids == llm.generate({"prompt": PROMPT}, GREEDY).token_ids
+
+
+def test_outputs_carry_vllms_request_id_cumulative_logprob_and_cached_tokens(llm):
+    """``request_id`` counts prompts per LLM as vLLM's do ("0", "1", ...; a prompt's n
+    choices share one; stream and chat count too); ``outputs[0].cumulative_logprob`` is the
+    sum of the tokens' log-probabilities when they were asked for, else None;
+    ``num_cached_tokens`` is the prompt tokens the prefix cache served."""
+    fresh = LLM(llm.target, speculative=llm.speculative)
+    one = fresh.generate(PROMPT, GREEDY)
+    batch = fresh.generate([PROMPT, {"prompt": PROMPT}], GREEDY)
+    choices = fresh.generate(PROMPT, SamplingParams(max_tokens=4, n=2, temperature=1, seed=0))
+    streamed = list(fresh.stream(PROMPT, GREEDY))[-1].output
+    chatted = fresh.chat([{"role": "user", "content": PROMPT}], GREEDY)
+    assert [one.request_id, *(o.request_id for o in batch)] == ["0", "1", "2"]
+    assert choices.request_id == "3" and {c.request_id for c in choices} == {"3"}
+    assert (streamed.request_id, chatted.request_id) == ("4", "5")
+    assert one.outputs[0].cumulative_logprob is None
+    scored = fresh.generate(PROMPT, SamplingParams(max_tokens=6, logprobs=1))
+    assert scored.outputs[0].cumulative_logprob == sum(t.logprob for t in scored.logprobs)
+    assert scored.outputs[0].cumulative_logprob < 0
+    assert one.num_cached_tokens == 0 and choices.num_cached_tokens == 0
+    config = EngineConfig(enable_prefix_caching=True, prefill_chunk=8)
+    cached = LLM(llm.target, speculative=llm.speculative, engine_config=config)
+    long = " ".join(f"w{i % 7}" for i in range(40))
+    cached.generate([long], GREEDY)
+    again = cached.generate([long], GREEDY)[0]
+    assert again.num_cached_tokens > 0
+    assert again.num_cached_tokens == again.metrics.num_cached_tokens
 
 
 def test_call_arguments_of_the_wrong_type_are_refused_by_name(llm):

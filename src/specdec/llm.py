@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import Iterator
@@ -90,9 +91,14 @@ class GenerationOutput:
         stop_reason: vLLM's: the stop string or requested stop token id that ended the
             output; ``None`` for EOS / end-of-turn, the length limit or a completed
             grammar (:func:`~specdec.engine.stops.stop_reason`).
+        request_id: vLLM's ``RequestOutput.request_id``: the LLM's count of prompts it
+            has generated for, as a string (``"0"``, ``"1"``, ...; a prompt's ``n``
+            choices share one); ``""`` for an output not from :meth:`LLM.generate`,
+            :meth:`LLM.chat` or :meth:`LLM.stream`.
 
     vLLM's shape reads too: ``out.outputs[0].text`` (:attr:`outputs` is ``[out]``: one
-    output is its own only choice), ``out.finished``.
+    output is its own only choice), ``out.finished``, ``out.request_id``,
+    ``out.num_cached_tokens``, ``out.outputs[0].cumulative_logprob``.
     """
 
     text: str
@@ -107,6 +113,20 @@ class GenerationOutput:
     prompt: str | None = field(default=None, repr=False)
     index: int = 0
     stop_reason: str | int | None = None
+    request_id: str = field(default="", repr=False)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's ``CompletionOutput.cumulative_logprob``: the sum of the output tokens'
+        log-probabilities (the target's raw ones, :attr:`logprobs`) when
+        ``SamplingParams.logprobs`` asked for them, else ``None`` (as in vLLM)."""
+        return None if self.logprobs is None else sum(t.logprob for t in self.logprobs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's ``RequestOutput.num_cached_tokens``: prompt tokens taken from the prefix
+        cache (:attr:`SpecStats.num_cached_tokens`; 0 without prefix caching)."""
+        return self.metrics.num_cached_tokens
 
     @property
     def outputs(self) -> list[GenerationOutput]:
@@ -163,7 +183,8 @@ class Choices(list):
     """The ``n`` outputs of one prompt (``SamplingParams(n > 1)``): a list of
     :class:`GenerationOutput`, best first with ``best_of``, each with its ``index``. Read
     as vLLM's ``RequestOutput`` too: :attr:`outputs` (the list itself),
-    :attr:`prompt`, :attr:`prompt_token_ids`, :attr:`finished`."""
+    :attr:`prompt`, :attr:`prompt_token_ids`, :attr:`finished`, :attr:`request_id`,
+    :attr:`num_cached_tokens`."""
 
     @property
     def outputs(self) -> list[GenerationOutput]:
@@ -180,6 +201,14 @@ class Choices(list):
     @property
     def finished(self) -> bool:
         return True
+
+    @property
+    def request_id(self) -> str:
+        return self[0].request_id
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self[0].num_cached_tokens
 
 
 @dataclass
@@ -330,6 +359,7 @@ class LLM:
         # One step at a time on this LLM (models, drafters and builders are shared); held
         # per step, never across a yield, so interleaved streams in one thread work.
         self._lock = threading.RLock()
+        self._request_counter = itertools.count()  # vLLM's request ids: "0", "1", ...
         self.drafter(speculative)  # load and check the draft now, not mid-generation
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
@@ -633,8 +663,10 @@ class LLM:
         elif sampling_params is not None:
             sampling_params = _sampling_params(sampling_params)
         if _is_batch(prompt):
-            return self._generate_batch(
-                prompt, sampling_params, speculative, chat, prediction, use_tqdm
+            return self._numbered(
+                self._generate_batch(
+                    prompt, sampling_params, speculative, chat, prediction, use_tqdm
+                )
             )
         if isinstance(sampling_params, list) or isinstance(speculative, list):
             raise ValueError(
@@ -642,8 +674,10 @@ class LLM:
             )
         params = self.resolve_params(sampling_params or SamplingParams())
         if params.n > 1 or params.best_of is not None:  # choices run as a batch
-            return self._generate_batch(
-                [prompt], [params], [speculative], chat, [prediction], use_tqdm
+            return self._numbered(
+                self._generate_batch(
+                    [prompt], [params], [speculative], chat, [prediction], use_tqdm
+                )
             )[0]
         config = speculative or self.speculative
         drafter = self.prediction_drafter(prediction, config)
@@ -664,7 +698,16 @@ class LLM:
         output.prompt_logprobs = prompt_logprobs
         output.prompt = _prompt_text(prompt)
         output.stop_reason = _stop_reason(self.tokenizer, ids, step, params)
-        return output._with_prediction(drafter)
+        return self._numbered([output._with_prediction(drafter)])[0]
+
+    def _numbered(self, results: list) -> list:
+        """``results`` (one entry per prompt: an output or its :class:`Choices`) with the
+        next request ids, in order."""
+        for result in results:
+            request_id = str(next(self._request_counter))
+            for out in result if isinstance(result, Choices) else [result]:
+                out.request_id = request_id
+        return results
 
     def resolve_params(self, params: SamplingParams) -> SamplingParams:
         """``params`` with its ``bad_words`` tokenized into ``bad_words_token_ids``: each
@@ -891,7 +934,7 @@ class LLM:
     def _chunks(self, prompt_ids, steps, params, drafter) -> Iterator[GenerationChunk]:
         for chunk in _stream_text(self.tokenizer, prompt_ids, steps, params):
             if chunk.output is not None:
-                chunk.output._with_prediction(drafter)
+                self._numbered([chunk.output._with_prediction(drafter)])
             yield chunk
 
     def _steps(self, prompt: Prompt, params: SamplingParams, speculative, chat, drafter=None):
