@@ -436,6 +436,19 @@ def test_an_unknown_model_is_a_404_model_not_found(server, route):
     assert app.state.engine.num_live == 0
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_model_may_be_left_out_as_in_vllm(server, route):
+    """A request without ``model`` is for the served model (vLLM's rule; OpenAI's API
+    requires the field): the same answer as naming it, which the response names."""
+    url, _ = server
+    call = completion if route == "completions" else chat
+    named = call(url)
+    unnamed = post(url, route, {k: v for k, v in json.loads(named.request.content).items()
+                                if k != "model"})  # fmt: skip
+    assert unnamed.status_code == 200, unnamed.text
+    assert text_of(unnamed) == text_of(named) and unnamed.json()["model"] == NAME
+
+
 def test_a_body_that_is_not_an_object_is_a_400(server):
     url, _ = server
     for body in (b"[1, 2]", b'"w1"', b"null", b"{not json"):

@@ -195,13 +195,15 @@ def _add_generation_routes(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, name)
+        if body.model is not None:  # optional, as in vLLM
+            _check_model(body.model, name)
         prompts = await _off_loop(tokenizing, _completion_prompts, llm, body.prompt)
         return await _serve(llm, engine, name, body, prompts, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, name)
+        if body.model is not None:
+            _check_model(body.model, name)
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         prompts = [await _off_loop(tokenizing, _chat_prompt, llm, messages, body)]
         if body.max_completion_tokens is not None:  # OpenAI's name; vLLM's rule: it wins

@@ -296,7 +296,8 @@ class _Common(BaseModel):
     # NaN and infinities: "should be a finite number", not a range error that NaN fails
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    model: str
+    #: the served model's name; optional, as in vLLM (``None``: the served model)
+    model: str | None = None
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
