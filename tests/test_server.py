@@ -168,6 +168,7 @@ def test_cancelled_stream_frees_the_kv_cache(server, llm):
         ({"model": NAME, "prompt": "w1", "max_tokens": 10**9}, "maximum context length"),
         ({"model": NAME, "prompt": ""}, "empty"),
         ({"model": NAME, "prompt": [10**6]}, "outside the vocabulary"),
+        ({"model": NAME, "prompt": ["w1", [5, 6]]}, "not a mix"),
         ({"model": NAME, "prompt": "w1", "temperature": -1}, "temperature"),
         ({"model": NAME, "prompt": "w1", "top_p": 0}, "top_p"),
         ({"model": NAME, "prompt": "w1", "n": True}, "boolean"),

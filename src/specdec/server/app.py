@@ -827,6 +827,10 @@ def _completion_prompts(llm: LLM, prompt) -> list[list[int]]:
         prompt = [prompt]
     if not prompt:
         raise BadRequest("prompt is empty", "prompt")
+    if len({isinstance(p, str) for p in prompt}) > 1:  # OpenAI's and vLLM's schema
+        raise BadRequest(
+            "prompt: a list of prompts is all strings or all token-id lists, not a mix", "prompt"
+        )
     out = []
     for i, p in enumerate(prompt):
         try:
