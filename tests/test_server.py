@@ -290,7 +290,8 @@ def test_overload_is_429_and_shutdown_drains(llm):
         assert 200 in codes and set(codes) <= {200, 429} and 429 in codes
         # a request that alone needs more sequences than may wait could never be queued:
         # a 400 naming the limit (a 429 would have clients retry it for nothing)
-        for extra, param in (({"n": 2}, "n"), ({"prompt": [PROMPT, PROMPT]}, "prompt")):
+        for extra, param in (({"n": 2}, "n"), ({"prompt": [PROMPT, PROMPT]}, "prompt"),
+                             ({"best_of": 2, "temperature": 1}, "best_of")):  # fmt: skip
             response = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=30)
             assert response.status_code == 400, response.text
             error = response.json()["error"]
@@ -306,6 +307,30 @@ def test_overload_is_429_and_shutdown_drains(llm):
             assert httpx.get(f"{url}/health").status_code == 503
             rest = list(lines)
         assert rest[-2 if rest[-1] == "" else -1] == "data: [DONE]"
+
+
+def test_a_request_refused_for_room_queues_none_of_its_sequences(llm):
+    """A request's choices are queued together or not at all: one that does not fit gets
+    the 429 before any is queued, so it leaves no prompt tokens and no aborts in the
+    metrics (it used to queue some, then abort them)."""
+    from specdec.server.async_engine import AsyncEngine, Overloaded
+    from specdec.server.metrics import ServerMetrics
+
+    engine = AsyncEngine(llm, 3, ServerMetrics(NAME))  # its thread is not started
+    ids = llm.encode(PROMPT, chat=False)
+    params, spec = SamplingParams(max_tokens=4), llm.speculative
+
+    async def fill():
+        engine.submit("a", ids, params, spec)
+        engine.submit("b", ids, params, spec)
+
+    asyncio.run(fill())
+    before = engine.metrics.render()
+    with pytest.raises(Overloaded, match="2 sequences are waiting \\(at most 3\\)"):
+        engine.check_room(2)
+    engine.check_room(1)  # one more fits
+    assert engine.metrics.render() == before
+    assert engine._inbox.qsize() == 2
 
 
 def test_stats_log_writes_a_line_per_interval_of_work_only():

@@ -447,6 +447,8 @@ def test_model_may_be_left_out_as_in_vllm(server, route):
                                 if k != "model"})  # fmt: skip
     assert unnamed.status_code == 200, unnamed.text
     assert text_of(unnamed) == text_of(named) and unnamed.json()["model"] == NAME
+    empty = call(url, model="")  # vLLM reads an empty name as left out too
+    assert empty.status_code == 200 and text_of(empty) == text_of(named)
 
 
 def test_a_body_that_is_not_an_object_is_a_400(server):

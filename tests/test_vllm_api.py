@@ -171,9 +171,23 @@ def test_call_arguments_of_the_wrong_type_are_refused_by_name(llm):
     for messages, match in bad:
         with pytest.raises(ValueError, match=match):
             llm.chat(messages, GREEDY)
+    parts = [{"type": "text", "text": "w1 w2"}, {"type": "text", "text": "w3"}]
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[1\] must be a text part"):
+        llm.chat([{"role": "user", "content": [parts[0], {"type": "image_url"}]}], GREEDY)
+    with pytest.raises(ValueError, match=r"messages\[0\].content is None"):
+        llm.chat([{"role": "user", "content": None}], GREEDY)
+    # as the server and vLLM read them: text parts joined with "\n", an assistant's None ""
+    joined = [{"role": "user", "content": "w1 w2\nw3"}]
+    assert llm.encode([{"role": "user", "content": parts}]) == llm.encode(joined)
+    assert (llm.chat([{"role": "user", "content": parts}], GREEDY).token_ids
+            == llm.chat(joined, GREEDY).token_ids)  # fmt: skip
     reply = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
              {"role": "user", "content": "again"}]  # fmt: skip
-    assert llm.encode(reply)  # an assistant's content may be null, as in OpenAI's API
+    empty = [reply[0], {"role": "assistant", "content": ""}, reply[2]]
+    assert llm.chat(reply, GREEDY).prompt_token_ids == llm.encode(empty)
+    assert reply[1]["content"] is None  # the caller's messages are not changed
+    pair = llm.generate([PROMPT, PROMPT], (GREEDY, SamplingParams(max_tokens=3)))  # a tuple
+    assert len(pair) == 2
 
 
 def test_speculative_settings_as_a_dict(llm):

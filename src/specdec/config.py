@@ -313,7 +313,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_new_tokens:
             raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_new_tokens "
+                f"min_tokens ({self.min_tokens}) must not exceed max_new_tokens / max_tokens "
                 f"({self.max_new_tokens})"
             )
         bias = self.logit_bias

@@ -572,10 +572,8 @@ class LLM:
                 raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
             return list(prompt)
         if all(isinstance(m, dict) for m in prompt):
-            _check_messages(prompt)
-            self._check_text_length(
-                sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))
-            )
+            prompt = _text_messages(prompt)
+            self._check_text_length(sum(len(m["content"]) for m in prompt))
             return self.tokenizer.encode(prompt, chat, *extra)
         raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
 
@@ -658,7 +656,7 @@ class LLM:
         """
         if speculative is not None and not isinstance(speculative, list):
             speculative = _speculative_config(speculative)
-        if isinstance(sampling_params, list):
+        if isinstance(sampling_params, (list, tuple)):  # vLLM takes any sequence
             sampling_params = [_sampling_params(p) for p in sampling_params]
         elif sampling_params is not None:
             sampling_params = _sampling_params(sampling_params)
@@ -883,7 +881,8 @@ class LLM:
                     "chat takes a conversation (a non-empty list of {'role', 'content'} "
                     "messages) or a list of conversations"
                 )
-            _check_messages(conversation)
+        conversations = [_text_messages(c) for c in conversations]
+        messages = conversations if batch else conversations[0]
         flags = (add_generation_prompt, continue_final_message, chat_template_kwargs)
         if flags == (True, False, None):
             return self.generate(
@@ -1026,14 +1025,20 @@ def _best_of(candidates: list[GenerationOutput], params: SamplingParams) -> list
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def _check_messages(messages: list[dict]) -> None:
-    """Refuse chat messages a chat template cannot read, naming the message: a role outside
-    :data:`CHAT_ROLES`, no ``content``, or content that is neither a string nor a list of
-    content parts (``None`` only for an assistant's, as OpenAI allows).
+def _text_messages(messages: list[dict]) -> list[dict]:
+    """Chat messages as a chat template reads them, as the server and vLLM take them:
+    ``content`` one string (a list of text parts joined with ``"\\n"``; an assistant's
+    ``None`` read as ``""``). Refused, naming the message: a role outside
+    :data:`CHAT_ROLES`, no ``content``, ``None`` content from another role, or a part that
+    is not text (the model takes text only).
+
+    Returns:
+        New message dicts (the given ones are not changed).
 
     Raises:
         ValueError: the first such message.
     """
+    out = []
     for i, message in enumerate(messages):
         role = message.get("role")
         if role not in CHAT_ROLES:
@@ -1043,13 +1048,30 @@ def _check_messages(messages: list[dict]) -> None:
         if "content" not in message:
             raise ValueError(f"messages[{i}] ({role}) has no 'content'")
         content = message["content"]
-        if content is None and role == "assistant":
-            continue
-        if not isinstance(content, (str, list)):
+        if content is None:
+            if role != "assistant":
+                raise ValueError(
+                    f"messages[{i}].content is None (only an assistant's content may be)"
+                )
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):  # fmt: skip
+                    raise ValueError(
+                        f"messages[{i}].content[{j}] must be a text part "
+                        "{'type': 'text', 'text': ...} (this model takes text only)"
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
             raise ValueError(
                 f"messages[{i}].content must be a string or a list of content parts, got "
                 f"{type(content).__name__}"
             )
+        out.append({**message, "content": content})
+    return out
 
 
 def _sampling_params(value) -> SamplingParams:

@@ -136,14 +136,14 @@ def create_app(
     async def tokenize(body: TokenizeRequest):
         """vLLM's route: the prompt's token ids, as a completions or chat request would
         feed them to the model."""
-        if body.model is not None:
+        if body.model:
             _check_model(body.model, name)
-        return await _off_loop(tokenizing, _tokenize, llm, body)
+        return await _off_loop(tokenizing, _tokenize, llm, body)  # a JSONResponse, rendered
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         """vLLM's route: token ids back to text."""
-        if body.model is not None:
+        if body.model:
             _check_model(body.model, name)
         vocab = llm.target.vocab_size
         bad = [t for t in body.tokens if t >= vocab]
@@ -172,8 +172,9 @@ async def _off_loop(pool: ThreadPoolExecutor, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
 
-def _tokenize(llm: LLM, body: TokenizeRequest) -> dict:
-    """``POST /tokenize``'s answer (run on the tokenizer thread)."""
+def _tokenize(llm: LLM, body: TokenizeRequest) -> JSONResponse:
+    """``POST /tokenize``'s answer, its JSON rendered here on the tokenizer thread (the
+    ids of a long prompt took seconds to render on the event loop)."""
     if body.prompt is not None:
         ids = _completion_prompts(llm, body.prompt)[0]
         if not body.add_special_tokens:
@@ -184,7 +185,7 @@ def _tokenize(llm: LLM, body: TokenizeRequest) -> dict:
     out = {"count": len(ids), "max_model_len": llm.target.max_context, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = llm.tokenizer.hf.convert_ids_to_tokens(ids)
-    return out
+    return JSONResponse(out)
 
 
 def _add_generation_routes(
@@ -195,14 +196,14 @@ def _add_generation_routes(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if body.model is not None:  # optional, as in vLLM
+        if body.model:  # optional, as in vLLM (which reads "" as left out too)
             _check_model(body.model, name)
         prompts = await _off_loop(tokenizing, _completion_prompts, llm, body.prompt)
         return await _serve(llm, engine, name, body, prompts, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        if body.model is not None:
+        if body.model:
             _check_model(body.model, name)
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         prompts = [await _off_loop(tokenizing, _chat_prompt, llm, messages, body)]
@@ -305,7 +306,7 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
         raise BadRequest(
             f"this request needs {len(prompts) * best_of} sequences ({count}), more than the "
             f"server queues at once (--max-waiting {engine.max_waiting}): split it",
-            "n" if best_of > 1 else "prompt",
+            ("best_of" if best_of > body.n else "n") if best_of > 1 else "prompt",
         )
     jobs = []  # (candidate index, prompt ids, params)
     for p, ids in enumerate(prompts):
@@ -319,6 +320,7 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     ids, queues = [], []
+    engine.check_room(len(jobs))  # all of the request's sequences fit, or a 429 for all
     try:
         for (_, prompt_ids, params), drafter in zip(jobs, drafters, strict=True):
             request_id = engine.new_request_id(response_id)

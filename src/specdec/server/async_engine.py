@@ -160,9 +160,7 @@ class AsyncEngine:
         """
         if self._draining:
             raise Unavailable("the server is shutting down")
-        waiting = len(self.engine.waiting) + self._inbox.qsize()
-        if waiting >= self.max_waiting:
-            raise Overloaded(f"{waiting} requests are waiting; retry later")
+        self.check_room(1)
         kwargs = self.llm._request(speculative, params, drafter)
         handle = _Handle(asyncio.get_running_loop(), asyncio.Queue())
         self._handles[request_id] = handle
@@ -170,6 +168,20 @@ class AsyncEngine:
         self._inbox.put(("add", request_id, prompt_ids, params, kwargs))
         self._wake.set()
         return handle.queue
+
+    def check_room(self, count: int) -> None:
+        """Refuse ``count`` more sequences where they would pass ``max_waiting`` queued ones,
+        before any of them is queued (a request's choices are queued together or not at
+        all, so a refused one leaves no aborts or prompt tokens in the metrics).
+
+        Raises:
+            Overloaded: they do not fit now.
+        """
+        waiting = len(self.engine.waiting) + self._inbox.qsize()
+        if waiting + count > self.max_waiting:
+            raise Overloaded(
+                f"{waiting} sequences are waiting (at most {self.max_waiting}); retry later"
+            )
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone); frees its KV cache. No-op if it finished."""
