@@ -154,12 +154,10 @@ class AsyncEngine:
 
         Raises:
             Unavailable: the server is shutting down.
-            Overloaded: too many requests are waiting.
+            Overloaded: ``max_waiting`` sequences are waiting.
             ValueError: invalid settings for this model (e.g. a stop id outside the
                 vocabulary, a draft-model method without a draft model).
         """
-        if self._draining:
-            raise Unavailable("the server is shutting down")
         self.check_room(1)
         kwargs = self.llm._request(speculative, params, drafter)
         handle = _Handle(asyncio.get_running_loop(), asyncio.Queue())
@@ -175,8 +173,11 @@ class AsyncEngine:
         all, so a refused one leaves no aborts or prompt tokens in the metrics).
 
         Raises:
+            Unavailable: the server is shutting down.
             Overloaded: they do not fit now.
         """
+        if self._draining:
+            raise Unavailable("the server is shutting down")
         waiting = len(self.engine.waiting) + self._inbox.qsize()
         if waiting + count > self.max_waiting:
             raise Overloaded(
