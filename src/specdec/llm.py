@@ -1081,21 +1081,7 @@ def _sampling_params(value) -> SamplingParams:
         ValueError: another type, or a dict naming fields it does not have (the message
             names them); what :class:`SamplingParams` refuses.
     """
-    if isinstance(value, SamplingParams):
-        return value
-    if isinstance(value, dict):
-        names = {f.name for f in dataclasses.fields(SamplingParams)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(
-                f"sampling_params: unknown field(s) {', '.join(map(repr, unknown))}; "
-                f"SamplingParams takes {', '.join(sorted(names))}"
-            )
-        return SamplingParams(**value)
-    raise ValueError(
-        f"sampling_params must be a SamplingParams (or a dict of its fields), got "
-        f"{type(value).__name__}"
-    )
+    return _from_fields(SamplingParams, value, "sampling_params")
 
 
 def _speculative_config(value) -> SpeculativeConfig:
@@ -1106,22 +1092,33 @@ def _speculative_config(value) -> SpeculativeConfig:
         ValueError: another type, or a dict naming fields it does not have (the message
             names them and lists the fields).
     """
-    if isinstance(value, SpeculativeConfig):
+    hint = (
+        " (vLLM's prompt_lookup_max/min are ngram's options: method='ngram:max_n=4,min_n=2'; "
+        "its draft 'model' is draft_model, with method='draft-model')"
+    )
+    return _from_fields(SpeculativeConfig, value, "speculative", hint)
+
+
+def _from_fields(cls, value, argument: str, hint: str = ""):
+    """``value`` if it is a ``cls``, else ``cls(**value)`` for a dict of its fields.
+
+    Raises:
+        ValueError: another type, or a dict naming fields ``cls`` does not have (the
+            message names them, lists the fields, then ``hint``).
+    """
+    if isinstance(value, cls):
         return value
     if isinstance(value, dict):
-        names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(
-                f"speculative: unknown field(s) {', '.join(map(repr, unknown))}; "
-                f"SpeculativeConfig takes {', '.join(sorted(names))} (vLLM's "
-                "prompt_lookup_max/min are ngram's options: method='ngram:max_n=4,min_n=2'; "
-                "its draft 'model' is draft_model, with method='draft-model')"
+                f"{argument}: unknown field(s) {', '.join(map(repr, unknown))}; "
+                f"{cls.__name__} takes {', '.join(sorted(names))}{hint}"
             )
-        return SpeculativeConfig(**value)
+        return cls(**value)
     raise ValueError(
-        f"speculative must be a SpeculativeConfig (or a dict of its fields), got "
-        f"{type(value).__name__}"
+        f"{argument} must be a {cls.__name__} (or a dict of its fields), got {type(value).__name__}"
     )
 
 
