@@ -1021,16 +1021,14 @@ def _best_of(candidates: list[GenerationOutput], params: SamplingParams) -> list
     return chosen
 
 
-#: The roles a chat message may have (OpenAI's, as the server accepts them).
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
 def _text_messages(messages: list[dict]) -> list[dict]:
     """Chat messages as a chat template reads them, as the server and vLLM take them:
     ``content`` one string (a list of text parts joined with ``"\\n"``; an assistant's
-    ``None`` read as ``""``). Refused, naming the message: a role outside
-    :data:`CHAT_ROLES`, no ``content``, ``None`` content from another role, or a part that
-    is not text (the model takes text only).
+    ``None`` read as ``""``). Refused, naming the message: no role (any non-empty string
+    is one, as in vLLM's ``LLM.chat``: templates know roles such as Llama 3.1's
+    ``ipython``; the server takes OpenAI's five), no ``content``, ``None`` content from
+    another role than the assistant's, or a part that is not text (the model takes text
+    only).
 
     Returns:
         New message dicts (the given ones are not changed).
@@ -1041,10 +1039,8 @@ def _text_messages(messages: list[dict]) -> list[dict]:
     out = []
     for i, message in enumerate(messages):
         role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise ValueError(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
-            )
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
         if "content" not in message:
             raise ValueError(f"messages[{i}] ({role}) has no 'content'")
         content = message["content"]
