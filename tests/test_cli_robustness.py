@@ -519,8 +519,10 @@ def test_llm_warns_once_per_process_on_a_busy_machine(monkeypatch, caplog, tiny_
     monkeypatch.setattr(machine, "busy_cores", lambda: 1.3)
     monkeypatch.setattr("torch.get_num_threads", lambda: 2)
     with caplog.at_level(logging.WARNING, logger="specdec.llm"):
-        LLM(tiny_model_dir)
-        LLM(tiny_model_dir)  # once per process
+        # float32 pinned: dtype auto's probe, run when this machine has no verdict at the
+        # patched thread count, would warn of the (patched) busy cores too
+        LLM(tiny_model_dir, dtype="float32")
+        LLM(tiny_model_dir, dtype="float32")  # once per process
     warned = [r.getMessage() for r in caplog.records if "busy" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "1.3 of 2 cores busy" in warned[0] and "torch.set_num_threads(1)" in warned[0]
