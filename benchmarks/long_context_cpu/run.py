@@ -25,6 +25,11 @@ import torch
 
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.models.loading import load
+from specdec.runtime import cache as kv_cache
+
+#: A method name ending in this runs with no packed KV blocks (the attention kernel packs
+#: every block it reads on every forward, as before NativeKVCache.pack_tiles).
+UNPACKED = "@unpacked"
 
 DOCUMENTS = {
     "gpl-3": (
@@ -77,7 +82,9 @@ def load_target(dtype: str, quantization: str):
 
 def speculative_config(method: str) -> SpeculativeConfig:
     """``ar`` (plain decoding) or ``NAME:k=K,controller=C,OPTION=...`` (a drafter spec
-    with the draft length and controller in it) as a :class:`SpeculativeConfig`."""
+    with the draft length and controller in it), either maybe ending in ``@unpacked``, as a
+    :class:`SpeculativeConfig`."""
+    method = method.removesuffix(UNPACKED)
     if method == "ar":
         return SpeculativeConfig(method="none")
     spec, _, rest = method.partition(":")
@@ -128,9 +135,11 @@ def main() -> None:
     for llm in llms.values():  # warm-up
         llm.generate(prompts[0]["ids"][:64], SamplingParams(max_new_tokens=8))
     records = []
+    packed_from = kv_cache.TILES_FROM
     for prompt in prompts:
         baseline = None
         for m in methods:
+            kv_cache.TILES_FROM = 10**9 if m.endswith(UNPACKED) else packed_from
             t0 = time.perf_counter()
             out = llms[m].generate(prompt["ids"], params)
             wall = time.perf_counter() - t0
@@ -187,7 +196,7 @@ def main() -> None:
                 "tau": sum(r["tau"] for r in rs) / len(rs),
                 "draft_share": sum(r["draft_s"] for r in rs) / sum(r["decode_s"] for r in rs),
                 "identical": f"{sum(bool(r['identical']) for r in rs)}/{len(rs)}"
-                if not m.startswith("ar")
+                if not (m == "ar" or m.startswith("ar["))
                 else "-",
             }
     for key, v in summary.items():

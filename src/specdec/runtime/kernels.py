@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -221,6 +222,8 @@ def ragged_attention(
     slots: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    tiles: Sequence[torch.Tensor] = (),
+    tiles_upto: torch.Tensor | None = None,
 ) -> None:
     """Attention of the rows of a ragged batch over their sequences' KV caches, written
     into ``out`` (one call for all sequences of a layer).
@@ -248,14 +251,59 @@ def ragged_attention(
         slots: ``[S]`` int64 visible slots of the tree rows, concatenated.
         scale: softmax scale (``1 / sqrt(d)``).
         out: ``[T, H * d]`` contiguous, ``q``'s dtype.
+        tiles: empty, or per sequence the blocks :func:`pack_kv_tiles` packed from its
+            cache (a tensor of the cache's shape and dtype); the bfloat16 kernel with
+            AVX512-BF16 reads them instead of packing those blocks again (the same bytes,
+            so the same bits), other kernels ignore them.
+        tiles_upto: ``[S]`` int64, per sequence the slots its ``tiles`` hold (a multiple
+            of 64; 0: none); required with ``tiles``.
 
     Raises:
         RuntimeError: the extension is not available (check :func:`kernel_available`),
             or tensors of the wrong shape, layout or dtype.
     """
     _module_or_raise().ragged_attention(
-        q, caches, layer, row_seq, row_n, row_off, slots, float(scale), out
-    )
+        q, caches, layer, row_seq, row_n, row_off, slots, float(scale), out,
+        *_tiles_args(tiles, tiles_upto),
+    )  # fmt: skip
+
+
+_NO_TILES = torch.empty(0, dtype=torch.long)
+
+
+def _tiles_args(tiles, tiles_upto) -> tuple[list[torch.Tensor], torch.Tensor]:
+    if not tiles:
+        return [], _NO_TILES
+    if tiles_upto is None:
+        raise ValueError("tiles need tiles_upto (the slots each one holds)")
+    return list(tiles), tiles_upto
+
+
+def packed_kv_available() -> bool:
+    """Whether :func:`pack_kv_tiles` runs here and :func:`ragged_attention` reads packed
+    blocks: the C++ kernels built with AVX512-BF16 (Zen 4, Sapphire Rapids, Cooper Lake)."""
+    module = _load()
+    return module is not None and module.packed_kv_available()
+
+
+def pack_kv_tiles(kv: torch.Tensor, tiles: torch.Tensor, start: int, end: int) -> None:
+    """Pack slots ``[start, end)`` of a bfloat16 KV cache, every layer and KV head, into
+    ``tiles`` as the attention kernel reads them: each block of 64 keys as 16-key tiles of
+    pairs (d, d + 1) and its values as pairs of keys, at the block's own offset. The
+    kernel packs every block it reads on every forward otherwise; with the packed blocks
+    of a long sequence kept (:meth:`~specdec.runtime.cache.NativeKVCache.pack_tiles`), a
+    decoding or verification forward reads them as they are.
+
+    Args:
+        kv: ``[L, 2, G, C, d]`` contiguous bfloat16 cache, ``d`` 64 or 128.
+        tiles: a contiguous tensor of ``kv``'s shape and dtype, written in place.
+        start, end: slots, multiples of 64, ``0 <= start <= end <= C``.
+
+    Raises:
+        RuntimeError: the extension is not available, the CPU lacks AVX512-BF16
+            (:func:`packed_kv_available`), or tensors or slots outside those rules.
+    """
+    _module_or_raise().pack_kv_tiles(kv, tiles, int(start), int(end))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -433,6 +481,8 @@ def decode_layer(
     kernels: list[int],
     mlp_norm: torch.Tensor,
     eps: float,
+    tiles: Sequence[torch.Tensor] = (),
+    tiles_upto: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of decoding / verification rows whose products run on specdec's
     own kernels (quantized, or dense on tiles), in one call: the fused QKV product,
@@ -443,7 +493,8 @@ def decode_layer(
     Args:
         x, normed: ``[T, D]`` the residual stream and its attention norm, contiguous.
         cos, sin, caches, layer, store_seq, store_slot: as :func:`rotary_kv` takes them.
-        row_seq, row_n, row_off, slots, scale: as :func:`ragged_attention` takes them.
+        row_seq, row_n, row_off, slots, scale, tiles, tiles_upto: as
+            :func:`ragged_attention` takes them.
         heads: query heads H.
         blocks, codes, kernels: per product (qkv, o, gate_up, down) its blocks, their kind
             and its kernel: 0 for :func:`quant_gemm`, 1 for :func:`q8_gemm`, 2 for
@@ -462,6 +513,7 @@ def decode_layer(
     out = _module_or_raise().decode_layer(
         x, normed, cos, sin, caches, layer, store_seq, store_slot, row_seq, row_n, row_off,
         slots, float(scale), heads, blocks, codes, kernels, mlp_norm, float(eps),
+        *_tiles_args(tiles, tiles_upto),
     )  # fmt: skip
     return out[0], out[1]
 
@@ -486,6 +538,8 @@ def decode_layers(
     attn_norms: list[torch.Tensor],
     mlp_norms: list[torch.Tensor],
     eps: float,
+    tiles: Sequence[torch.Tensor] = (),
+    tiles_upto: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_layer` over ``layers`` in order in one call, each after its attention
     norm (:func:`rms_norm` of ``x`` for the first, then :func:`add_rms_norm` of the
@@ -511,6 +565,7 @@ def decode_layers(
     out = _module_or_raise().decode_layers(
         x, cos, sin, caches, layers, store_seq, store_slot, row_seq, row_n, row_off, slots,
         float(scale), heads, blocks, codes, kernels, attn_norms, mlp_norms, float(eps),
+        *_tiles_args(tiles, tiles_upto),
     )  # fmt: skip
     return out[0], out[1]
 

@@ -24,7 +24,7 @@ from specdec.runtime.attention import (
     key_groups,
     visibility_mask,
 )
-from specdec.runtime.cache import NativeKVCache
+from specdec.runtime.cache import NativeKVCache, packed_kv_on
 from specdec.runtime.kernels import (
     add_rms_norm,
     decode_layer,
@@ -86,6 +86,10 @@ class NativeDecoder:
         quant_kernels: the kernel of each quantized product (``{product: "fma" | "amx" |
             "dpbf16" | "q8"}``, e.g. a quantized self-draft's own); measured (see
             :func:`~specdec.runtime.quant.quant_kernel_choices`) when ``None``.
+
+    Raises:
+        ValueError: a bad ``SPECDEC_PACKED_KV`` (:data:`~specdec.runtime.cache.
+            PACKED_KV_ENV`).
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class NativeDecoder:
         prefill: PrefillPlan | None = None,
         quant_kernels: dict[str, str] | None = None,
     ) -> None:
+        packed_kv_on()  # a bad SPECDEC_PACKED_KV is refused at load, not mid-generation
         self.weights = weights
         self.config = cfg = weights.config
         self.exact = exact
@@ -258,7 +263,8 @@ class NativeDecoder:
                 x, pending = decode_layers(
                     x, cos, sin, kernel.caches, seg, kernel.store_seq, kernel.store_slot,
                     kernel.row_seq, kernel.row_n, kernel.row_off, kernel.slots, self.scale,
-                    self.config.num_heads, *lists, self.config.rms_eps,
+                    self.config.num_heads, *lists, self.config.rms_eps, kernel.tiles,
+                    kernel.tiles_upto,
                 )  # fmt: skip
             order = ()
         for index in order:
@@ -443,7 +449,8 @@ class NativeDecoder:
             return decode_layer(
                 x, normed, cos, sin, kernel.caches, index, kernel.store_seq, kernel.store_slot,
                 kernel.row_seq, kernel.row_n, kernel.row_off, kernel.slots, self.scale, h,
-                spec[0], spec[1], spec[2], w.mlp_norm, cfg.rms_eps,
+                spec[0], spec[1], spec[2], w.mlp_norm, cfg.rms_eps, kernel.tiles,
+                kernel.tiles_upto,
             )  # fmt: skip
         layer = self.layers[index]
         qkv = _rows(_product(layer["qkv"], normed, plans, exact, self.prefill_plan))
@@ -456,7 +463,7 @@ class NativeDecoder:
         if kernel.rows:  # the kernel's rows of every sequence in one call
             ragged_attention(
                 q, kernel.caches, index, kernel.row_seq, kernel.row_n, kernel.row_off,
-                kernel.slots, self.scale, attn,
+                kernel.slots, self.scale, attn, kernel.tiles, kernel.tiles_upto,
             )  # fmt: skip
         row = 0
         for p in plans:  # the rest (prefill chunks): per sequence
@@ -499,11 +506,13 @@ class NativeDecoder:
 
     def _kernel_rows(self, plans, exact: bool) -> _KernelRows | None:
         """What the kernels need about this forward's rows (built once per forward, for
-        every layer); ``None`` without the kernels. Attention rows: in exact mode every row after
-        a sequence's prefill (the kernel is batch-invariant by construction); in fast mode
-        those of sequences with at most :data:`KERNEL_ROWS` new rows (longer chunks are
-        faster as one ``scaled_dot_product_attention``); and prompt chunks where the
-        prefill plan measured the kernel faster
+        every layer); ``None`` without the kernels. A long sequence's cache first packs
+        its new complete blocks for the attention kernel to read
+        (:meth:`~specdec.runtime.cache.NativeKVCache.pack_tiles`). Attention rows: in
+        exact mode every row after a sequence's prefill (the kernel is batch-invariant by
+        construction); in fast mode those of sequences with at most :data:`KERNEL_ROWS`
+        new rows (longer chunks are faster as one ``scaled_dot_product_attention``); and
+        prompt chunks where the prefill plan measured the kernel faster
         (:attr:`~specdec.runtime.prefill.PrefillPlan.kernel_attention_to`; the same call
         for the same chunk, so the same bits alone or in any batch). ``every``: every row
         on the kernel and no prompt chunk (a chunk's products are its own, see
@@ -511,11 +520,14 @@ class NativeDecoder:
         if not self.use_kernel:
             return None
         seq, slot, row_seq, n, off, slots, used = [], [], [], [], [], [], 0
+        packed = []
         for s, p in enumerate(plans):
             if p.prefill:
                 p.kernel = self.prefill_plan.kernel_attention(p.length)
             else:
                 p.kernel = exact or p.length <= KERNEL_ROWS
+            pack = getattr(p.item.cache, "pack_tiles", None)
+            packed.append(pack() if p.kernel and not p.prefill and pack is not None else 0)
             seq += [s] * p.length
             slot += range(p.start, p.start + p.length)
             for v in p.visible:
@@ -538,6 +550,13 @@ class NativeDecoder:
             torch.tensor(n, dtype=torch.long),
             torch.tensor(off, dtype=torch.long),
             torch.cat(slots) if slots else torch.empty(0, dtype=torch.long),
+            [
+                p.item.cache.tiles if upto else p.item.cache.kv
+                for p, upto in zip(plans, packed, strict=True)
+            ]
+            if any(packed)
+            else [],
+            torch.tensor(packed, dtype=torch.long),
         )
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -570,6 +589,8 @@ class _KernelRows:
     row_n: torch.Tensor
     row_off: torch.Tensor
     slots: torch.Tensor
+    tiles: list[torch.Tensor]  # per sequence its packed blocks (empty: none packed)
+    tiles_upto: torch.Tensor  # per sequence the slots packed
 
 
 @dataclass

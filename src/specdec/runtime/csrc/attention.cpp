@@ -76,6 +76,16 @@ struct GroupRow {
   float* stats;  // [R, 2]: the chunk's maximum and sum of p_j (for the merge)
 };
 
+// A sequence's packed blocks for one layer and KV head (pack_kv_tiles): keys as
+// pack_key_tiles lays a block out, values as pack_value_pairs does, block jb at the
+// offset jb * D of its raw keys / values; valid for the positions below `upto` (a
+// multiple of kKeyBlock), nullptr / 0 for none.
+struct PackedKV {
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  int64_t upto = 0;
+};
+
 #if defined(__AVX512F__)
 // The sums of the 16 lanes of each of a[0..15], as lane t of the result: the same
 // additions in the same tree as _mm512_reduce_add_ps (lanes l + l+8, then + l+4, + l+2,
@@ -395,11 +405,21 @@ inline void value_pairs(const float* p, int64_t len, float* acc_out, const __m51
 // out): once into `shared` (up to the group's longest row) for every row that reads the
 // block's slots in order, so that it serves all of them; into `own` for a row with its own
 // slots there (a token tree's or a KV window's).
+//
+// `kept` (may be nullptr): the sequence's blocks packed once for every forward
+// (pack_kv_tiles), the same bytes pack writes for a whole block, used below `upto`
+// instead of packing again.
 template <typename Pack, typename Visit>
 void each_packed_block(GroupRow<c10::BFloat16>* rows, int64_t nrows, int64_t kb, int64_t longest,
-                       __m512i* shared, __m512i* own, Pack&& pack, Visit&& visit) {
+                       __m512i* shared, __m512i* own, Pack&& pack, Visit&& visit,
+                       const __m512i* kept, int64_t upto, int64_t block_vectors) {
   for (int64_t jb = kb; jb < longest; jb += kKeyBlock) {
     bool packed = false;
+    const __m512i* in_order = shared;
+    if (kept && jb + kKeyBlock <= upto) {
+      in_order = kept + (jb / kKeyBlock) * block_vectors;
+      packed = true;
+    }
     for (int64_t i = 0; i < nrows; ++i) {
       const GroupRow<c10::BFloat16>& row = rows[i];
       const int64_t end = kb + row.len;
@@ -408,7 +428,7 @@ void each_packed_block(GroupRow<c10::BFloat16>* rows, int64_t nrows, int64_t kb,
       if (slots_in_order(row.sl, jb, je)) {
         if (!packed) pack(nullptr, jb, longest, shared);
         packed = true;
-        visit(row, jb, je, shared);
+        visit(row, jb, je, in_order);
       } else {
         pack(row.sl, jb, je, own);
         visit(row, jb, je, own);
@@ -434,13 +454,16 @@ void each_packed_block(GroupRow<c10::BFloat16>* rows, int64_t nrows, int64_t kb,
 // same bits decoded alone, verified in a chain or tree, or batched. What rows share is the
 // packing: a 64-key block is packed once (keys as tiles, values as pairs) for every row of
 // the group that reads those slots in order; a token tree's or a window's own slots are
-// packed per row. A row's last pair, when its keys end inside one, has the missing key's
+// packed per row; a long sequence's complete blocks, packed once for every forward
+// (pack_kv_tiles, NativeKVCache.pack_tiles: the same bytes), are read as they are. A row's
+// last pair, when its keys end inside one, has the missing key's
 // probability 0 and its values zeroed, so it adds +0 products whatever the cache holds.
 // Measured on a 2-core Zen 4, SmolLM2-135M, 8,000 cached tokens, one forward of 1 / 3 / 5
 // rows: see the header and benchmarks/long_context_cpu/report.md (runs 6-8).
 template <int nv>
 void group_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat16* K,
-                const c10::BFloat16* V, int64_t R, float scale, int64_t kb, bool normalize) {
+                const c10::BFloat16* V, int64_t R, float scale, int64_t kb, bool normalize,
+                const PackedKV& kept) {
   constexpr int64_t D = nv * kLanes;
   int64_t longest = kb;
   for (int64_t i = 0; i < nrows; ++i)
@@ -468,7 +491,8 @@ void group_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat1
             score_tiles<D, 1>(row.q + r * D, kp, out, row.len, jb, je, scale);
           r += n;
         }
-      });
+      },
+      static_cast<const __m512i*>(kept.keys), kept.upto, kKeyBlock * D / 32);
   float denom[kMaxRows][kMaxGroup];
   softmax_rows(rows, nrows, R, denom);
   for (int64_t i = 0; i < nrows; ++i) std::fill(rows[i].acc, rows[i].acc + R * D, 0.f);
@@ -492,7 +516,8 @@ void group_bf16(GroupRow<c10::BFloat16>* rows, int64_t nrows, const c10::BFloat1
             value_pairs<nv, 1>(pr, row.len, a, vp, jb, je);
           r += n;
         }
-      });
+      },
+      static_cast<const __m512i*>(kept.values), kept.upto, kKeyBlock * D / 32);
   // dims back in order (and normalized when this is the row's only chunk)
   for (int64_t i = 0; i < nrows; ++i)
     for (int64_t r = 0; r < R; ++r) {
@@ -671,11 +696,12 @@ void group_v16(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K, const
 // The group kernel this CPU runs.
 template <typename scalar_t, int nv>
 inline void group_kernel(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t* K,
-                         const scalar_t* V, int64_t R, float scale, int64_t kb, bool normalize) {
+                         const scalar_t* V, int64_t R, float scale, int64_t kb, bool normalize,
+                         const PackedKV& kept) {
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    group_bf16<nv>(rows, nrows, K, V, R, scale, kb, normalize);
+    group_bf16<nv>(rows, nrows, K, V, R, scale, kb, normalize, kept);
     return;
   }
 #endif
@@ -689,7 +715,7 @@ inline void group_kernel(GroupRow<scalar_t>* rows, int64_t nrows, const scalar_t
 template <typename scalar_t>
 void run(const torch::Tensor& q, const std::vector<torch::Tensor>& kv, int64_t layer, const int64_t* row_seq,
          const int64_t* row_n, const int64_t* row_off, const int64_t* slots, float scale,
-         torch::Tensor& out) {
+         torch::Tensor& out, const std::vector<torch::Tensor>& tiles, const int64_t* tiles_upto) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t G = kv[0].size(2);
   const int64_t R = H / G;
@@ -818,10 +844,17 @@ void run(const torch::Tensor& q, const std::vector<torch::Tensor>& kv, int64_t l
         const int64_t cap = capacity[s];
         const scalar_t* K = base[s] + g * cap * D;
         const scalar_t* V = base[s] + (G + g) * cap * D;
+        PackedKV kept;
+        if (!tiles.empty() && tiles_upto[s] > 0) {
+          const scalar_t* tb = tiles[s].data_ptr<scalar_t>() + layer * 2 * G * cap * D;
+          kept.keys = tb + g * cap * D;
+          kept.values = tb + (G + g) * cap * D;
+          kept.upto = tiles_upto[s];
+        }
         if (D == 64)
-          group_kernel<scalar_t, 4>(rows, nr, K, V, R, scale, kb, !split);
+          group_kernel<scalar_t, 4>(rows, nr, K, V, R, scale, kb, !split, kept);
         else
-          group_kernel<scalar_t, 8>(rows, nr, K, V, R, scale, kb, !split);
+          group_kernel<scalar_t, 8>(rows, nr, K, V, R, scale, kb, !split, kept);
         if (split) continue;
         for (int64_t t = t0; t < t1; ++t)
           for (int64_t r = 0; r < R; ++r) {
@@ -944,24 +977,96 @@ void check_caches(const std::vector<torch::Tensor>& kv, int64_t layer, int64_t D
 // layer `layer` is read); row_seq [T] int64 (-1: row skipped); row_n [T] int64 visible
 // keys; row_off [T] int64 offset of the row's slots in `slots` (-1: slots 0 .. n-1);
 // out: [T, H * D], q's dtype.
+// tiles: empty, or per sequence its packed blocks (pack_kv_tiles: a tensor of its cache's
+// shape and dtype), valid below tiles_upto[s] ([S] int64; 0: none), which the bfloat16
+// kernel with AVX512-BF16 reads instead of packing those blocks again (the same bytes,
+// so the same bits); other kernels ignore them.
 void ragged_attention(torch::Tensor q, std::vector<torch::Tensor> kv, int64_t layer,
                       torch::Tensor row_seq, torch::Tensor row_n, torch::Tensor row_off,
-                      torch::Tensor slots, double scale, torch::Tensor out) {
+                      torch::Tensor slots, double scale, torch::Tensor out,
+                      std::vector<torch::Tensor> tiles, torch::Tensor tiles_upto) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, H, D] tensor");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type(), "bad out");
   check_caches(kv, layer, q.size(2), q.scalar_type());
   TORCH_CHECK(q.size(1) % kv[0].size(2) == 0, "heads must be a multiple of KV heads");
+  const int64_t* upto = nullptr;
+  if (!tiles.empty()) {
+    TORCH_CHECK(tiles.size() == kv.size() && tiles_upto.scalar_type() == torch::kInt64 &&
+                    tiles_upto.is_contiguous() && tiles_upto.numel() == static_cast<int64_t>(kv.size()),
+                "tiles: one per KV cache, with tiles_upto an int64 [S] tensor");
+    upto = tiles_upto.data_ptr<int64_t>();
+    for (size_t i = 0; i < kv.size(); ++i)
+      TORCH_CHECK(upto[i] == 0 || (tiles[i].sizes() == kv[i].sizes() && tiles[i].is_contiguous() &&
+                                   tiles[i].scalar_type() == kv[i].scalar_type() &&
+                                   upto[i] % 64 == 0 && upto[i] <= kv[i].size(3)),
+                  "tiles[", i, "] must be a contiguous tensor of its cache's shape and dtype, "
+                  "tiles_upto a multiple of 64 slots within it");
+  }
   const int64_t* rs = row_seq.data_ptr<int64_t>();
   const int64_t* rn = row_n.data_ptr<int64_t>();
   const int64_t* ro = row_off.data_ptr<int64_t>();
   const int64_t* sl = slots.numel() ? slots.data_ptr<int64_t>() : nullptr;
   const float sc = static_cast<float>(scale);
+  const std::vector<torch::Tensor> none;
+  const auto& kept = upto ? tiles : none;
   switch (q.scalar_type()) {
-    case torch::kFloat32: run<float>(q, kv, layer, rs, rn, ro, sl, sc, out); break;
-    case torch::kBFloat16: run<c10::BFloat16>(q, kv, layer, rs, rn, ro, sl, sc, out); break;
-    case torch::kFloat16: run<c10::Half>(q, kv, layer, rs, rn, ro, sl, sc, out); break;
+    case torch::kFloat32: run<float>(q, kv, layer, rs, rn, ro, sl, sc, out, kept, upto); break;
+    case torch::kBFloat16:
+      run<c10::BFloat16>(q, kv, layer, rs, rn, ro, sl, sc, out, kept, upto);
+      break;
+    case torch::kFloat16: run<c10::Half>(q, kv, layer, rs, rn, ro, sl, sc, out, kept, upto); break;
     default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
+}
+
+// Packs blocks [start, end) (multiples of 64 slots) of every layer and KV head of a
+// bfloat16 cache kv [L, 2, G, C, D] into `tiles` (the same shape): keys as the attention
+// kernel's key tiles, values as its value pairs, so that later forwards read them
+// instead of packing them again. Only with AVX512-BF16 and D 64 or 128
+// (packed_kv_available).
+void pack_kv_tiles(torch::Tensor kv, torch::Tensor tiles, int64_t start, int64_t end) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.is_contiguous() &&
+                  kv.scalar_type() == torch::kBFloat16 && (kv.size(4) == 64 || kv.size(4) == 128),
+              "pack_kv_tiles: a contiguous bfloat16 [L, 2, G, C, D] cache, D 64 or 128");
+  TORCH_CHECK(tiles.sizes() == kv.sizes() && tiles.is_contiguous() &&
+                  tiles.scalar_type() == torch::kBFloat16,
+              "pack_kv_tiles: tiles must be a contiguous tensor of the cache's shape and dtype");
+  TORCH_CHECK(0 <= start && start <= end && end <= kv.size(3) && start % kKeyBlock == 0 &&
+                  end % kKeyBlock == 0,
+              "pack_kv_tiles: start and end must be multiples of 64 slots within the cache");
+  const int64_t L = kv.size(0), G = kv.size(2), C = kv.size(3), D = kv.size(4);
+  const int64_t blocks = (end - start) / kKeyBlock;
+  const c10::BFloat16* src = kv.data_ptr<c10::BFloat16>();
+  c10::BFloat16* dst = tiles.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, L * 2 * G * blocks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t head = i / blocks;  // (layer, keys or values, KV head)
+      const int64_t jb = start + (i % blocks) * kKeyBlock;
+      const c10::BFloat16* from = src + head * C * D;
+      __m512i* to = reinterpret_cast<__m512i*>(dst + head * C * D + jb * D);
+      const bool keys = (head / G) % 2 == 0;
+      if (D == 64) {
+        if (keys) pack_key_tiles<64>(from, nullptr, jb, jb + kKeyBlock, to);
+        else pack_value_pairs<4>(from, nullptr, jb, jb + kKeyBlock, to);
+      } else {
+        if (keys) pack_key_tiles<128>(from, nullptr, jb, jb + kKeyBlock, to);
+        else pack_value_pairs<8>(from, nullptr, jb, jb + kKeyBlock, to);
+      }
+    }
+  });
+#else
+  (void)kv, (void)tiles, (void)start, (void)end;
+  TORCH_CHECK(false, "pack_kv_tiles needs AVX512-BF16 (packed_kv_available)");
+#endif
+}
+
+bool packed_kv_available() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 // layer_ops.cpp
@@ -1015,7 +1120,8 @@ std::vector<torch::Tensor> decode_layer(
     std::vector<torch::Tensor> kv, int64_t layer, torch::Tensor store_seq,
     torch::Tensor store_slot, torch::Tensor row_seq, torch::Tensor row_n, torch::Tensor row_off,
     torch::Tensor slots, double scale, int64_t heads, std::vector<torch::Tensor> blocks,
-    std::vector<int64_t> codes, std::vector<int64_t> kernels, torch::Tensor mlp_norm, double eps) {
+    std::vector<int64_t> codes, std::vector<int64_t> kernels, torch::Tensor mlp_norm, double eps,
+    std::vector<torch::Tensor> tiles, torch::Tensor tiles_upto) {
   TORCH_CHECK(blocks.size() == 4 && codes.size() == 4 && kernels.size() == 4,
               "four products: qkv, o, gate_up, down");
   TORCH_CHECK(!kv.empty(), "no KV caches");
@@ -1045,7 +1151,7 @@ std::vector<torch::Tensor> decode_layer(
   auto q = at::empty({T, heads, D}, x.options());
   rotary_kv(qkv, cos, sin, kv, layer, store_seq, store_slot, heads, q);
   auto attn = at::empty({T, heads * D}, x.options());
-  ragged_attention(q, kv, layer, row_seq, row_n, row_off, slots, scale, attn);
+  ragged_attention(q, kv, layer, row_seq, row_n, row_off, slots, scale, attn, tiles, tiles_upto);
   auto o = product(attn, 1);
   auto sum = at::empty_like(x), mlp_in = at::empty_like(x);
   add_rms_norm(x, o, mlp_norm, eps, sum, mlp_in);
@@ -1066,7 +1172,8 @@ std::vector<torch::Tensor> decode_layers(
     torch::Tensor row_seq, torch::Tensor row_n, torch::Tensor row_off, torch::Tensor slots,
     double scale, int64_t heads, std::vector<torch::Tensor> blocks, std::vector<int64_t> codes,
     std::vector<int64_t> kernels, std::vector<torch::Tensor> attn_norms,
-    std::vector<torch::Tensor> mlp_norms, double eps) {
+    std::vector<torch::Tensor> mlp_norms, double eps, std::vector<torch::Tensor> tiles,
+    torch::Tensor tiles_upto) {
   const size_t L = layers.size();
   TORCH_CHECK(L > 0 && blocks.size() == 4 * L && codes.size() == 4 * L && kernels.size() == 4 * L &&
                   attn_norms.size() == L && mlp_norms.size() == L,
@@ -1085,7 +1192,8 @@ std::vector<torch::Tensor> decode_layers(
         x, normed, cos, sin, kv, layers[i], store_seq, store_slot, row_seq, row_n, row_off,
         slots, scale, heads, {blocks.begin() + 4 * i, blocks.begin() + 4 * i + 4},
         {codes.begin() + 4 * i, codes.begin() + 4 * i + 4},
-        {kernels.begin() + 4 * i, kernels.begin() + 4 * i + 4}, mlp_norms[i], eps);
+        {kernels.begin() + 4 * i, kernels.begin() + 4 * i + 4}, mlp_norms[i], eps, tiles,
+        tiles_upto);
     x = out[0];
     pending = out[1];
   }
@@ -1139,6 +1247,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode_layer over several layers, with their norms");
   m.def("ragged_attention", &ragged_attention, kReleaseGil,
         "ragged attention over per-sequence KV caches");
+  m.def("pack_kv_tiles", &pack_kv_tiles, kReleaseGil,
+        "pack a bfloat16 KV cache's blocks as the attention kernel reads them");
+  m.def("packed_kv_available", &packed_kv_available,
+        "whether pack_kv_tiles and packed blocks work here (AVX512-BF16)");
   m.def("prompt_attention_available", &prompt_attention_available,
         "whether prompt_attention runs here (AVX512-BF16)");
   m.def("prompt_attention", &prompt_attention, kReleaseGil,
