@@ -122,7 +122,11 @@ class EngineConfig:
             per verified sequence, its pending token and largest draft or tree.
         max_kv_tokens: most KV cache slots accounted over all admitted sequences (in
             16-slot blocks as sequences grow); a sequence's own limit, too: its prompt
-            plus output never exceeds this minus its largest verification.
+            plus output never exceeds this minus its largest verification. A slot of a
+            sequence of 2,048 tokens or more takes twice its bytes on the native backend
+            in bfloat16 with AVX512-BF16, which keeps that cache's blocks packed as well
+            (:meth:`~specdec.runtime.cache.NativeKVCache.pack_tiles`;
+            ``SPECDEC_PACKED_KV=off`` turns that off).
         prefill_chunk: prompt tokens per prefill forward (chunked prefill; default:
             2048, or ``max_num_batched_tokens`` if smaller). Fixed per sequence, so a prompt
             is split the same way whatever else runs.

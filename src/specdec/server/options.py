@@ -67,7 +67,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--max-kv-tokens", type=int, default=1 << 16,
-        help="KV cache slots over all sequences (default: 65536)",
+        help="KV cache slots over all sequences (default: 65536); a sequence of 2,048 "
+        "tokens or more also keeps its blocks packed for the attention kernel (bfloat16 with "
+        "AVX512-BF16), twice its slots' bytes: SPECDEC_PACKED_KV=off turns that off",
     )  # fmt: skip
     p.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
