@@ -105,6 +105,10 @@ def test_json_compare_ngram(capsys, model_dir):
     assert (
         dense is None if record["backend"] == "hf" else set(dense.split(",")) <= set(FORMULATIONS)
     )
+    # where the prompt's arithmetic changes (a native target's prefill plan; null on hf)
+    plan = record["prefill_plan"]
+    assert plan is None if record["backend"] == "hf" else "quantized_to" in plan
+    assert plan is None or "times_ms" not in plan
     assert record["text"]  # this prompt produces real words
     assert record["identical"] is True
     assert record["baseline"]["token_ids"] == ids

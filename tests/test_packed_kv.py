@@ -205,3 +205,7 @@ def test_packed_blocks_can_be_turned_off_and_a_bad_switch_is_refused(monkeypatch
     monkeypatch.setenv("SPECDEC_PACKED_KV", "sometimes")
     with pytest.raises(ValueError, match="SPECDEC_PACKED_KV='sometimes'"):
         NativeModel(tiny_hf("llama", dtype=torch.bfloat16, head_dim=64), exact=True)
+    from specdec.models.loading import check_quantization
+
+    with pytest.raises(ValueError, match="SPECDEC_PACKED_KV"):  # before any load
+        check_quantization("none", "hf")

@@ -7,7 +7,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdec import registry
@@ -626,7 +626,10 @@ def target_meta(target, threads: int) -> dict:
     mode, one decoding row: ``dpbf16``, ``f32_tiles``, ``onednn``, ...; ``None`` without
     dense products or on transformers), ``simd`` (the C++ kernels' instruction set on the
     native backend: ``avx512``, ``avx2``, ``portable``; ``None`` on transformers or without
-    the kernels) and ``threads``."""
+    the kernels), ``prefill_plan`` (where a native target's prompt chunks change
+    arithmetic, :class:`~specdec.runtime.prefill.PrefillPlan`'s fields without its timings:
+    measured per machine, it can differ between two runs on a busy machine, and so can the
+    greedy text; ``None`` on transformers) and ``threads``."""
     decoder = getattr(target, "decoder", None)
     simd = None
     if decoder is not None:
@@ -645,8 +648,17 @@ def target_meta(target, threads: int) -> dict:
         "quant_kernel": ",".join(sorted(set(kernels.values()))) or None,
         "dense_kernel": ",".join(dense) or None,
         "simd": simd,
+        "prefill_plan": _prefill_fields(getattr(decoder, "prefill_plan", None)),
         "threads": threads,
     }
+
+
+def _prefill_fields(plan) -> dict | None:
+    if plan is None:
+        return None
+    fields = asdict(plan)
+    fields.pop("times_ms", None)
+    return fields
 
 
 def describe_target(meta: dict) -> str:

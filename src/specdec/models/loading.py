@@ -395,7 +395,8 @@ def check_quantization(quantization: str, backend: str) -> None:
 
     Raises:
         ValueError: an unknown name, a quantization with ``backend="hf"``, or a bad
-            ``SPECDEC_QUANT_KERNEL``.
+            ``SPECDEC_QUANT_KERNEL``, ``SPECDEC_PREFILL_FLOAT32``, ``SPECDEC_KEEP_DENSE``
+            or ``SPECDEC_PACKED_KV``.
     """
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(
@@ -407,12 +408,14 @@ def check_quantization(quantization: str, backend: str) -> None:
             f"quantization {quantization!r} runs on the native backend (backend 'native' or "
             "'auto'), not on transformers ('hf')"
         )
+    from specdec.runtime.cache import packed_kv_on
     from specdec.runtime.prefill import forced_plan
     from specdec.runtime.quant import forced_quant_kernel, keep_dense_budget
 
     forced_quant_kernel()  # a bad SPECDEC_QUANT_KERNEL is refused before loading, too
     forced_plan()  # and a bad SPECDEC_PREFILL_FLOAT32, whatever the backend and dtype
     keep_dense_budget()  # and a bad SPECDEC_KEEP_DENSE
+    packed_kv_on()  # and a bad SPECDEC_PACKED_KV
 
 
 def resolve_quantization(quantization: str, model: HFModel) -> str:
