@@ -217,12 +217,12 @@ class NativeKVCache:
         n = index.numel()
         if n and (int(index.min()) < start or int(index.max()) >= self.num_tokens):
             raise ValueError(f"compact indices must lie in [{start}, {self.num_tokens})")
-        if not torch.equal(index, torch.arange(start, start + n)):
+        moved = not torch.equal(index, torch.arange(start, start + n))
+        if moved:
             index = index.to(self.kv.device)
             self.kv[:, :, :, start : start + n] = self.kv.index_select(3, index)
-            self._drop_tiles_from(start)
         self.num_tokens = start + n
-        self._drop_tiles_from(self.num_tokens)
+        self._drop_tiles_from(start if moved else self.num_tokens)
 
     def _drop_tiles_from(self, slot: int) -> None:
         """Forget the packed blocks from the one holding ``slot`` on (slots that change)."""

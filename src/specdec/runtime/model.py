@@ -88,8 +88,8 @@ class NativeDecoder:
             :func:`~specdec.runtime.quant.quant_kernel_choices`) when ``None``.
 
     Raises:
-        ValueError: a bad ``SPECDEC_PACKED_KV`` (:data:`~specdec.runtime.cache.
-            PACKED_KV_ENV`).
+        ValueError: a bad ``SPECDEC_PACKED_KV``
+            (:data:`~specdec.runtime.cache.PACKED_KV_ENV`).
     """
 
     def __init__(
