@@ -80,6 +80,48 @@ def test_rows_read_packed_blocks_with_the_bits_they_get_unpacked(d):
     assert not torch.equal(spoiled, plain)
 
 
+def _window_slots(length: int, sinks: int, recent: int, align: int) -> torch.Tensor:
+    """The slots a KV-window row with a path of ``length`` slots sees (as ``_visibility``)."""
+    first = sinks + (length - recent - 1 - sinks) // align * align
+    return torch.cat([torch.arange(sinks), torch.arange(first, length)])
+
+
+@needs_packed
+@pytest.mark.parametrize("d", [64, 128])
+def test_window_rows_read_the_packed_blocks_of_their_own_slots(d):
+    """KV-window rows (their own slot lists) whose recent part starts on a block after the
+    sinks read the kept packed blocks among their slots: the same bits as packing them
+    again; an unaligned window packs its own; spoiling a packed block inside an aligned
+    window changes that row's output, so the kernel does read it."""
+    cache = _cache(d, 2688, seed=4)
+    tiles = torch.empty_like(cache)
+    kernels.pack_kv_tiles(cache, tiles, 0, 2560)
+    windows = [(16, 496, 64), (16, 496, 64), (4, 300, 64), (16, 496, 1), (0, 700, 64)]
+    lengths = [2601, 2603, 2580, 2601, 2602]
+    sl = [_window_slots(n, *w) for n, w in zip(lengths, windows, strict=True)]
+    assert sl[0][64] % 64 == 0 and sl[3][64] % 64 != 0  # position 64: a block start or not
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(len(sl), H, d, generator=gen).to(torch.bfloat16)
+    off = torch.tensor([0, *torch.cumsum(torch.tensor([x.numel() for x in sl]), 0)[:-1]])
+    args = (torch.zeros(len(sl), dtype=torch.long), torch.tensor([x.numel() for x in sl]), off)
+    slots = torch.cat(sl)
+    upto = torch.tensor([2560])
+    plain = [torch.empty(len(sl), H * d, dtype=torch.bfloat16) for _ in range(L)]
+    for layer in range(L):
+        kernels.ragged_attention(q, [cache], layer, *args, slots, 0.125, plain[layer])
+        packed = torch.empty_like(plain[layer])
+        kernels.ragged_attention(q, [cache], layer, *args, slots, 0.125, packed, [tiles], upto)
+        assert torch.equal(packed, plain[layer]), layer
+    plain = plain[0]
+    canary = tiles.clone()
+    canary[0, 1, 0, 2304:2368] = 0  # layer 0's values of KV head 0, a block every window reads
+    spoiled = torch.empty_like(plain)
+    kernels.ragged_attention(q, [cache], 0, *args, slots, 0.125, spoiled, [canary], upto)
+    head0 = slice(0, 3 * d)  # the query heads of KV head 0
+    changed = [not torch.equal(a[head0], b[head0]) for a, b in zip(spoiled, plain, strict=True)]
+    assert changed == [True, True, True, False, True]  # the unaligned window packs its own
+
+
 @needs_packed
 def test_pack_kv_tiles_refuses_what_it_cannot_pack():
     kv = _cache(64, 128, seed=0)

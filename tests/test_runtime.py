@@ -457,7 +457,7 @@ def test_exact_product_is_row_major_whatever_the_row_count(name, rows):
     assert y.shape == (rows, 24) and y.is_contiguous()
 
 
-@pytest.mark.parametrize("window", [None, (2, 5), (4, 60)])
+@pytest.mark.parametrize("window", [None, (2, 5), (4, 60), (2, 5, 4), (4, 60, 64)])
 @pytest.mark.parametrize("start,t", [(0, 1), (0, 9), (7, 1), (7, 16), (128, 16), (3, 70)])
 def test_causal_rows_see_what_the_same_rows_as_a_chain_tree_see(start, t, window):
     """The causal shortcut of ``_visibility`` (no tree mask: row r sees ``start + r + 1``

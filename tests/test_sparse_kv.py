@@ -32,32 +32,36 @@ def native32(hf32):
     return NativeModel(hf32, exact=True)
 
 
-def _window_mask(n: int, sinks: int, recent: int, context: int) -> torch.Tensor:
+def _window_mask(n: int, sinks: int, recent: int, context: int, align: int = 1) -> torch.Tensor:
     """[1, 1, n, n] float mask: rows < context causal; a later row p sees the first
     ``sinks`` tokens and the last ``recent`` before it, and itself (StreamingLLM's rolling
-    window)."""
+    window), the recent part extended back to start ``sinks + m * align`` tokens in."""
     allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
     for row in range(context, n):
+        first = max(row - recent, 0)
+        if first > sinks:
+            first = sinks + (first - sinks) // align * align
         allowed[row, :] = False
         allowed[row, :sinks] = True
-        allowed[row, max(row - recent, 0) : row + 1] = True
+        allowed[row, first : row + 1] = True
     mask = torch.zeros(n, n)
     mask[~allowed] = float("-inf")
     return mask[None, None]
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
-@pytest.mark.parametrize("window", [(2, 5), (0, 1), (4, 16)])
+@pytest.mark.parametrize("window", [(2, 5), (0, 1), (4, 16), (2, 5, 4), (3, 6, 8), (0, 9, 4)])
 def test_window_equals_transformers_with_the_same_mask(hf32, window, fast):
     """Three new tokens after a 30-token context, each seeing the sinks and the ``recent``
-    tokens before it: logits equal transformers' with that 4D mask."""
-    sinks, recent = window
+    tokens before it (extended back to a multiple of ``align`` after the sinks): logits
+    equal transformers' with that 4D mask."""
+    sinks, recent, align = (*window, 1)[:3]
     native = NativeModel(hf32, exact=not fast)
     context, new = LONG[:30], LONG[30:33]
     cache = native.new_cache(64)
     native.forward(context, cache)
     got = native.forward_full(new, cache, kv_window=window).logits
-    mask = _window_mask(33, sinks, recent, 30)
+    mask = _window_mask(33, sinks, recent, 30, align)
     with torch.no_grad():
         ids = torch.tensor([context + new], device=hf32.model.device)
         ref = hf32.model(ids, attention_mask=mask.to(ids.device)).logits[0, 30:]
@@ -116,13 +120,17 @@ QUANTIZED = pytest.param(
 )
 
 
+@pytest.mark.parametrize("align", [1, 4])
 @pytest.mark.parametrize("quantization", ["none", QUANTIZED])
-def test_drafts_are_the_windowed_targets_greedy_tokens(native32, quantization):
+def test_drafts_are_the_windowed_targets_greedy_tokens(native32, quantization, align):
     """A greedy draft is what the target (with ``quantization``: its quantized copy)
     attending over the window would decode, and drafting leaves the cursor where it was."""
     prompt = LONG[:35]
-    options = SparseKVOptions(sinks=2, recent=6, min_context=0, quantization=quantization)
+    options = SparseKVOptions(
+        sinks=2, recent=6, align=align, min_context=0, quantization=quantization
+    )
     state, cache = _state(native32, options, prompt)
+    assert state.drafter.kv_window == (2, 6, align)
     draft = state.propose(prompt, 4, torch.Generator())
     assert cache.num_tokens == len(prompt) - 1
     assert len(draft.token_ids) == 4 and draft.draft_probs is None
@@ -132,7 +140,7 @@ def test_drafts_are_the_windowed_targets_greedy_tokens(native32, quantization):
     ref = _filled(native32, prompt[:-1])
     token, expected = prompt[-1], []
     for _ in range(4):
-        logits = runs.forward_full([token], ref, num_logits=1, kv_window=(2, 6)).logits
+        logits = runs.forward_full([token], ref, num_logits=1, kv_window=(2, 6, align)).logits
         token = int(logits[-1].argmax())
         expected.append(token)
     assert draft.token_ids == expected
@@ -182,6 +190,7 @@ def test_refusals(hf32, native32):
     for bad, message in [
         ({"recent": 0}, "recent must be an integer >= 1"),
         ({"sinks": -1}, "sinks must be an integer >= 0"),
+        ({"align": 0}, "align must be an integer >= 1"),
         ({"min_context": 1.5}, "min_context.*needs an integer"),
         ({"confidence": 1.0}, r"confidence must be a number in \[0, 1\)"),
         ({"skip": "x"}, "layer set item .x. is not an index"),

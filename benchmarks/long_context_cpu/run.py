@@ -118,6 +118,11 @@ def main() -> None:
         "'ar[QUANTIZATION]', e.g. the GGUF's own blocks beside a dense target: the fastest "
         "plain decoding of the model); its output is not compared",
     )  # fmt: skip
+    ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="run each prompt's methods in turn this many times (a method's speed is then "
+        "summed over its runs: one slow moment of a shared machine weighs less)",
+    )  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     target = load_target(args.dtype, args.quantization)
@@ -136,41 +141,41 @@ def main() -> None:
         llm.generate(prompts[0]["ids"][:64], SamplingParams(max_new_tokens=8))
     records = []
     packed_from = kv_cache.TILES_FROM
-    for prompt in prompts:
-        baseline = None
-        for m in methods:
-            kv_cache.TILES_FROM = 10**9 if m.endswith(UNPACKED) else packed_from
-            t0 = time.perf_counter()
-            out = llms[m].generate(prompt["ids"], params)
-            wall = time.perf_counter() - t0
-            s = out.metrics
-            decode_s = s.elapsed_s - s.prefill_s
-            rec = {
-                "method": m,
-                "prompt": prompt["id"],
-                "prompt_tokens": len(prompt["ids"]),
-                "output_tokens": len(out.token_ids),
-                "wall_s": wall,
-                "prefill_s": s.prefill_s,
-                "decode_s": decode_s,
-                "draft_s": s.draft_s,
-                "decode_tok_s": len(out.token_ids) / decode_s,
-                "e2e_tok_s": len(out.token_ids) / wall,
-                "tau": s.num_output_tokens / max(s.num_steps, 1),
-                "acceptance_rate": s.acceptance_rate,
-                "identical": None,
-            }
-            if m == "ar":
-                baseline = out.token_ids
-            elif not m.startswith("ar["):
-                rec["identical"] = out.token_ids == baseline
-            records.append(rec)
-            print(
-                json.dumps(
-                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}
-                ),
-                flush=True,
-            )
+    baseline: dict[str, list[int]] = {}  # per prompt, plain decoding's output
+    for prompt, rep, m in (
+        (p, r, m) for p in prompts for r in range(args.repeats) for m in methods
+    ):  # per prompt, the methods in turn, `repeats` times
+        kv_cache.TILES_FROM = 10**9 if m.endswith(UNPACKED) else packed_from
+        t0 = time.perf_counter()
+        out = llms[m].generate(prompt["ids"], params)
+        wall = time.perf_counter() - t0
+        s = out.metrics
+        decode_s = s.elapsed_s - s.prefill_s
+        rec = {
+            "method": m,
+            "prompt": prompt["id"],
+            "repeat": rep,
+            "prompt_tokens": len(prompt["ids"]),
+            "output_tokens": len(out.token_ids),
+            "wall_s": wall,
+            "prefill_s": s.prefill_s,
+            "decode_s": decode_s,
+            "draft_s": s.draft_s,
+            "decode_tok_s": len(out.token_ids) / decode_s,
+            "e2e_tok_s": len(out.token_ids) / wall,
+            "tau": s.num_output_tokens / max(s.num_steps, 1),
+            "acceptance_rate": s.acceptance_rate,
+            "identical": None,
+        }
+        if m == "ar":
+            baseline.setdefault(prompt["id"], out.token_ids)
+        elif not m.startswith("ar["):
+            rec["identical"] = out.token_ids == baseline[prompt["id"]]
+        records.append(rec)
+        print(
+            json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}),
+            flush=True,
+        )
     summary = {}
     for m in methods:
         for length in args.lengths:
@@ -210,6 +215,7 @@ def main() -> None:
             "dtype": args.dtype,
             "quantization": target.quantization,
             "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats,
             "methods": methods,
             "lengths": args.lengths,
             "documents": {n: DOCUMENTS[n][0] for n in args.documents},

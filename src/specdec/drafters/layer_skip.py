@@ -319,9 +319,9 @@ class LayerSkipDrafter(DrafterBase):
         #: tokens prompt lookup guesses per draft forward (0: no lookup level)
         self.lookup = options.lookup
         self._kept: dict[tuple[int, ...], list[int] | None] = {}
-        #: ``(sinks, recent)`` context window of draft forwards (``None``: the whole
-        #: cache; :class:`~specdec.drafters.sparse_kv.SparseKVDrafter` sets it)
-        self.kv_window: tuple[int, int] | None = None
+        #: ``(sinks, recent, align)`` context window of draft forwards (``None``: the
+        #: whole cache; :class:`~specdec.drafters.sparse_kv.SparseKVDrafter` sets it)
+        self.kv_window: tuple[int, ...] | None = None
 
     @property
     def skip_set(self) -> tuple[int, ...]:

@@ -349,6 +349,13 @@ class SparseKVOptions:
         sinks: first cached tokens every draft forward attends to (attention sinks, >= 0).
         recent: last cached tokens every draft forward attends to (>= 1); ``sinks +
             recent`` is the draft's KV budget.
+        align: the recent part is extended back to start ``sinks + m * align`` slots
+            into the sequence (>= 1; it then holds ``recent + 1`` to ``recent + align``
+            slots, the row's own included). The default 64 is the KV cache's block: a long
+            sequence's packed blocks
+            (:meth:`~specdec.runtime.cache.NativeKVCache.pack_tiles`) then serve the
+            window's attention as they are, where an unaligned window packs its keys and
+            values again on every draft forward; ``1``: exactly ``recent``.
         min_context: draft only once the sequence holds at least this many tokens
             (>= 0): below it a windowed forward saves too little of a step to pay for
             drafting (measured on the embedded model, bf16: a step at 2k tokens costs
@@ -372,6 +379,9 @@ class SparseKVOptions:
 
     sinks: int = option(16, "first cached tokens the draft attends to (attention sinks, >= 0)")
     recent: int = option(496, "last cached tokens the draft attends to (>= 1)")
+    align: int = option(
+        64, "start the recent part on a block of this many slots after the sinks (>= 1)"
+    )
     min_context: int = option(
         1024, "draft only once the sequence holds this many tokens (>= 0); shorter: plain steps"
     )
@@ -395,6 +405,7 @@ class SparseKVOptions:
     def __post_init__(self) -> None:
         _check_int("sinks", self.sinks, 0)
         _check_int("recent", self.recent, 1)
+        _check_int("align", self.align, 1)
         _check_int("min_context", self.min_context, 0)
         _check_int("lookup", self.lookup, 0)
         _check_skip_confidence(self.skip, self.confidence)

@@ -16,9 +16,12 @@ What this module implements: :class:`SparseKVDrafter`, the target with every lay
 all but a fixed set, ``skip=``) drafting over the sequence's own KV cache, each draft
 forward attending to the cache's first ``sinks`` and last ``recent`` slots plus the draft
 tokens (:attr:`specdec.models.base.BatchItem.kv_window`). The window's keys are the full
-cache's own slots, read in place: the draft keeps no cache of its own. Draft tokens'
-keys and values are written at the next slots and rolled back after drafting (the
-verification forward rewrites them), exactly as layer skip does
+cache's own slots, read in place: the draft keeps no cache of its own. Its recent part
+starts on a 64-slot block after the sinks (``align``), so that the attention kernel reads
+a long sequence's packed blocks (:meth:`~specdec.runtime.cache.NativeKVCache.pack_tiles`)
+for it as they are instead of packing the window's keys and values on every draft
+forward. Draft tokens' keys and values are written at the next slots and rolled back
+after drafting (the verification forward rewrites them), exactly as layer skip does
 (:mod:`specdec.drafters.layer_skip`, whose sequence state and tree session this drafter
 reuses). Positions stay the tokens' true positions (the cached keys carry their rotary
 phases), as in TriForce and MagicDec. Below ``min_context`` tokens the drafter proposes
@@ -60,7 +63,7 @@ class SparseKVDrafter(FixedSelfDrafter):
         options: :class:`~specdec.drafters.options.SparseKVOptions`.
 
     Attributes:
-        kv_window: ``(sinks, recent)``.
+        kv_window: ``(sinks, recent, align)``.
         sparse_options: the options.
         quantization: the draft's blocks (``"none"``: the target's own products; else as
             :attr:`specdec.drafters.quantized.QuantizedDrafter.quantization`).
@@ -78,7 +81,7 @@ class SparseKVDrafter(FixedSelfDrafter):
         self.sparse_options = options = options or SparseKVOptions()
         why = "it attends over a window of the runtime's KV cache"
         super().__init__(target, "sparse-kv", why, options.skip, options.confidence, options.lookup)
-        self.kv_window = (options.sinks, options.recent)
+        self.kv_window = (options.sinks, options.recent, options.align)
         self.quantization = options.quantization
         self.kernels: dict[str, str] | None = None
         if options.quantization != "none":

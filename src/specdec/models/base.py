@@ -47,13 +47,16 @@ class BatchItem:
             same chunk comes, alone or in a batch) instead of the batch-invariant tiles
             that decoding and verification rows need; a chunk recomputing earlier *output*
             (after preemption) must say ``False`` to get its first bits again.
-        kv_window: native backend only: ``(sinks, recent)``: each row attends to only the
-            first ``sinks`` slots and the last ``recent`` before it along its path (the
-            context, then its ancestors among these rows as the mask says), and itself:
-            StreamingLLM's attention sinks + rolling window (Xiao et al. 2024,
-            arXiv:2309.17453), for sparse-KV self-drafting. A row sees the same slots
-            whether it is forwarded alone or at depth d of a chain or tree. ``None`` = the
-            whole context.
+        kv_window: native backend only: ``(sinks, recent)`` or ``(sinks, recent,
+            align)``: each row attends to only the first ``sinks`` slots and the last
+            ``recent`` before it along its path (the context, then its ancestors among
+            these rows as the mask says), and itself: StreamingLLM's attention sinks +
+            rolling window (Xiao et al. 2024, arXiv:2309.17453), for sparse-KV
+            self-drafting. With ``align`` (default 1) the recent part is extended back to
+            the nearest path position ``sinks + m * align``, so that it holds whole KV
+            blocks (see :class:`~specdec.drafters.options.SparseKVOptions`). A row sees the
+            same slots whether it is forwarded alone or at depth d of a chain or tree.
+            ``None`` = the whole context.
     """
 
     token_ids: Sequence[int] | torch.Tensor
@@ -62,7 +65,7 @@ class BatchItem:
     tree_mask: torch.Tensor | None = None
     num_logits: int = 0
     prefill: bool | None = None
-    kv_window: tuple[int, int] | None = None
+    kv_window: tuple[int, ...] | None = None
 
 
 @runtime_checkable

@@ -141,7 +141,7 @@ class NativeModel(BackendBase):
         tree_mask: torch.Tensor | None = None,
         layers: Sequence[int] | None = None,
         capture: Sequence[int] = (),
-        kv_window: tuple[int, int] | None = None,
+        kv_window: tuple[int, ...] | None = None,
     ) -> ForwardOutput:
         """:meth:`forward` with the hidden states, optionally over a subset of the layers
         (early exit / layer skip sharing this cache), over a window of the cached context

@@ -675,13 +675,15 @@ def _prefill_groups(items: Sequence[BatchItem]) -> list[list[int]]:
 def _visibility(tree_mask, start: int, t: int, device, window=None) -> list[Visibility]:
     """Per new row: a prefix length (causal) or the slots it sees (tree, or a KV window).
 
-    ``window = (sinks, recent)`` (:attr:`BatchItem.kv_window`) is StreamingLLM's rolling
-    window: of the slots a row would see without it (its *path*: the context, then its
-    own ancestors and itself), it keeps the first ``sinks`` and the last ``recent + 1``
-    (the ``recent`` before it and itself). A row forwarded alone after ``n`` cached slots
-    therefore sees the same slots as the same row at depth ``d`` of a chain or tree
-    forwarded after ``n - d`` cached slots and its ``d`` ancestors."""
-    if tree_mask is None and (window is None or start + t <= sum(window) + 1):
+    ``window = (sinks, recent[, align])`` (:attr:`BatchItem.kv_window`) is StreamingLLM's
+    rolling window: of the slots a row would see without it (its *path*: the context, then
+    its own ancestors and itself), it keeps the first ``sinks`` and the last ``recent + 1``
+    (the ``recent`` before it and itself), extended back to the nearest path position
+    ``sinks + m * align`` (``align`` 1 by default: exactly ``recent + 1``). A row forwarded
+    alone after ``n`` cached slots therefore sees the same slots as the same row at depth
+    ``d`` of a chain or tree forwarded after ``n - d`` cached slots and its ``d``
+    ancestors."""
+    if tree_mask is None and (window is None or start + t < _window_whole(window)):
         # causal rows inside any window: row r sees the prefix of start + r + 1 slots (what
         # the loop below finds row by row, at two aranges and a compare per row: 0.15 ms
         # of a 16-row verification, 20 ms of a 2,000-token prompt chunk)
@@ -701,15 +703,22 @@ def _visibility(tree_mask, start: int, t: int, device, window=None) -> list[Visi
     for row in range(t):
         own = torch.arange(start, start + row + 1) if tree_rows is None else tree_rows[row]
         n = own.numel()
-        if window is not None and base + n > sum(window) + 1:
-            sinks, recent = window
+        if window is not None and base + n >= _window_whole(window):
+            sinks, recent, align = (*window, 1)[:3]
             path = torch.cat([torch.arange(base), own])
-            out.append(torch.cat([path[:sinks], path[-(recent + 1) :]]).to(device))
+            first = sinks + (path.numel() - recent - 1 - sinks) // align * align
+            out.append(torch.cat([path[:sinks], path[first:]]).to(device))
         elif torch.equal(own, torch.arange(base, base + n)):
             out.append(base + n)  # a plain prefix of the slots (the causal case)
         else:
             out.append(torch.cat([torch.arange(base), own]).to(device))
     return out
+
+
+def _window_whole(window) -> int:
+    """The shortest path that a ``(sinks, recent[, align])`` window hides a slot of."""
+    sinks, recent, align = (*window, 1)[:3]
+    return sinks + recent + 1 + align
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -415,11 +415,26 @@ inline void value_pairs(const float* p, int64_t len, float* acc_out, const __m51
     for (int c = 0; c < nv; ++c) _mm512_storeu_ps(acc_out + g * D + c * kLanes, acc[g][c]);
 }
 
+// The kept packed block that holds a row's own slots at positions jb .. je - 1, or
+// nullptr: they must be consecutive from a block's first slot (a multiple of kKeyBlock)
+// below `upto`. A KV window aligned to the blocks (sinks, then a recent part starting at
+// position sinks + m kKeyBlock: BatchItem.kv_window's align) reads all its complete blocks
+// after the first this way: the same bytes its own packing would write.
+inline const __m512i* kept_block(const int64_t* sl, int64_t jb, int64_t je, const __m512i* kept,
+                                 int64_t upto, int64_t block_vectors) {
+  if (!kept) return nullptr;
+  const int64_t first = sl[jb];
+  if (first % kKeyBlock || first + kKeyBlock > upto) return nullptr;
+  for (int64_t j = jb + 1; j < je; ++j)
+    if (sl[j] != first + (j - jb)) return nullptr;
+  return kept + (first / kKeyBlock) * block_vectors;
+}
+
 // Calls visit(row, jb, je, block) for every row of a group and every block of kKeyBlock
 // positions the row sees, block after block, with the block packed by pack(slots, jb, end,
 // out): once into `shared` (up to the group's longest row) for every row that reads the
 // block's slots in order, so that it serves all of them; into `own` for a row with its own
-// slots there (a token tree's or a KV window's).
+// slots there (a token tree's or a KV window's), unless they are a kept block's.
 //
 // `kept` (may be nullptr): the sequence's blocks packed once for every forward
 // (pack_kv_tiles), the same bytes pack writes for a whole block, used below `upto`
@@ -444,6 +459,8 @@ void each_packed_block(GroupRow<c10::BFloat16>* rows, int64_t nrows, int64_t kb,
         if (!packed) pack(nullptr, jb, longest, shared);
         packed = true;
         visit(row, jb, je, in_order);
+      } else if (const __m512i* block = kept_block(row.sl, jb, je, kept, upto, block_vectors)) {
+        visit(row, jb, je, block);
       } else {
         pack(row.sl, jb, je, own);
         visit(row, jb, je, own);
