@@ -70,6 +70,12 @@ def test_window_equals_transformers_with_the_same_mask(hf32, window, fast):
     assert not torch.allclose(got, full, atol=1e-3)  # the window really hides tokens
 
 
+@pytest.mark.parametrize("window", [(2, 0), (-1, 5), (2, 5, 0), (2,), (2, 5, 4, 1), (2.0, 5)])
+def test_a_malformed_window_is_refused(native32, window):
+    with pytest.raises(ValueError, match="kv_window must be"):
+        native32.forward_full(LONG[20:23], _filled(native32, LONG[:20]), kv_window=window)
+
+
 def _filled(native, tokens):
     cache = native.new_cache(64)
     native.forward(tokens, cache)

@@ -147,7 +147,12 @@ class NativeModel(BackendBase):
         (early exit / layer skip sharing this cache), over a window of the cached context
         (``kv_window``, see :attr:`~specdec.models.base.BatchItem.kv_window`), or
         capturing hidden states of every row; see
-        :meth:`specdec.runtime.model.NativeDecoder.forward_full`."""
+        :meth:`specdec.runtime.model.NativeDecoder.forward_full`.
+
+        Raises:
+            ValueError: a malformed ``kv_window`` (not ``(sinks >= 0, recent >= 1[,
+                align >= 1])``), among the errors of ``forward_full``.
+        """
         item = BatchItem(token_ids, cache, positions, tree_mask, num_logits, kv_window=kv_window)
         return self.decoder.forward_full([item], layers=layers, capture=capture)[0]
 

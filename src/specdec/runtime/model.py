@@ -716,8 +716,23 @@ def _visibility(tree_mask, start: int, t: int, device, window=None) -> list[Visi
 
 
 def _window_whole(window) -> int:
-    """The shortest path that a ``(sinks, recent[, align])`` window hides a slot of."""
-    sinks, recent, align = (*window, 1)[:3]
+    """The shortest path that a ``(sinks, recent[, align])`` window hides a slot of.
+
+    Raises:
+        ValueError: not 2 or 3 integers with ``sinks >= 0``, ``recent >= 1``, ``align >= 1``.
+    """
+    parts = tuple(window)
+    if (
+        len(parts) not in (2, 3)
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in parts)
+        or parts[0] < 0
+        or min(parts[1:]) < 1
+    ):
+        raise ValueError(
+            f"kv_window must be (sinks >= 0, recent >= 1) or (sinks, recent, align >= 1), "
+            f"got {window!r}"
+        )
+    sinks, recent, align = (*parts, 1)[:3]
     return sinks + recent + 1 + align
 
 
