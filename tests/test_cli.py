@@ -243,13 +243,20 @@ def test_missing_prompt(capsys, model_dir):
     assert "PROMPT" in err
 
 
-def test_prompt_longer_than_context(capsys, model_dir):
+def test_prompt_longer_than_context(capsys, model_dir, monkeypatch):
+    """Refused once the tokenizer has counted it, before the warm-up runs any forward
+    (a long prompt's first chunk took seconds to warm up only to be refused)."""
+    from specdec import cli
+
+    warmed = []
+    monkeypatch.setattr(cli, "_warm_up", lambda *a: warmed.append(a))
     prompt = " ".join(f"w{i % 29}" for i in range(200))  # the tiny model holds 128 tokens
     code, out, err = run_cli(capsys, "generate", prompt, "--model", model_dir)
     assert code == 2
     assert err.startswith("specdec: error:")
     assert "128" in err
     assert out.strip() == ""
+    assert warmed == []
 
 
 def test_missing_model_path(capsys, tmp_path):

@@ -26,6 +26,7 @@ from specdec.cli_common import (
     warn_if_busy,
 )
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.engine.engine import check_prompt_fits
 from specdec.interrupt import watched
 from specdec.llm import LLM, GenerationOutput
 from specdec.metrics import SpecStats
@@ -276,7 +277,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     note_unused_options(args, speculative)
     threads = choose_threads(args)
     llm = llm_from_args(args, speculative)
-    _warm_up(llm, speculative, params, len(llm.encode(prompt, args.chat)))
+    prompt_ids = llm.encode(prompt, args.chat)
+    check_prompt_fits(llm.target, prompt_ids)  # an over-long prompt: before any forward
+    _warm_up(llm, speculative, params, len(prompt_ids))
     meta = {  # what every --json record carries, an interrupted one too
         "model": llm.target.name,
         "drafter": speculative.method,
