@@ -148,6 +148,10 @@ def test_text_output_with_metrics(capsys, model_dir):
     ):
         assert any(line.startswith(label) for line in lines[2:]), label
     assert "identical to baseline    yes" in lines
+    # the baseline's decoding speed beside ours, which "after the prompt" gives
+    ours = next(line for line in lines if line.startswith("after the prompt"))
+    base = next(line for line in lines if line.startswith("autoregressive baseline"))
+    assert ours.endswith("tokens/s") and base.endswith("after the prompt)")
 
 
 def test_text_output_without_compare_has_no_baseline(capsys, model_dir):

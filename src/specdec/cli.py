@@ -560,7 +560,8 @@ def _print_metrics(
         return
     b = baseline.metrics
     identical = output.token_ids == baseline.token_ids
-    print(f"autoregressive baseline  {b.elapsed_s:.2f} s ({b.tokens_per_s:.1f} tokens/s)")
+    after = f", {b.decode_tokens_per_s:.1f} after the prompt" if b.prefill_s > 0 else ""
+    print(f"autoregressive baseline  {b.elapsed_s:.2f} s ({b.tokens_per_s:.1f} tokens/s{after})")
     note = ""
     if min(m.num_output_tokens, b.num_output_tokens) < NOISY_TOKENS:
         counts = (

@@ -355,7 +355,8 @@ class SparseKVOptions:
             sequence's packed blocks
             (:meth:`~specdec.runtime.cache.NativeKVCache.pack_tiles`) then serve the
             window's attention as they are, where an unaligned window packs its keys and
-            values again on every draft forward; ``1``: exactly ``recent``.
+            values again on every draft forward; ``1``: exactly the ``recent`` before the
+            row.
         min_context: draft only once the sequence holds at least this many tokens
             (>= 0): below it a windowed forward saves too little of a step to pay for
             drafting (measured on the embedded model, bf16: a step at 2k tokens costs
