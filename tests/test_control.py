@@ -36,7 +36,7 @@ from specdec.control.controllers import (
     bandit_arms,
     best_length,
 )
-from specdec.control.cost import CostModel, CostPrior
+from specdec.control.cost import CostModel, CostPrior, context_bucket
 from specdec.control.simulate import (
     SimResult,
     Timing,
@@ -194,13 +194,14 @@ def test_estimates_beyond_the_table_do_not_rebuild_it():
         for _ in range(3):
             cost.observe_forward(n, 1.0 + 0.5 * n)
     cost.forward_time(1)
-    table = cost._table
+    curve = cost._curve(0)
+    table = curve._table
     for n in (65, 300, 900, 12):
         assert cost.forward_time(n) == pytest.approx(1.0 + 0.5 * n)
-    assert cost._table is table and len(table) == 65
+    assert curve._table is table and len(table) == 65
     cost.observe_forward(300, 151.0)
     assert cost.forward_time(300) == pytest.approx(151.0)
-    assert len(cost._table) == 301
+    assert len(curve._table) == 301
     assert cost.forward_time(1000) == pytest.approx(501.0)
 
 
@@ -278,8 +279,11 @@ def test_snapshot_keys():
     cost.observe_forward(1, 0.01)
     cost.observe_draft("d", 2, 0.004)
     snap = cost.snapshot()
-    assert set(snap) == {"frozen", "forward_s", "samples", "draft_s_per_token"}
+    assert set(snap) == {
+        "frozen", "forward_s", "forward_s_by_bucket", "samples", "draft_s_per_token",
+    }  # fmt: skip
     assert set(snap["forward_s"]) == {1, 2, 4, 8, 16}
+    assert set(snap["forward_s_by_bucket"]) == {0}
     assert snap["frozen"] is False and snap["samples"] == 1
     assert set(snap["draft_s_per_token"]) == {"d"}
     assert frozen_cost().snapshot()["frozen"] is True
@@ -1335,3 +1339,76 @@ def test_cost_starts_from_the_drafters_own_acceptance_prior():
     assert start_prior(CostOptions(), declared) == 0.8
     assert start_prior(CostOptions(prior=0.5), declared) == 0.5
     assert start_prior(CostOptions(), generic) == DEFAULT_PRIOR
+
+
+def test_forward_samples_are_kept_per_context_bucket():
+    """A long context's forwards are priced from its own samples: a plain step at 8k
+    cached tokens does not take the short-context time, and a bucket without samples
+    borrows the nearest one's (the longer on a tie)."""
+    assert [context_bucket(n) for n in (0, 2047, 2048, 4095, 4096, 8191, 8192)] == [
+        0, 0, 1, 1, 2, 2, 3,
+    ]  # fmt: skip
+    cost = CostModel()
+    for _ in range(3):
+        cost.observe_forward(1, 0.010, context=300)
+        cost.observe_forward(6, 0.012, context=300)
+        cost.observe_forward(6, 0.027, context=8000)
+    assert cost.forward_time(1) == pytest.approx(0.010)  # context 0: the first bucket
+    assert cost.at(300).forward_time(6) == pytest.approx(0.012)
+    long = cost.at(8000)
+    assert long.forward_time(6) == pytest.approx(0.027)
+    # one row count measured there: the prior's shape through it (token_cost 0.1)
+    assert long.forward_time(1) == pytest.approx(0.027 / 1.5)
+    assert long.step_time("d", 5) == pytest.approx(0.027)  # no draft samples: free drafts
+    assert cost.at(6000).forward_time(6) == pytest.approx(0.027)  # nearest: bucket 2
+    assert cost.at(3000).forward_time(6) == pytest.approx(0.027)  # tie 0 / 2: the longer
+    assert cost.at(100_000).forward_time(1) == pytest.approx(0.027 / 1.5)
+    assert cost.num_forward_samples == 9
+    assert set(cost.snapshot()["forward_s_by_bucket"]) == {0, 2}
+
+
+def test_a_long_context_drafts_on_its_own_forward_costs():
+    """The regression the buckets fix (sparse-kv at 8k tokens, measured on a 2-core Zen 4:
+    a plain step 10.6 ms at short contexts and about 17 ms at 8k, 6 verified rows 27.9 ms
+    at 8k, a windowed draft 5.15 ms a token, acceptance about 0.9): one curve through both
+    regimes saw a plain step at 10.6 ms and 3.5 ms per extra row and chose 1 draft token;
+    the 8k bucket's own curve chooses 4, the best length for those costs."""
+    rate = 0.9
+    expected = [sum(rate**i for i in range(k + 1)) for k in range(9)]
+    merged, bucketed = CostModel(), CostModel()
+    for model in (merged, bucketed):
+        for n in (1, 2, 4):
+            model.observe_draft("d", n, 0.00515 * n)
+    for _ in range(3):
+        merged.observe_forward(1, 0.0106)
+        merged.observe_forward(6, 0.0279)
+        bucketed.observe_forward(1, 0.0106, context=500)
+        bucketed.observe_forward(6, 0.0279, context=8000)
+    assert best_length(expected, merged, "d", StepView(8, merged)) <= 1
+    long = bucketed.at(8000)
+    assert best_length(expected, long, "d", StepView(8, long)) == 4
+    short = bucketed.at(500)  # the short context keeps its own price of a plain step
+    assert short.forward_time(1) == pytest.approx(0.0106)
+    assert best_length(expected, short, "d", StepView(8, short)) < 4
+
+
+def test_a_rare_slow_draft_does_not_price_every_draft_token():
+    """One 5-token draft at 36 ms beside one-token drafts at 5 ms (a sparse-kv draft's first
+    step at 8k tokens, then the cost controller's probes) fitted a line of 7.6 ms a token;
+    lengths seen at least MIN_DRAFT_SAMPLES times are fitted alone when there are some."""
+    cost = CostModel()
+    cost.observe_draft("d", 5, 0.0361)
+    for t in (0.0050, 0.0056, 0.0067, 0.0050):
+        cost.observe_draft("d", 1, t)
+    cost.observe_draft("d", 2, 0.0109)
+    assert cost.draft_time("d", 5) == pytest.approx(
+        5 * statistics.fmean([0.005, 0.0056, 0.0067, 0.005])
+    )
+    for _ in range(2):  # once a length is common, it joins the fit
+        cost.observe_draft("d", 2, 0.0109)
+    assert cost.draft_time("d", 2) == pytest.approx(0.0109, rel=0.05)
+    few = CostModel()  # no length seen three times yet: the median time per token
+    few.observe_draft("d", 5, 0.0361)
+    few.observe_draft("d", 1, 0.0054)
+    few.observe_draft("d", 1, 0.0048)
+    assert few.draft_time("d", 5) == pytest.approx(5 * 0.0054)

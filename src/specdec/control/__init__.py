@@ -8,9 +8,10 @@ from specdec.control.base import (
     StepOutcome,
     StepView,
 )
-from specdec.control.cost import CostModel, CostPrior
+from specdec.control.cost import ContextCost, CostModel, CostPrior
 
 __all__ = [
+    "ContextCost",
     "CostModel",
     "CostPrior",
     "SequenceControl",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from specdec.config import SamplingParams
-from specdec.control.cost import CostModel
+from specdec.control.cost import ContextCost, CostModel
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,13 @@ class StepView:
             Prompt chunks prefilled in the same step are left out: their cost does not
             depend on the drafts.
         other_expected: tokens the rest of the batch is expected to emit this step.
-        cost: the cost model (frozen when isolated).
+        cost: the cost model (frozen when isolated), read at the step's context (the
+            engine passes :meth:`CostModel.at <specdec.control.cost.CostModel.at>` of the
+            tokens the verified sequences hold).
     """
 
     max_k: int
-    cost: CostModel
+    cost: CostModel | ContextCost
     batch_size: int = 1
     other_tokens: int = 0
     other_expected: float = 0.0

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from specdec.control.base import SequenceInfo, StepOutcome, StepView
-from specdec.control.cost import CostModel, CostPrior
+from specdec.control.cost import ContextCost, CostModel, CostPrior
 from specdec.option import option
 
 
@@ -406,7 +406,7 @@ class CostOptions:
 
 def best_length(
     expected: list[float],
-    cost: CostModel,
+    cost: CostModel | ContextCost,
     drafter: str,
     view: StepView,
     nodes_per_depth: float = 1.0,
@@ -511,7 +511,7 @@ class CostControl:
         else:
             self._off = value
 
-    def _whole(self, cost: CostModel, view: StepView) -> bool:
+    def _whole(self, cost: CostModel | ContextCost, view: StepView) -> bool:
         """Draft whole proposals or nothing: drafts are deterministic and cheap."""
         plain = cost.forward_time(view.other_tokens + 1)
         cheap = cost.draft_time(self.info.drafter, view.max_k) <= 0.1 * plain
@@ -758,7 +758,7 @@ class BanditControl:
                 if n > 0:
                     self.stats.counts[i] = min(n, 2.0)
                     self.stats.sums[i] = shared.sums[i] / n * self.stats.counts[i]
-        self._cost: CostModel | None = None
+        self._cost: CostModel | ContextCost | None = None
 
     def choose(self, view: StepView) -> int:
         self._cost = self.frozen or view.cost

@@ -449,7 +449,7 @@ class Engine:
         logits, captured = self._forward(items)
         forward_s = time.perf_counter() - t_forward
         if not chunks:  # verification-only forwards define the verification cost
-            self.cost_model.observe_forward(rows, forward_s)
+            self.cost_model.observe_forward(rows, forward_s, _context(verified))
         for (seq, start, end), chunk_logits in zip(chunks, logits, strict=False):
             if _scores(seq, end):
                 _record_prompt_logprobs(seq, start, end, chunk_logits)
@@ -498,6 +498,7 @@ class Engine:
         :mod:`specdec.runtime.model`)."""
         plans = []
         other_tokens = len(verified)
+        cost = self.cost_model.at(_context(verified))  # forward times at this KV length
         for seq in verified:
             cap = seq.last_cap = self._step_cap(seq)
             if cap == 0:
@@ -506,9 +507,7 @@ class Engine:
             if seq.control_info.isolated:
                 view = StepView(cap, self._frozen_cost)
             else:
-                view = StepView(
-                    cap, self.cost_model, len(verified), other_tokens - 1, len(verified) - 1.0
-                )
+                view = StepView(cap, cost, len(verified), other_tokens - 1, len(verified) - 1.0)
             k = check_choice(seq.control, seq.control.choose(view), cap)
             other_tokens += math.ceil(k * seq.control_info.tree_nodes_per_depth)
             if k and seq.max_aux_rows:
@@ -1011,6 +1010,12 @@ def _record_prompt_logprobs(seq: Sequence, start: int, end: int, logits: torch.T
     targets = seq.prompt_ids[start + 1 : end + 1]
     scored = token_logprobs(logits[-len(targets) :], targets, seq.params.prompt_logprobs)
     seq.prompt_logprobs[start + 1 : end + 1] = scored
+
+
+def _context(verified: list[Sequence]) -> int:
+    """Tokens the verified sequences hold in total: what their forward's attention reads
+    (the cost model's context, :func:`specdec.control.cost.context_bucket`)."""
+    return sum(len(seq.tokens) for seq in verified)
 
 
 def _history(seq: Sequence) -> TokenHistory:
