@@ -183,6 +183,26 @@ def _decode(native, ids, start, packed: bool, monkeypatch):
 
 
 @needs_packed
+def test_a_long_prompt_is_packed_as_it_is_prefilled(monkeypatch):
+    """The prompt's complete blocks are packed by its prefill forward, not by the first
+    decoding forward (whose time the cost controller takes as a draft's or a step's), and
+    decoding after it gets the bits of a cache that never packed."""
+    native = NativeModel(tiny_hf("llama", dtype=torch.bfloat16, head_dim=64), exact=True)
+    ids = [1, *[(5 * i + i * i) % 31 + 2 for i in range(330)]]
+    monkeypatch.setattr(cache_module, "TILES_FROM", 64)
+    cache = native.new_cache(512)
+    native.forward(ids[:300], cache)
+    assert cache.num_tokens == 300 and cache.tiles_upto == 256
+    rows = [native.forward([t], cache) for t in ids[300:]]
+    monkeypatch.setattr(cache_module, "TILES_FROM", 10**9)
+    plain = native.new_cache(512)
+    native.forward(ids[:300], plain)
+    assert plain.tiles is None
+    for i, token in enumerate(ids[300:]):
+        assert torch.equal(rows[i], native.forward([token], plain)), i
+
+
+@needs_packed
 def test_a_model_decodes_the_same_bits_with_packed_blocks(monkeypatch):
     """Plain decoding, a chain verified after a rollback into a packed block, and a token
     tree compacted below them: every row the bits of decoding without packed blocks."""
