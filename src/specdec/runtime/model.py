@@ -298,9 +298,9 @@ class NativeDecoder:
             pack = getattr(p.item.cache, "pack_tiles", None)
             if p.prefill and pack is not None:
                 # a long prompt's blocks packed as it is read, not by the first decoding
-                # forward: that work (about 20 ms at 8k tokens on a 2-core Zen 4) is the
-                # prompt's, and inside a first draft it priced every draft token at 8 ms
-                # for the cost controller
+                # forward: that work (28-32 ms at 8k tokens on a 2-core Zen 4, 186 ms
+                # when the packed copy's pages are first touched) is the prompt's, and in
+                # a first draft or plain step it was counted as decoding's
                 pack()
         index = torch.cat(rows).to(self.device)
         hidden = _rms_norm(x.index_select(0, index), self.weights.norm, self.config.rms_eps)
