@@ -271,7 +271,7 @@ class CostModel:
             # the origin. A line through them let one slow draft at a length drafted once
             # set the slope (a 5-token draft at 36 ms beside one-token probes at 5 ms
             # priced a token at 7.6 ms, and ``cost`` then kept a sparse-kv draft off at 8k
-            # tokens, where drafting 5 tokens gave 1.2x)
+            # tokens, where drafting 5 tokens gave 1.1-1.6x)
             fit = (0.0, statistics.median(t / n for n, t in samples))
         else:  # a line: through the lengths seen MIN_DRAFT_SAMPLES times, if any
             if max(counts.values()) >= MIN_DRAFT_SAMPLES:
@@ -304,10 +304,12 @@ class ContextCost:
 
     @property
     def frozen(self) -> bool:
+        """The model's :attr:`CostModel.frozen`."""
         return self.model.frozen
 
     @property
     def num_forward_samples(self) -> int:
+        """The model's :attr:`CostModel.num_forward_samples` (every bucket)."""
         return self.model.num_forward_samples
 
     def forward_time(self, num_tokens: int) -> float:

@@ -81,8 +81,8 @@ class SparseKVDrafter(FixedSelfDrafter):
     #: its KV cache (measured at 8k tokens on the three documents of
     #: benchmarks/long_context_cpu, k = 5: mean acceptance lengths 4.1-5.8, about 0.87-0.98
     #: per draft token), so the ``cost`` controller starts from 0.8 rather than its generic
-    #: 0.3 (from which its first one-token probes, spaced by their cost, came too far apart
-    #: for their evidence to outlast the decay between them)
+    #: 0.3 (from which it starts with drafting off and learns only from one-token probes,
+    #: spaced 20 or more steps apart by their cost at 8k tokens: a few tests per answer)
     acceptance_prior = 0.8
 
     def __init__(self, target, options: SparseKVOptions | None = None) -> None:
