@@ -424,7 +424,8 @@ class Engine:
         chunks = [] if first else self._schedule_prefill(budget)  # first tokens first
         if not verified and not chunks:
             return []
-        plans = self._plan(verified)
+        context = _context(verified)  # the KV the verification reads: the cost model's key
+        plans = self._plan(verified, context)
         chains = self._batched_chains(verified, plans)
         drafts = [
             self._draft(s, k, chains.get(i))
@@ -449,7 +450,7 @@ class Engine:
         logits, captured = self._forward(items)
         forward_s = time.perf_counter() - t_forward
         if not chunks:  # verification-only forwards define the verification cost
-            self.cost_model.observe_forward(rows, forward_s, _context(verified))
+            self.cost_model.observe_forward(rows, forward_s, context)
         for (seq, start, end), chunk_logits in zip(chunks, logits, strict=False):
             if _scores(seq, end):
                 _record_prompt_logprobs(seq, start, end, chunk_logits)
@@ -485,9 +486,10 @@ class Engine:
 
     # ------------------------------------------------------------------ control
 
-    def _plan(self, verified: list[Sequence]) -> list[int]:
+    def _plan(self, verified: list[Sequence], context: int) -> list[int]:
         """Each verified sequence's draft size this step (arrival order), chosen by its
-        controller from a :class:`StepView` of the batch so far.
+        controller from a :class:`StepView` of the batch so far, with the cost model read
+        at ``context`` (:func:`_context` of ``verified``).
 
         The view leaves out the step's prompt chunks. Their time is the same whatever the
         drafts, and counting it in the step's goodput made drafts look cheap in every step
@@ -498,7 +500,7 @@ class Engine:
         :mod:`specdec.runtime.model`)."""
         plans = []
         other_tokens = len(verified)
-        cost = self.cost_model.at(_context(verified))  # forward times at this KV length
+        cost = self.cost_model.at(context)  # forward times at this KV length
         for seq in verified:
             cap = seq.last_cap = self._step_cap(seq)
             if cap == 0:
