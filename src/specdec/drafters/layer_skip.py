@@ -86,6 +86,7 @@ from specdec.drafters.base import (
 from specdec.drafters.draft_model import CachedTreeSession
 from specdec.drafters.ngram import find_ngram_continuation
 from specdec.drafters.options import LayerSkipOptions, parse_layer_set
+from specdec.drafters.vocab import DraftVocabulary, SharedVocabulary
 from specdec.models.base import BatchItem
 from specdec.sampling import greedy_ids, logits_to_probs, sample
 
@@ -322,6 +323,19 @@ class LayerSkipDrafter(DrafterBase):
         #: ``(sinks, recent, align)`` context window of draft forwards (``None``: the
         #: whole cache; :class:`~specdec.drafters.sparse_kv.SparseKVDrafter` sets it)
         self.kv_window: tuple[int, ...] | None = None
+        #: tokens of the draft vocabulary's shared part (``vocab``; 0: the whole vocabulary)
+        self.vocab = options.vocab
+        self._shared_vocabulary: SharedVocabulary | None = None
+
+    def shared_vocabulary(self) -> SharedVocabulary | None:
+        """The draft vocabulary's part shared by this drafter's sequences, on
+        :attr:`draft_target`'s LM head (``None`` without ``vocab``, or with one that
+        covers the whole vocabulary: the model's own head then)."""
+        if 0 < self.vocab < self.target.vocab_size and self._shared_vocabulary is None:
+            self._shared_vocabulary = SharedVocabulary(
+                self.draft_target, self.vocab, self.target.vocab_size
+            )
+        return self._shared_vocabulary
 
     @property
     def skip_set(self) -> tuple[int, ...]:
@@ -370,6 +384,7 @@ class LayerSkipDrafter(DrafterBase):
                     continue
                 origin = state._check_cursor(request.token_ids)
                 state._used, state._forwards = state._skip_set(), 0
+                state._update_vocabulary(request.token_ids)
                 token, context = int(request.token_ids[-1]), state._context(request.token_ids)
                 chains.append(_Chain(index, request, origin, token, context=context))
             groups: dict[tuple[int, ...], list[_Chain]] = {}
@@ -393,7 +408,13 @@ class LayerSkipDrafter(DrafterBase):
                 inputs = chain.inputs(chain.request.num_tokens, self.lookup)
                 cache = chain.request.state.cache
                 items.append(
-                    BatchItem(inputs, cache, num_logits=len(inputs), kv_window=self.kv_window)
+                    BatchItem(
+                        inputs,
+                        cache,
+                        num_logits=len(inputs),
+                        kv_window=self.kv_window,
+                        lm_head=chain.request.state.vocabulary,
+                    )  # fmt: skip
                 )
             outputs = self.draft_target.forward_batch_full(items, layers=layers)
             going = []
@@ -461,6 +482,9 @@ class FixedSelfDrafter(LayerSkipDrafter):
         why: why it needs the native backend (for the refusal).
         skip: the fixed set (see :func:`~specdec.drafters.options.parse_layer_set`).
         confidence: the chain's confidence stop, in [0, 1).
+        lookup: prompt lookup's guesses per draft forward (0: none).
+        vocab: the draft vocabulary's shared tokens (0: the whole vocabulary; see
+            :class:`~specdec.drafters.options.LayerSkipOptions`).
 
     Raises:
         ValueError: the target is not on the native backend, or ``skip`` names layers
@@ -468,7 +492,14 @@ class FixedSelfDrafter(LayerSkipDrafter):
     """
 
     def __init__(
-        self, target, name: str, why: str, skip: str, confidence: float, lookup: int = 0
+        self,
+        target,
+        name: str,
+        why: str,
+        skip: str,
+        confidence: float,
+        lookup: int = 0,
+        vocab: int = 0,
     ) -> None:
         if getattr(target, "backend", None) != "native":
             raise ValueError(
@@ -476,8 +507,9 @@ class FixedSelfDrafter(LayerSkipDrafter):
                 f"or auto on a model the runtime supports): {why}"
             )
         options = LayerSkipOptions(
-            skip=skip, skip_ratio=0.0, confidence=confidence, search_rounds=0, lookup=lookup
-        )
+            skip=skip, skip_ratio=0.0, confidence=confidence, search_rounds=0, lookup=lookup,
+            vocab=vocab,
+        )  # fmt: skip
         super().__init__(target, options)
         self.search = None  # nothing is searched
         self.observes = False
@@ -499,6 +531,14 @@ class LayerSkipSequence(DrafterBase):
         self.cache = None
         self._used: tuple[int, ...] | None = None  # skip set of the last draft
         self._forwards: int | None = None  # its draft forwards (None: a tree)
+        shared = drafter.shared_vocabulary()
+        #: the draft vocabulary (``None``: the whole vocabulary; see ``vocab``)
+        self.vocabulary = DraftVocabulary(shared) if shared is not None else None
+
+    def _update_vocabulary(self, token_ids: Sequence[int]) -> None:
+        """Bring the draft vocabulary up to the sequence (its new tokens join it)."""
+        if self.vocabulary is not None:
+            self.vocabulary.update(token_ids)
 
     def attach_cache(self, cache) -> None:
         """Draft over ``cache`` (the sequence's :class:`NativeKVCache`) from now on."""
@@ -529,6 +569,7 @@ class LayerSkipSequence(DrafterBase):
         origin = self._check_cursor(token_ids)
         skip = self._skip_set()
         self._used, self._forwards = skip, 0
+        self._update_vocabulary(token_ids)
         layers = self.drafter.kept_layers(skip)
         chain = _Chain(0, None, origin, int(token_ids[-1]), context=self._context(token_ids))
         try:
@@ -580,16 +621,22 @@ class LayerSkipSequence(DrafterBase):
         greedy) and its top probability; ``None`` when that probability is below the
         confidence threshold or ``stop(position, top)`` says so."""
         threshold = self.drafter.options.confidence
-        if self.params.greedy:
+        vocabulary = self.vocabulary
+        if self.params.greedy:  # over the draft vocabulary's columns, mapped back
             top = float(torch.softmax(logits[0].float(), -1).max())
             probs = None
         else:
+            if vocabulary is not None:
+                logits = vocabulary.spread(logits)
             probs = logits_to_probs(logits, self.params)
             top = float(probs[0].max())
         if top < threshold or (stop is not None and stop(position, top)):
             return None
         if probs is None:
-            return int(greedy_ids(logits[0])), None, top
+            token = int(greedy_ids(logits[0]))
+            if vocabulary is not None:
+                token = int(vocabulary.columns[token])
+            return token, None, top
         return int(sample(probs, generator)), probs[0], top
 
     def _skip_set(self) -> tuple[int, ...]:
@@ -600,8 +647,12 @@ class LayerSkipSequence(DrafterBase):
         return False
 
     def _draft_args(self, layers: list[int] | None) -> dict:
-        """Keyword arguments of a draft forward: the layers run and the KV window."""
-        return {"layers": layers, "kv_window": self.drafter.kv_window}
+        """Keyword arguments of a draft forward: the layers run, the KV window and the
+        draft vocabulary's head."""
+        args = {"layers": layers, "kv_window": self.drafter.kv_window}
+        if self.vocabulary is not None:
+            args["lm_head"] = self.vocabulary
+        return args
 
     def _check_cursor(self, token_ids: Sequence[int]) -> int:
         if self.cache is None:
@@ -628,6 +679,7 @@ class LayerSkipSequence(DrafterBase):
         origin = self._check_cursor(token_ids)
         self.params = params
         self._used, self._forwards = self._skip_set(), None
+        self._update_vocabulary(token_ids)
         args = self._draft_args(self.drafter.kept_layers(self._used))
         return LayerSkipTreeSession(self.target, self.cache, args, token_ids, params, origin)
 
@@ -664,7 +716,13 @@ class LayerSkipTreeSession(CachedTreeSession):
             cache.truncate(origin)
             raise
         self.base = cache.num_tokens  # == len(token_ids)
-        self._init_tree(out.logits[0])
+        self._init_tree(self._spread(out.logits)[0])
+
+    def _spread(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (a draft vocabulary's columns spread, the
+        other tokens at ``-inf``)."""
+        vocabulary = self.draft_args.get("lm_head")
+        return logits if vocabulary is None else vocabulary.spread(logits)
 
     def _run_nodes(self, nodes: list[int], positions: list[int], mask: torch.Tensor):
         out = self.target.forward_full(
@@ -674,7 +732,7 @@ class LayerSkipTreeSession(CachedTreeSession):
             tree_mask=mask,
             **self.draft_args,
         )
-        return out.logits
+        return self._spread(out.logits)
 
     def close(self) -> None:
         self.cache.truncate(self.origin)

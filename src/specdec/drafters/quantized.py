@@ -87,7 +87,10 @@ class QuantizedDrafter(FixedSelfDrafter):
     def __init__(self, target, options: QuantizedOptions | None = None) -> None:
         self.quantized_options = options = options or QuantizedOptions()
         why = "it runs the target's decoder on quantized products over the runtime's KV cache"
-        super().__init__(target, "quantized", why, options.skip, options.confidence, options.lookup)
+        super().__init__(
+            target, "quantized", why, options.skip, options.confidence, options.lookup,
+            options.vocab,
+        )  # fmt: skip
         self.quantization, self.draft_target = quantized_draft(target, options, "quantized")
         self.kernels = dict(self.draft_target.decoder.quant_kernels)
 

@@ -33,6 +33,10 @@ does): the window saves a draft step's KV reads and the blocks its weight reads.
 (Tiwari et al. 2025, arXiv:2502.10424) pairs 4-bit weights with a 4-bit KV cache the same
 way; here the KV saving is the window.
 
+The draft proposes from a subset of the vocabulary by default (``vocab=8192``: the 8192
+lowest token ids and the sequence's own tokens, :mod:`specdec.drafters.vocab`; FR-Spec,
+Zhao et al. 2025, arXiv:2502.14856), its LM head reading a sixth of the full one's rows.
+
 Not implemented: TriForce's retrieval of the top-scoring KV blocks (the window is
 StreamingLLM's fixed one) and its hierarchical second draft model.
 
@@ -88,7 +92,10 @@ class SparseKVDrafter(FixedSelfDrafter):
     def __init__(self, target, options: SparseKVOptions | None = None) -> None:
         self.sparse_options = options = options or SparseKVOptions()
         why = "it attends over a window of the runtime's KV cache"
-        super().__init__(target, "sparse-kv", why, options.skip, options.confidence, options.lookup)
+        super().__init__(
+            target, "sparse-kv", why, options.skip, options.confidence, options.lookup,
+            options.vocab,
+        )  # fmt: skip
         self.kv_window = (options.sinks, options.recent, options.align)
         self.quantization = options.quantization
         self.kernels: dict[str, str] | None = None

@@ -5,7 +5,7 @@ model. :class:`~specdec.models.hf.HFModel` (transformers) and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -57,6 +57,11 @@ class BatchItem:
             blocks (see :class:`~specdec.drafters.options.SparseKVOptions`). A row sees the
             same slots whether it is forwarded alone or at depth d of a chain or tree.
             ``None`` = the whole context.
+        lm_head: native backend only: a callable ``[n, hidden_size]`` -> ``[n, m]`` that
+            replaces the model's LM head for this item's rows, e.g. a head over a subset of
+            the vocabulary (:meth:`specdec.runtime.model.NativeDecoder.vocab_head`, for a
+            self-draft's FR-Spec vocabulary); ``logits`` are then its ``m`` columns.
+            ``None`` = the model's own head (``[n, vocab_size]``).
     """
 
     token_ids: Sequence[int] | torch.Tensor
@@ -66,6 +71,7 @@ class BatchItem:
     num_logits: int = 0
     prefill: bool | None = None
     kv_window: tuple[int, ...] | None = None
+    lm_head: Callable[..., torch.Tensor] | None = None
 
 
 @runtime_checkable

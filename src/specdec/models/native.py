@@ -142,10 +142,13 @@ class NativeModel(BackendBase):
         layers: Sequence[int] | None = None,
         capture: Sequence[int] = (),
         kv_window: tuple[int, ...] | None = None,
+        lm_head=None,
     ) -> ForwardOutput:
         """:meth:`forward` with the hidden states, optionally over a subset of the layers
         (early exit / layer skip sharing this cache), over a window of the cached context
-        (``kv_window``, see :attr:`~specdec.models.base.BatchItem.kv_window`), or
+        (``kv_window``, see :attr:`~specdec.models.base.BatchItem.kv_window`), with
+        another LM head (``lm_head``, e.g. over a draft vocabulary: see
+        :attr:`~specdec.models.base.BatchItem.lm_head` and :meth:`vocab_head`), or
         capturing hidden states of every row; see
         :meth:`specdec.runtime.model.NativeDecoder.forward_full`.
 
@@ -153,8 +156,16 @@ class NativeModel(BackendBase):
             ValueError: a malformed ``kv_window`` (not ``(sinks >= 0, recent >= 1[,
                 align >= 1])``), among the errors of ``forward_full``.
         """
-        item = BatchItem(token_ids, cache, positions, tree_mask, num_logits, kv_window=kv_window)
+        item = BatchItem(
+            token_ids, cache, positions, tree_mask, num_logits, kv_window=kv_window,
+            lm_head=lm_head,
+        )  # fmt: skip
         return self.decoder.forward_full([item], layers=layers, capture=capture)[0]
+
+    def vocab_head(self, ids: torch.Tensor):
+        """An LM head over the vocabulary rows ``ids`` (see
+        :meth:`specdec.runtime.model.NativeDecoder.vocab_head`)."""
+        return self.decoder.vocab_head(ids)
 
     def forward_batch_full(
         self,

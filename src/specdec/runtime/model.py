@@ -304,12 +304,44 @@ class NativeDecoder:
                 pack()
         index = torch.cat(rows).to(self.device)
         hidden = _rms_norm(x.index_select(0, index), self.weights.norm, self.config.rms_eps)
-        logits = self.lm_head(hidden, exact).float()
         sizes = [p.num_logits for p in plans]
-        return [
-            ForwardOutput(lg, h, c)
-            for lg, h, c in zip(logits.split(sizes), hidden.split(sizes), captured, strict=True)
-        ]
+        hiddens = hidden.split(sizes)
+        if all(p.item.lm_head is None for p in plans):
+            logits = self.lm_head(hidden, exact).float().split(sizes)
+        else:  # an item's own head (a draft vocabulary) on its rows
+            logits = [
+                (p.item.lm_head or self.lm_head)(h, exact).float()
+                for p, h in zip(plans, hiddens, strict=True)
+            ]
+        return [ForwardOutput(lg, h, c) for lg, h, c in zip(logits, hiddens, captured, strict=True)]
+
+    def vocab_head(self, ids: torch.Tensor) -> Linear | QuantLinear:
+        """An LM head over the vocabulary rows ``ids`` only: the model's own head (the
+        same kernel; quantized blocks stay quantized) restricted to those rows, so its
+        logits are ``[n, len(ids)]``, column ``j`` the logit of token ``ids[j]``, computed
+        as the full head computes it. A draft over a subset of the vocabulary reads
+        ``len(ids) / vocab_size`` of the head's bytes (FR-Spec, Zhao et al. 2025,
+        arXiv:2502.14856: the LM head is the largest single product of a small model's
+        draft step). ``len(ids)`` a multiple of 8 reads fastest on the ``q8`` kernel.
+
+        Args:
+            ids: ``[m]`` distinct token ids in ``[0, vocab_size)``, int64, m >= 1.
+
+        Raises:
+            ValueError: ``ids`` empty, not 1-D, repeated or out of range.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        vocab = self.config.vocab_size
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"ids must be a non-empty 1-D tensor, got shape {tuple(ids.shape)}")
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"ids must lie in [0, {vocab})")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("ids must be distinct")
+        head = self.lm_head
+        if isinstance(head, QuantLinear):
+            return QuantLinear(head.matrix.rows(ids), None, self.dtype, head.kernel)
+        return Linear(head.weight.index_select(0, ids).contiguous(), None, head.choice)
 
     def _layer_order(self, layers: Sequence[int] | None) -> Sequence[int]:
         n = len(self.layers)
@@ -714,9 +746,13 @@ def _visibility(tree_mask, start: int, t: int, device, window=None) -> list[Visi
         own = torch.arange(start, start + row + 1) if tree_rows is None else tree_rows[row]
         n = own.numel()
         if window is not None and base + n >= whole:
-            path = torch.cat([torch.arange(base), own])
-            first = sinks + (path.numel() - recent - 1 - sinks) // align * align
-            out.append(torch.cat([path[:sinks], path[first:]]).to(device))
+            first = sinks + (base + n - recent - 1 - sinks) // align * align
+            if tree_rows is None:  # the path is the slots 0 .. start + row, in order
+                kept = torch.cat([torch.arange(sinks), torch.arange(first, base + n)])
+            else:
+                path = torch.cat([torch.arange(base), own])
+                kept = torch.cat([path[:sinks], path[first:]])
+            out.append(kept.to(device))
         elif torch.equal(own, torch.arange(base, base + n)):
             out.append(base + n)  # a plain prefix of the slots (the causal case)
         else:
