@@ -313,7 +313,9 @@ class LayerSkipOptions:
         0, "tokens prompt lookup guesses per draft forward (a free second level); 0: off"
     )
     vocab: int = option(
-        0, "draft over the N lowest token ids + the sequence's own tokens (FR-Spec); 0: all"
+        0,
+        "draft over the N lowest token ids + the sequence's own tokens (>= 0); "
+        "0 or >= the vocabulary size: all",
     )
 
     def __post_init__(self) -> None:
@@ -419,7 +421,9 @@ class SparseKVOptions:
         0, "tokens prompt lookup guesses per draft forward (a free second level); 0: off"
     )
     vocab: int = option(
-        8192, "draft over the N lowest token ids + the sequence's own tokens (FR-Spec); 0: all"
+        8192,
+        "draft over the N lowest token ids + the sequence's own tokens (>= 0); "
+        "0 or >= the vocabulary size: all",
     )
 
     def __post_init__(self) -> None:
@@ -496,7 +500,9 @@ class QuantizedOptions:
         0, "tokens prompt lookup guesses per draft forward (a free second level); 0: off"
     )
     vocab: int = option(
-        0, "draft over the N lowest token ids + the sequence's own tokens (FR-Spec); 0: all"
+        0,
+        "draft over the N lowest token ids + the sequence's own tokens (>= 0); "
+        "0 or >= the vocabulary size: all",
     )
 
     def __post_init__(self) -> None:
