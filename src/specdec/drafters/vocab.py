@@ -30,6 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specdec.heads.modules import spread_logits
+
 
 class SharedVocabulary:
     """A drafter's part of its sequences' vocabularies: the ``size`` lowest token ids (at
@@ -106,11 +108,4 @@ class DraftVocabulary:
     def spread(self, logits: torch.Tensor) -> torch.Tensor:
         """``[n, m]`` logits over :attr:`columns` as ``[n, vocab_size]`` float32 logits,
         ``-inf`` for the tokens outside the subset (draft probability 0)."""
-        full = torch.full(
-            (logits.shape[0], self.shared.vocab_size),
-            float("-inf"),
-            dtype=torch.float32,
-            device=logits.device,
-        )
-        full[:, self.columns.to(logits.device)] = logits.float()
-        return full
+        return spread_logits(logits, self.columns.to(logits.device), self.shared.vocab_size)
