@@ -17,7 +17,7 @@ from drafter_conformance import DrafterConformance
 from conftest import make_model, make_tokenizer
 from exact_laws import Synthetic, chain_step_law, target_sequences, tree_step_law, worst_error
 from specdec import LLM, SamplingParams, SpeculativeConfig
-from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle import EagleDrafter, HeadCache
 from specdec.drafters.options import EagleOptions, ParallelOptions
 from specdec.drafters.parallel import ParallelDrafter
 from specdec.heads.format import load_head, read_config, save_head, target_fingerprint
@@ -435,6 +435,128 @@ def test_quantized_heads_compute_what_the_float_head_does_within_the_blocks_roun
     assert got.dtype == want.dtype and got.shape == want.shape
     error = float((got - want).abs().max() / want.abs().max())
     assert 0 < error < 0.03, error  # Q8_0 rounds each weight to 1/254 of its block's largest
+
+
+def random_head(kind: str, hidden: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """An untrained head of a made-up target's shape (weights random, embedding bound)."""
+    config = HeadConfig(
+        kind=kind, target_name="made-up", target_fingerprint="0", num_layers=4,
+        hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=2 * hidden, vocab_size=300, rms_eps=1e-5, rope_theta=10000.0,
+        capture=[0, 2, 4], draft_vocab_size=96, block_size=3 if kind == "parallel" else 0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    head = make_head(config)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    head.bind(torch.randn(300, hidden) * 0.5)
+    return head.eval()
+
+
+def _rows_both_ways(head, features, ids, start_rows):
+    """The head's outputs and cached keys/values for ``ids`` after ``start_rows`` cached
+    rows, once through :meth:`EagleHead.step` and once through the fused layer."""
+    c = head.config
+    caches = [HeadCache(c.num_kv_heads, c.head_dim, torch.float32, "cpu", capacity=4)
+              for _ in range(2)]  # fmt: skip
+    n0 = start_rows
+    with torch.inference_mode():
+        for cache in caches if n0 else ():  # the same earlier rows (the PyTorch layer's)
+            h, k, v = head.step(features[:n0], ids[:n0], torch.arange(n0), None, None, None)
+            cache.append(k, v)
+        n = features.shape[0] - n0
+        past = caches[0].past() if n0 else (None, None)
+        want, k, v = head.step(features[n0:], ids[n0:], torch.arange(n0, n0 + n), *past, None)
+        caches[0].append(k, v)
+        fused = head.fused_layer()
+        assert fused is not None
+        caches[1].reserve(n0 + n)
+        got = fused.run(caches[1].kv, features[n0:], ids[n0:], n0)
+        caches[1].num_rows = n0 + n
+    return want, got, caches
+
+
+@pytest.mark.skipif(not kernel_available("cpu"), reason="needs the C++ kernels")
+@pytest.mark.parametrize("shape", [(32, 4, 2, 8), (128, 2, 1, 64), (192, 3, 3, 64)],
+                         ids=["tiny", "one-kv-head-d64", "mha-d64"])  # fmt: skip
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("rows", [(0, 5), (7, 1), (6, 3)], ids=["prefill", "draft", "catch-up"])
+def test_the_fused_head_layer_computes_what_the_head_step_does(shape, quantization, rows):
+    """The runtime's fused decoding layer over a head's cache (:class:`FusedEagleLayer`)
+    returns the head layer's outputs and stores its keys and values, for causal rows after
+    any number of cached ones; the products are the same kernel on the same blocks, the
+    attention another float32 summation order."""
+    head = random_head("eagle", *shape)
+    assert quantize_head(head, quantization) > 0
+    gen = torch.Generator().manual_seed(1)
+    n0, n = rows
+    features = torch.randn(n0 + n, shape[0], generator=gen)
+    ids = torch.randint(0, 300, (n0 + n,), generator=gen)
+    want, got, (ref, fused) = _rows_both_ways(head, features, ids, n0)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert ref.num_rows == fused.num_rows == n0 + n and fused.kv.shape[3] >= n0 + n
+    for a, b in zip(ref.past(), fused.past(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernel_available("cpu"), reason="needs the C++ kernels")
+def test_a_parallel_block_on_the_fused_layer_equals_the_heads_block():
+    """A parallel head's block (new rows, then mask rows reading negative ids) on the fused
+    layer gives :meth:`ParallelHead.block`'s logits and keeps only the new rows."""
+    head = random_head("parallel", 128, 2, 1, 64)
+    quantize_head(head, "q8_0")
+    gen = torch.Generator().manual_seed(2)
+    features, ids = torch.randn(6, 128, generator=gen), torch.randint(0, 300, (6,), generator=gen)
+    c = head.config
+    with torch.inference_mode():
+        past = head.step(features[:4], ids[:4], torch.arange(4), None, None, None)
+        want, k, v = head.block(features[4:], ids[4:], 4, past[1], past[2], 3)
+        cache = HeadCache(c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+        cache.append(past[1], past[2])
+        rows, row_ids = head.block_rows(features[4:], ids[4:], 3)
+        assert row_ids.tolist()[-2:] == [-1, -2] and rows.shape[0] == 4
+        cache.reserve(8)
+        h = head.fused_layer().run(cache.kv, rows, row_ids, 4)
+        got = head.logits(h[1:])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.kv[0, 0, :, 4:6].transpose(0, 1), k, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_head_layer_runs_only_where_it_can(smooth):
+    """A float head (``quantization=none``) or one without its embedding keeps the PyTorch
+    layer; quantizing it in place switches to the fused layer at the next call."""
+    head = random_head("eagle", 32, 4, 2, 8)
+    assert head.fused_layer() is None  # float32 weights: nn.Linear
+    if not kernel_available("cpu"):
+        quantize_head(head, "none")
+        assert head.fused_layer() is None
+        return
+    quantize_head(head, "q8_0")
+    assert head.fused_layer() is not None
+    unbound = random_head("eagle", 32, 4, 2, 8)
+    unbound.embed = None
+    quantize_head(unbound, "q8_0")
+    assert unbound.fused_layer() is None
+
+
+def test_the_head_cache_keeps_rows_through_growth_and_truncation():
+    """``HeadCache`` in the runtime's layout: appended rows read back as ``[P, G, d]``,
+    survive growth past the capacity, and truncation moves only the cursor."""
+    cache = HeadCache(2, 4, torch.float32, "cpu", capacity=2)
+    keys, values = torch.randn(5, 2, 4), torch.randn(5, 2, 4)
+    cache.append(keys[:2], values[:2])
+    cache.append(keys[2:], values[2:])  # grows
+    assert cache.num_rows == 5 and cache.kv.shape == (1, 2, 2, 5, 4)
+    k, v = cache.past()
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    cache.truncate(3)
+    assert torch.equal(cache.past()[0], keys[:3]) and cache.kv.shape[3] == 5
+    cache.truncate(9)
+    assert cache.num_rows == 3
+    cache.reserve(20)
+    assert cache.kv.shape[3] == 20 and torch.equal(cache.past()[1], values[:3])
 
 
 def test_head_quantization_is_refused_where_it_cannot_run(smooth):

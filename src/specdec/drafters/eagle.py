@@ -41,7 +41,9 @@ from specdec.trees.builders import Expansion
 
 
 class HeadCache:
-    """Keys and values of a head's rows for one sequence, with a cursor.
+    """Keys and values of a head's rows for one sequence, with a cursor, in the native
+    runtime's cache layout (``kv`` ``[1, 2, G, C, d]``: one layer, keys then values), so
+    that :class:`~specdec.heads.modules.FusedEagleLayer` writes and reads it directly.
 
     Args:
         num_kv_heads, head_dim: the head's attention shape.
@@ -50,26 +52,28 @@ class HeadCache:
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = 256):
-        self.k = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.kv = torch.empty(1, 2, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.num_rows = 0
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows (the first ``num_rows`` kept)."""
+        if rows > self.kv.shape[3]:
+            old = self.kv
+            self.kv = old.new_empty(*old.shape[:3], max(rows, 2 * old.shape[3]), old.shape[4])
+            self.kv[:, :, :, : self.num_rows] = old[:, :, :, : self.num_rows]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add ``[n, G, d]`` keys and values after the cursor."""
         need = self.num_rows + k.shape[0]
-        if need > self.k.shape[0]:
-            size = max(need, 2 * self.k.shape[0])
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = old.new_empty(size, *old.shape[1:])
-                new[: self.num_rows] = old[: self.num_rows]
-                setattr(self, name, new)
-        self.k[self.num_rows : need] = k
-        self.v[self.num_rows : need] = v
+        self.reserve(need)
+        self.kv[0, 0, :, self.num_rows : need] = k.transpose(0, 1)
+        self.kv[0, 1, :, self.num_rows : need] = v.transpose(0, 1)
         self.num_rows = need
 
     def past(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[: self.num_rows], self.v[: self.num_rows]
+        """``([P, G, d], [P, G, d])`` views of the rows' keys and values."""
+        n = self.num_rows
+        return self.kv[0, 0, :, :n].transpose(0, 1), self.kv[0, 1, :, :n].transpose(0, 1)
 
     def truncate(self, num_rows: int) -> None:
         self.num_rows = min(self.num_rows, num_rows)
@@ -157,12 +161,27 @@ class EagleSequence(DrafterBase):
         dtype = self.head.dtype
         features = self.head.fuse(captured.to(dtype))
         ids = torch.as_tensor(token_ids[start + 1 : n], dtype=torch.long)
-        positions = torch.arange(start, n - 1)
+        h = self._rows(features, ids)
+        self._last = h[-1:]
+        return self._last
+
+    def _rows(self, features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Run the head over causal rows after the cache's (each seeing the cached rows and
+        the new ones before it), keep them in the cache; ``[N, D]`` outputs. On the
+        runtime's fused layer where the head runs there
+        (:meth:`~specdec.heads.modules.EagleHead.fused_layer`), else the PyTorch layer."""
+        start = self.cache.num_rows
+        fused = self.head.fused_layer()
+        if fused is not None and features.dim() == 2 and features.device.type == "cpu":
+            self.cache.reserve(start + features.shape[0])
+            h = fused.run(self.cache.kv, features, ids, start)
+            self.cache.num_rows = start + features.shape[0]
+            return h
+        positions = torch.arange(start, start + features.shape[0])
         past_k, past_v = self.cache.past() if start else (None, None)
         h, k, v = self.head.step(features, ids, positions, past_k, past_v, None)
         self.cache.append(k, v)
-        self._last = h[-1:]
-        return self._last
+        return h
 
     def _pick(self, h: torch.Tensor, generator, position: int, stop):
         """Draft token, its target-vocabulary distribution (``None`` when greedy) and
@@ -220,10 +239,7 @@ class EagleSequence(DrafterBase):
                     rows.append(row)
                 if i + 1 == num_tokens:
                     break
-                ids = torch.tensor([token])
-                pos = torch.tensor([committed + i])
-                h, k, v = self.head.step(h, ids, pos, *self.cache.past(), None)
-                self.cache.append(k, v)
+                h = self._rows(h, torch.tensor([token]))
         finally:
             self.cache.truncate(committed)
         return DraftProposal(tokens, torch.stack(rows) if rows else None, confidence)

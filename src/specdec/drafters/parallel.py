@@ -101,9 +101,18 @@ class ParallelSequence(EagleSequence):
             feature, token = self._last_row
             self.cache.truncate(self.cache.num_rows - 1)
             start, features, ids = self.cache.num_rows, feature, torch.tensor([token])
-        past = self.cache.past() if start else (None, None)
-        logits, k, v = self.head.block(features, ids, start, *past, size)
-        self.cache.append(k, v)
+        fused = self.head.fused_layer()
+        if fused is not None and features.device.type == "cpu":
+            # the block's rows on the runtime's fused layer; the mask rows are dropped
+            rows, row_ids = self.head.block_rows(features, ids, size)
+            self.cache.reserve(start + rows.shape[0])
+            h = fused.run(self.cache.kv, rows, row_ids, start)
+            self.cache.num_rows = start + features.shape[0]
+            logits = self.head.logits(h[features.shape[0] - 1 :])
+        else:
+            past = self.cache.past() if start else (None, None)
+            logits, k, v = self.head.block(features, ids, start, *past, size)
+            self.cache.append(k, v)
         self._last_row = (features[-1:], int(ids[-1]))
         return logits
 

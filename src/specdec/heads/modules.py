@@ -188,6 +188,126 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+class FusedEagleLayer:
+    """An :class:`EagleHead`'s decoder layer as one call of the native runtime's fused
+    decoding layer (:func:`specdec.runtime.kernels.decode_layer`): the fused QKV product,
+    rotary + KV store, attention, output product, residual + MLP norm, gate/up product,
+    SiLU x up and down product in C++, over a KV cache in the runtime's layout, for causal
+    rows (a chain's draft steps, the rows a drafter catches up, a parallel head's block).
+
+    Why: the head's PyTorch layer is about 50 small operations per draft step; on a 2-core
+    CPU after a target forward has streamed its weights through the caches each costs
+    10-30 us, so a one-row draft step of the shipped Q8_0 EAGLE head took about 1.5 ms
+    for weights a product reads in about 0.3 ms.
+
+    The arithmetic is the head's (float32, the same ``fma`` products on the same Q8_0 /
+    Q4_1 blocks: q, k and v concatenated by rows into one matrix, gate and up into
+    another, which leaves every output's blocks and order unchanged), except the attention,
+    computed by the runtime's kernel (another float32 summation order than
+    ``scaled_dot_product_attention``). Drafts are proposals that verification checks, so
+    output stays lossless either way.
+
+    Built by :meth:`EagleHead.fused_layer` for a float32 CPU head whose seven layer
+    products are :class:`QuantizedLinear` (``quantization=q8_0 / q4_1``, the default on a
+    CPU) with the extension built; else that returns ``None`` and the PyTorch layer runs.
+
+    Args:
+        head: the quantized head (its embedding bound).
+    """
+
+    def __init__(self, head: EagleHead) -> None:
+        from specdec.runtime.quant import QuantizedMatrix, QuantLinear
+
+        c = head.config
+
+        def joined(*linears: QuantizedLinear) -> tuple[torch.Tensor, int]:
+            matrices = [lin.product.matrix for lin in linears]
+            if len(matrices) == 1:
+                return linears[0].product.layout
+            matrix = QuantizedMatrix(
+                matrices[0].kind,
+                torch.cat([m.blocks for m in matrices]),
+                (sum(m.shape[0] for m in matrices), matrices[0].shape[1]),
+            )
+            return QuantLinear(matrix, None, torch.float32, "fma").layout
+
+        layouts = [
+            joined(head.q, head.k, head.v), joined(head.o),
+            joined(head.gate, head.up), joined(head.down),
+        ]  # fmt: skip
+        self.head = head
+        self.blocks = [layout[0] for layout in layouts]
+        self.codes = [int(layout[1]) for layout in layouts]
+        self.kernels = [0, 0, 0, 0]  # quant_gemm (the fma kernel), as QuantizedLinear runs
+        self.mlp_norm = head.mlp_norm.weight.detach().float().contiguous()
+        self.eps = float(head.mlp_norm.eps)
+        self.scale = c.head_dim**-0.5
+        self.heads = c.num_heads
+        self._cos = self._sin = torch.empty(0, c.head_dim)
+        self._no_slots = torch.empty(0, dtype=torch.long)
+
+    @staticmethod
+    def supported(head: EagleHead) -> bool:
+        """Whether ``head`` runs on this path (see the class docstring)."""
+        from specdec.runtime.kernels import kernel_available
+
+        names = ("q", "k", "v", "o", "gate", "up", "down")
+        layers = [getattr(head, name) for name in names]
+        if head.dtype != torch.float32 or head.embed is None or head.embed.device.type != "cpu":
+            return False
+        if not all(isinstance(m, QuantizedLinear) and m.product.kernel == "fma" for m in layers):
+            return False
+        same = all(head.q.kind == m.kind for m in (head.k, head.v))
+        return same and head.gate.kind == head.up.kind and kernel_available("cpu")
+
+    def _tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ``[>= end, head_dim]`` float32 (the runtime's rotary
+        convention: ``x cos + rotate_half(x) sin`` with the first half of sin negated),
+        from the head's own ``inv_freq``, as :meth:`EagleHead.rotary` computes them."""
+        if end > self._cos.shape[0]:
+            size = max(end, 2 * self._cos.shape[0], 256)
+            freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.head.inv_freq[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            sign = torch.ones(emb.shape[-1])
+            sign[: emb.shape[-1] // 2] = -1.0
+            self._cos, self._sin = emb.cos().contiguous(), (emb.sin() * sign).contiguous()
+        return self._cos, self._sin
+
+    def run(
+        self, kv: torch.Tensor, features: torch.Tensor, token_ids: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Rows ``start .. start + N - 1``: each reads its feature and token, writes its key
+        and value to its slot of ``kv`` and sees slots ``0 ..`` its own (causal).
+
+        Args:
+            kv: ``[1, 2, G, C, head_dim]`` float32 contiguous, ``C >= start + N``; slots
+                below ``start`` hold the earlier rows.
+            features: ``[N, D]`` float32 (fused target features or the head's outputs).
+            token_ids: ``[N]`` int64 (a parallel head's mask rows: negative ids).
+            start: the first row's slot and rotary position.
+
+        Returns:
+            ``h`` ``[N, D]`` float32, what :meth:`EagleHead.step` returns for these rows.
+        """
+        from specdec.runtime.kernels import decode_layer
+
+        head = self.head
+        n = features.shape[0]
+        features = features.contiguous()
+        e = head.embed_tokens(token_ids).to(torch.float32)
+        normed = torch.cat([head.embed_norm(e), head.feature_norm(features)], dim=-1)
+        cos, sin = self._tables(start + n)
+        slots = torch.arange(start, start + n)
+        zeros = torch.zeros(n, dtype=torch.long)
+        out, mlp = decode_layer(
+            features, normed, cos[start : start + n], sin[start : start + n], [kv], 0, zeros,
+            slots, zeros, slots + 1, torch.full((n,), -1, dtype=torch.long), self._no_slots,
+            self.scale, self.heads, self.blocks, self.codes, self.kernels, self.mlp_norm,
+            self.eps,
+        )  # fmt: skip
+        return out + mlp
+
+
 class EagleHead(nn.Module):
     """EAGLE-3's draft decoder layer (see the module docstring).
 
@@ -227,6 +347,17 @@ class EagleHead(nn.Module):
     def dtype(self) -> torch.dtype:
         """The dtype the head computes in (its norms' weights; quantized layers too)."""
         return self.norm.weight.dtype
+
+    def fused_layer(self) -> FusedEagleLayer | None:
+        """The layer as one call of the runtime's fused decoding layer
+        (:class:`FusedEagleLayer`), built at the first call, or ``None`` where it does not
+        run (then :meth:`step` does). Call it after :meth:`bind` and :func:`quantize_head`."""
+        key = (self.embed is not None, getattr(self, "quantization", None))
+        cached = self.__dict__.get("_fused")
+        if cached is None or cached[0] != key:
+            fused = FusedEagleLayer(self) if FusedEagleLayer.supported(self) else None
+            self.__dict__["_fused"] = cached = (key, fused)
+        return cached[1]
 
     def bind(self, embed: torch.Tensor) -> EagleHead:
         """Use the target's ``[vocab_size, hidden_size]`` token embedding."""
@@ -367,14 +498,25 @@ class ParallelHead(EagleHead):
             each draft position and the new rows' keys/values (mask rows are not kept).
         """
         n = features.shape[0]
-        extra = size - 1
-        if extra:
-            features = torch.cat([features, features[-1:].expand(extra, -1)])
-            masks = -torch.arange(1, extra + 1, dtype=torch.long)
-            token_ids = torch.cat([token_ids, masks])
-        positions = torch.arange(start, start + n + extra)
+        features, token_ids = self.block_rows(features, token_ids, size)
+        positions = torch.arange(start, start + features.shape[0])
         h, k, v = self.step(features, token_ids, positions, past_k, past_v, None)
         return self.logits(h[n - 1 :]), k[:n], v[:n]
+
+    def block_rows(
+        self, features: torch.Tensor, token_ids: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of :meth:`block`: the ``N`` new rows, then ``size - 1`` mask rows
+        reading the last new row's feature (``[N + size - 1, D]`` features, ``[N + size -
+        1]`` token ids, mask row ``i`` as id ``-i``)."""
+        extra = size - 1
+        if not extra:
+            return features, token_ids
+        masks = -torch.arange(1, extra + 1, dtype=torch.long)
+        return (
+            torch.cat([features, features[-1:].expand(extra, -1)]),
+            torch.cat([token_ids, masks]),
+        )
 
 
 class MedusaHead(nn.Module):
