@@ -502,6 +502,35 @@ def test_the_fused_head_layer_computes_what_the_head_step_does(shape, quantizati
 
 
 @pytest.mark.skipif(not kernel_available("cpu"), reason="needs the C++ kernels")
+@pytest.mark.parametrize("shape", [(32, 4, 2, 8), (192, 3, 3, 64)], ids=["tiny", "d64"])
+def test_token_tree_rows_on_the_fused_layer_equal_the_masked_head_step(shape):
+    """EAGLE-2's tree rows (their own rotary positions, each seeing the verified rows, its
+    ancestors and itself) on the fused layer give the masked :meth:`EagleHead.step`."""
+    head = random_head("eagle", *shape)
+    quantize_head(head, "q8_0")
+    c = head.config
+    gen = torch.Generator().manual_seed(3)
+    features = torch.randn(9, shape[0], generator=gen)
+    ids = torch.randint(0, 300, (9,), generator=gen)
+    # 5 verified rows, then a tree: rows 5, 6 (children of the root), 7 (under 5), 8 (under 6)
+    tree = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
+    visible = torch.cat([torch.ones(4, 5, dtype=torch.bool), tree], 1)
+    positions = torch.tensor([5, 5, 6, 6])
+    with torch.inference_mode():
+        _, k, v = head.step(features[:5], ids[:5], torch.arange(5), None, None, None)
+        want, _, _ = head.step(features[5:], ids[5:], positions, k, v, visible)
+        cache = HeadCache(c.num_kv_heads, c.head_dim, torch.float32, "cpu")
+        cache.append(k, v)
+        cache.reserve(9)
+        got = head.fused_layer().run(cache.kv, features[5:], ids[5:], 5, positions, visible)
+        with pytest.raises(ValueError, match="visible must be"):
+            head.fused_layer().run(cache.kv, features[5:], ids[5:], 5, positions, visible[:, 1:])
+        with pytest.raises(ValueError, match="positions for 4 rows"):
+            head.fused_layer().run(cache.kv, features[5:], ids[5:], 5, positions[:3], visible)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernel_available("cpu"), reason="needs the C++ kernels")
 def test_a_parallel_block_on_the_fused_layer_equals_the_heads_block():
     """A parallel head's block (new rows, then mask rows reading negative ids) on the fused
     layer gives :meth:`ParallelHead.block`'s logits and keeps only the new rows."""

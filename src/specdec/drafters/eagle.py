@@ -288,12 +288,18 @@ class EagleTreeSession(CachedTreeSession):
         features = torch.stack(parents)
         ids = torch.tensor([self.tokens[n] for n in nodes])
         pos = torch.tensor(positions) - 1  # rows sit one before their token
-        past_k, past_v = self.cache.past()
         full_mask = torch.cat(
             [torch.ones(len(nodes), self.committed, dtype=torch.bool), mask.to(torch.bool)], 1
         )
-        h, k, v = self.head.step(features, ids, pos, past_k, past_v, full_mask)
-        self.cache.append(k, v)
+        fused = self.head.fused_layer()
+        if fused is not None and features.device.type == "cpu":
+            start = self.cache.num_rows
+            self.cache.reserve(start + len(nodes))
+            h = fused.run(self.cache.kv, features, ids, start, pos, full_mask)
+            self.cache.num_rows = start + len(nodes)
+        else:
+            h, k, v = self.head.step(features, ids, pos, *self.cache.past(), full_mask)
+            self.cache.append(k, v)
         for row, node in enumerate(nodes):
             self.outputs[node] = h[row]
         return self._full(h)

@@ -274,20 +274,33 @@ class FusedEagleLayer:
         return self._cos, self._sin
 
     def run(
-        self, kv: torch.Tensor, features: torch.Tensor, token_ids: torch.Tensor, start: int
+        self,
+        kv: torch.Tensor,
+        features: torch.Tensor,
+        token_ids: torch.Tensor,
+        start: int,
+        positions: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows ``start .. start + N - 1``: each reads its feature and token, writes its key
-        and value to its slot of ``kv`` and sees slots ``0 ..`` its own (causal).
+        """Rows in slots ``start .. start + N - 1``: each reads its feature and token,
+        writes its key and value to its slot of ``kv`` and attends to the slots it sees.
 
         Args:
             kv: ``[1, 2, G, C, head_dim]`` float32 contiguous, ``C >= start + N``; slots
                 below ``start`` hold the earlier rows.
             features: ``[N, D]`` float32 (fused target features or the head's outputs).
             token_ids: ``[N]`` int64 (a parallel head's mask rows: negative ids).
-            start: the first row's slot and rotary position.
+            start: the first row's slot.
+            positions: ``[N]`` int64 rotary positions (default: the slots).
+            visible: ``[N, start + N]`` bool, the slots each row sees (a token tree's rows:
+                the verified rows, their ancestors and themselves); default causal (slots
+                ``0 ..`` its own).
 
         Returns:
             ``h`` ``[N, D]`` float32, what :meth:`EagleHead.step` returns for these rows.
+
+        Raises:
+            ValueError: ``positions`` or ``visible`` of another shape.
         """
         from specdec.runtime.kernels import decode_layer
 
@@ -296,12 +309,28 @@ class FusedEagleLayer:
         features = features.contiguous()
         e = head.embed_tokens(token_ids).to(torch.float32)
         normed = torch.cat([head.embed_norm(e), head.feature_norm(features)], dim=-1)
-        cos, sin = self._tables(start + n)
         slots = torch.arange(start, start + n)
+        if positions is None:
+            cos, sin = self._tables(start + n)
+            cos, sin = cos[start : start + n], sin[start : start + n]
+        else:
+            positions = torch.as_tensor(positions, dtype=torch.long)
+            if positions.shape != (n,):
+                raise ValueError(f"{positions.numel()} positions for {n} rows")
+            cos, sin = self._tables(int(positions.max()) + 1)
+            cos, sin = cos[positions], sin[positions]
         zeros = torch.zeros(n, dtype=torch.long)
+        if visible is None:
+            row_n, row_off, seen = slots + 1, torch.full((n,), -1, dtype=torch.long), self._no_slots
+        else:
+            if tuple(visible.shape) != (n, start + n):
+                raise ValueError(f"visible must be [{n}, {start + n}], got {tuple(visible.shape)}")
+            visible = visible.to(torch.bool)
+            row_n = visible.sum(1)
+            row_off = torch.cumsum(row_n, 0) - row_n
+            seen = visible.nonzero()[:, 1].contiguous()  # each row's slots, in order
         out, mlp = decode_layer(
-            features, normed, cos[start : start + n], sin[start : start + n], [kv], 0, zeros,
-            slots, zeros, slots + 1, torch.full((n,), -1, dtype=torch.long), self._no_slots,
+            features, normed, cos, sin, [kv], 0, zeros, slots, zeros, row_n, row_off, seen,
             self.scale, self.heads, self.blocks, self.codes, self.kernels, self.mlp_norm,
             self.eps,
         )  # fmt: skip
