@@ -381,7 +381,9 @@ class EagleHead(nn.Module):
         """The layer as one call of the runtime's fused decoding layer
         (:class:`FusedEagleLayer`), built at the first call, or ``None`` where it does not
         run (then :meth:`step` does). Call it after :meth:`bind` and :func:`quantize_head`."""
-        key = (self.embed is not None, getattr(self, "quantization", None))
+        weight = self.norm.weight
+        key = (self.embed is not None, getattr(self, "quantization", None), weight.device,
+               weight.dtype)  # fmt: skip
         cached = self.__dict__.get("_fused")
         if cached is None or cached[0] != key:
             fused = FusedEagleLayer(self) if FusedEagleLayer.supported(self) else None
