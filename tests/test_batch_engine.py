@@ -287,6 +287,8 @@ def test_llm_generate_batch_equals_one_by_one(target, near_draft):
     ]
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]])
+    with pytest.raises(ValueError, match=r"^prompt 1 of the batch: prompt token ids outside"):
+        llm.generate([prompts[0], [10**6]])  # which prompt of a batch is refused
     with pytest.raises(ValueError, match="2 sampling parameters for 3 prompts"):
         llm.generate(prompts[:3], params[:2])
     with pytest.raises(ValueError, match="needs a list of prompts"):

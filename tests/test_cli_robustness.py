@@ -480,6 +480,7 @@ def test_an_option_error_names_where_the_options_are_listed(
         ("suffix:k=4", "the draft length is --num-speculative-tokens"),
         ("hybrid:kernel=fma", "the model drafter's options go after ';': model=NAME;kernel="),
         ("hybrid:model=nope", "hybrid:model=nope: unknown drafter; choose a chain drafter"),
+        ("eagle@dynamic:top_k=4,depth=6", "give them apart: --drafter eagle --tree dynamic"),
     ],
 )
 def test_drafter_spec_mistakes_say_what_to_write(

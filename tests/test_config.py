@@ -42,6 +42,7 @@ def test_vllm_spellings_of_nothing_are_accepted():
     "kwargs, message",
     [
         ({"method": "cerberus"}, "unknown drafter"),
+        ({"method": "suffix@static:tree-8"}, "give them apart: --drafter suffix --tree static"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": 2.5}, "num_speculative_tokens"),
         ({"method": "ngram:min_n=0"}, "min_n must be an integer >= 1"),

@@ -764,7 +764,12 @@ class LLM:
         predictions = _per_prompt(prediction, len(prompts), "predictions")
         for p, c in zip(predictions, configs, strict=True):
             self.prediction_drafter(p, c)  # checked before anything runs
-        encoded = [self.encode(p, chat) for p in prompts]  # every prompt checked first
+        encoded = []  # every prompt checked first
+        for i, p in enumerate(prompts):
+            try:
+                encoded.append(self.encode(p, chat))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i} of the batch: {exc}") from None
         groups = [_choices(p) for p in all_params]  # per prompt: its candidates' params
         if any(
             len(g) > 1 or p.best_of is not None for g, p in zip(groups, all_params, strict=True)

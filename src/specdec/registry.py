@@ -111,7 +111,15 @@ def _add(table: dict, kind: str, entry: Any, replace: bool, forbidden: str) -> N
 def _lookup(table: dict, kind: str, name: str) -> Any:
     entry = table.get(name)
     if entry is None:
-        raise ValueError(f"unknown {kind} {name!r}; choose one of {', '.join(table)}")
+        hint = ""
+        if "@" in name and name.split("@", 1)[0] in table:
+            drafter, tree = name.split("@", 1)
+            hint = (
+                f" (DRAFTER@TREE is bench --method's notation; give them apart: --drafter "
+                f"{drafter} --tree {tree}[:OPTIONS], or SpeculativeConfig(method={drafter!r}, "
+                f"tree='{tree}[:OPTIONS]'))"
+            )
+        raise ValueError(f"unknown {kind} {name!r}; choose one of {', '.join(table)}{hint}")
     return entry
 
 
@@ -354,9 +362,12 @@ def parse_spec(text: str) -> tuple[str, dict[str, str]]:
     """``"suffix:max_depth=32"`` -> ``("suffix", {"max_depth": "32"})`` (values unparsed).
 
     Raises:
-        ValueError: an item without ``=`` or an option given twice.
+        ValueError: an item without ``=`` or an option given twice; bench's
+            ``DRAFTER@TREE`` notation (with how to give the drafter and tree apart).
     """
     name, _, rest = text.strip().partition(":")
+    if "@" in name and name.split("@", 1)[0].strip() in _DRAFTERS:
+        drafter_entry(name.strip())  # bench's DRAFTER@TREE: say so before its tree options
     return name.strip(), parse_key_values(rest.split(","), repr(name))
 
 
