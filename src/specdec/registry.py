@@ -112,7 +112,7 @@ def _lookup(table: dict, kind: str, name: str) -> Any:
     entry = table.get(name)
     if entry is None:
         hint = ""
-        if "@" in name and name.split("@", 1)[0] in table:
+        if kind == "drafter" and "@" in name and name.split("@", 1)[0] in table:
             drafter, tree = name.split("@", 1)
             hint = (
                 f" (DRAFTER@TREE is bench --method's notation; give them apart: --drafter "
