@@ -78,6 +78,17 @@ class HeadCache:
     def truncate(self, num_rows: int) -> None:
         self.num_rows = min(self.num_rows, num_rows)
 
+    def run_fused(self, fused, features, ids, positions=None, visible=None, keep=None):
+        """Rows after the cursor on a head's fused layer
+        (:meth:`~specdec.heads.modules.FusedEagleLayer.run`, which writes their keys and
+        values here); the cursor then moves past the first ``keep`` of them (default all).
+        Returns their ``[N, D]`` outputs."""
+        start, n = self.num_rows, features.shape[0]
+        self.reserve(start + n)
+        h = fused.run(self.kv, features, ids, start, positions, visible)
+        self.num_rows = start + (n if keep is None else keep)
+        return h
+
 
 class EagleDrafter(HeadDrafterBase):
     """Drafts with a trained EAGLE head (see the module docstring).
@@ -173,10 +184,7 @@ class EagleSequence(DrafterBase):
         start = self.cache.num_rows
         fused = self.head.fused_layer()
         if fused is not None and features.dim() == 2 and features.device.type == "cpu":
-            self.cache.reserve(start + features.shape[0])
-            h = fused.run(self.cache.kv, features, ids, start)
-            self.cache.num_rows = start + features.shape[0]
-            return h
+            return self.cache.run_fused(fused, features, ids)
         positions = torch.arange(start, start + features.shape[0])
         past_k, past_v = self.cache.past() if start else (None, None)
         h, k, v = self.head.step(features, ids, positions, past_k, past_v, None)
@@ -293,10 +301,7 @@ class EagleTreeSession(CachedTreeSession):
         )
         fused = self.head.fused_layer()
         if fused is not None and features.device.type == "cpu":
-            start = self.cache.num_rows
-            self.cache.reserve(start + len(nodes))
-            h = fused.run(self.cache.kv, features, ids, start, pos, full_mask)
-            self.cache.num_rows = start + len(nodes)
+            h = self.cache.run_fused(fused, features, ids, pos, full_mask)
         else:
             h, k, v = self.head.step(features, ids, pos, *self.cache.past(), full_mask)
             self.cache.append(k, v)

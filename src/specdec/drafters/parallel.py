@@ -105,9 +105,7 @@ class ParallelSequence(EagleSequence):
         if fused is not None and features.device.type == "cpu":
             # the block's rows on the runtime's fused layer; the mask rows are dropped
             rows, row_ids = self.head.block_rows(features, ids, size)
-            self.cache.reserve(start + rows.shape[0])
-            h = fused.run(self.cache.kv, rows, row_ids, start)
-            self.cache.num_rows = start + features.shape[0]
+            h = self.cache.run_fused(fused, rows, row_ids, keep=features.shape[0])
             logits = self.head.logits(h[features.shape[0] - 1 :])
         else:
             past = self.cache.past() if start else (None, None)
