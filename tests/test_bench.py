@@ -466,7 +466,7 @@ def _bench_argv(tmp_path, *extra):
         (["--method", "suffix:max_depth=1"], "max_depth must be an integer >= 2"),
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "--top-p"),
-        (["--method", "ngram:k=0"], "num_speculative_tokens must be an integer >= 1"),
+        (["--method", "ngram:k=0"], "num_speculative_tokens must be an integer from 1 to 64"),
         (["--method", "ngram:k=abc"], "--method: option 'k' of 'ngram' needs an integer"),
         (["--method", "ngram:min_n=5,max_n=2"], "min_n <= max_n"),
         (["--method", "hf-prompt-lookup:k=0"], "k=0 must be >= 1"),

@@ -370,7 +370,8 @@ def test_threads_below_one_are_refused(capsys, tiny_model_dir, no_loading):
 @pytest.mark.parametrize(
     "flag, value, said",
     [
-        ("--num-speculative-tokens", "0", "--num-speculative-tokens must be an integer >= 1"),
+        ("--num-speculative-tokens", "0", "--num-speculative-tokens must be an integer from 1"),
+        ("--num-speculative-tokens", "100000", "must be an integer from 1 to 64, got 100000"),
         ("--max-new-tokens", "0", "--max-new-tokens must be an integer >= 1"),
         ("--temperature", "-1", "--temperature must be a finite number >= 0"),
         ("--top-p", "2", "--top-p must be in (0, 1]"),

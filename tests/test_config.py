@@ -45,6 +45,7 @@ def test_vllm_spellings_of_nothing_are_accepted():
         ({"method": "suffix@static:tree-8"}, "give them apart: --drafter suffix --tree static"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": 2.5}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 65}, "from 1 to 64"),
         ({"method": "ngram:min_n=0"}, "min_n must be an integer >= 1"),
         ({"method": "ngram:min_n=3,max_n=2"}, "min_n <= max_n"),
         ({"method": "ngram", "options": {"min_n": 3, "max_n": 2}}, "min_n <= max_n"),

@@ -743,6 +743,19 @@ def test_asking_more_tokens_than_medusa_has_heads_says_so(target, heads, caplog)
         assert ("fills at most 3 levels of a token tree" in caplog.text) is warned
 
 
+def test_a_tree_deeper_than_the_heads_counts_the_depth_they_fill(target, heads):
+    """Medusa's 3 heads fill at most 3 levels of a depth-5 tree: the controller chooses
+    (and ``chosen_k_counts`` counts) depths up to 3, and the output stays plain decoding's."""
+    spec = SpeculativeConfig(
+        method=f"medusa:head={heads['target', 'medusa']}", tree="dynamic:top_k=2,depth=5,budget=8"
+    )
+    out = LLM(target, speculative=spec).generate([1, 5, 6, 7], GREEDY)
+    plain = LLM(target, speculative=SpeculativeConfig(method="none"))
+    assert out.token_ids == plain.generate([1, 5, 6, 7], GREEDY).token_ids
+    counts = out.metrics.chosen_k_counts
+    assert len(counts) == 4 and counts[3] > 0  # depths 0..3, mostly the 3 the heads fill
+
+
 # ---------------------------------------------------------------- exact laws
 
 

@@ -431,6 +431,10 @@ class SamplingParams:
 
 #: ``SpeculativeConfig.num_speculative_tokens`` when not given (the draft length k).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+#: The most ``SpeculativeConfig.num_speculative_tokens`` may be (the server's limit too):
+#: a verification forward of that many rows already costs several plain steps on a CPU,
+#: and a larger value is a typo (such as ``100000``) more often than a draft length.
+MAX_NUM_SPECULATIVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -444,7 +448,8 @@ class SpeculativeConfig:
             ``"suffix"`` (SuffixDecoding), ``"recycling"`` (Token Recycling), ... or
             ``"suffix:max_depth=32,global_cache=false"``. ``"custom"`` means the drafter
             object given to :class:`specdec.LLM` as ``drafter=``.
-        num_speculative_tokens: most draft tokens per verification step (γ, int >= 1).
+        num_speculative_tokens: most draft tokens per verification step (γ, an integer
+            from 1 to :data:`MAX_NUM_SPECULATIVE_TOKENS`, 64).
             Ignored for ``"none"``. Each step drafts at most the remaining token budget
             minus one, so a large value allocates nothing it cannot use.
         options: the drafter's options: its options dataclass (e.g.
@@ -552,8 +557,11 @@ class SpeculativeConfig:
                 "multi-draft rule (use verifier 'rejection' with a tree)"
             )
         k = self.num_speculative_tokens
-        if not _is_int(k) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if not _is_int(k) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer from 1 to "
+                f"{MAX_NUM_SPECULATIVE_TOKENS}, got {k!r}"
+            )
 
     @property
     def lossy(self) -> bool:

@@ -342,8 +342,8 @@ class Engine:
             check_capture(captures, getattr(target, "num_layers", max(captures)))
         max_k = tree_builder.max_depth if tree_builder is not None else num_speculative_tokens
         most = getattr(drafter, "max_draft_tokens", None)
-        if tree_builder is None and most is not None:
-            max_k = min(max_k, most)  # Medusa's heads, a parallel head's block
+        if most is not None:  # Medusa's heads, a parallel head's block (a tree's depth too)
+            max_k = min(max_k, most)
         info = SequenceInfo(
             request_id=request_id,
             max_k=max_k,

@@ -49,6 +49,7 @@ from specdec.config import (
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_NUM_SPECULATIVE_TOKENS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -106,7 +107,9 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # no type coercion (see _Common)
 
     method: str | None = None
-    num_speculative_tokens: int | None = Field(None, ge=1, le=64, strict=True)
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=MAX_NUM_SPECULATIVE_TOKENS, strict=True
+    )
     tree: str | None = None
     enabled: bool = True
     controller: str | None = None
