@@ -347,19 +347,22 @@ def test_thread_choice(monkeypatch, capsys, load, env, flag, threads, reason):
     assert ("busy" in err) == (reason == "busy")
 
 
-def test_more_threads_than_cores_is_said(monkeypatch, capsys):
-    """A new user's trial: --threads 64 on 2 cores ran 8x slower without a word."""
+def test_more_threads_than_cores_run_on_the_cores_and_say_so(monkeypatch, capsys):
+    """New users' trials: --threads 64 on 2 cores ran 8x slower without a word, and
+    --threads 1000 started 1000 threads that stalled the machine for minutes."""
     import argparse
 
     import torch
 
+    set_to = []
     monkeypatch.setattr(cli_common, "machine_cores", lambda: 2)
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    cli_common.choose_threads(argparse.Namespace(threads=64))
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    cli_common.choose_threads(argparse.Namespace(threads=1000))
     err = capsys.readouterr().err
-    assert "--threads 64 is more than this machine's 2 cores" in err
+    assert "--threads 1000 is more than this machine's 2 cores" in err
+    assert "running on 2" in err and set_to == [2]
     cli_common.choose_threads(argparse.Namespace(threads=2))
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "" and set_to == [2, 2]
 
 
 def test_threads_below_one_are_refused(capsys, tiny_model_dir, no_loading):

@@ -529,14 +529,17 @@ def choose_threads(args: argparse.Namespace, adapt: bool = True) -> ThreadChoice
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--threads must be >= 1, got {requested}")
-        torch.set_num_threads(requested)
         reason = "--threads"
         if cores and requested > cores:
+            # more threads than logical CPUs only wait for each other (--threads 1000 ran
+            # 1000 OpenMP threads on 2 cores: the machine stalled for minutes)
             print(
                 f"specdec: warning: --threads {requested} is more than this machine's {cores} "
-                f"cores: the threads wait for each other (slower); --threads {cores} or fewer",
+                f"cores, where the threads would wait for each other: running on {cores}",
                 file=sys.stderr,
             )
+            requested = cores
+        torch.set_num_threads(requested)
     elif os.environ.get("OMP_NUM_THREADS"):
         reason = "OMP_NUM_THREADS"
     else:
