@@ -36,7 +36,12 @@ PROMPTS = [
     [1, 20, 21, 22, 23, 24, 20, 21, 22, 9, 10, 20, 21],
     [1, 9],
 ]
-TREES = ("dynamic:top_k=2,depth=4,budget=8", "static:tree-8", "sequoia:budget=8,depth=4")
+TREES = (
+    "dynamic:top_k=2,depth=4,budget=8",
+    "static:tree-8",
+    "sequoia:budget=8,depth=4",
+    "dynamic:top_k=2,depth=4,budget=8,adaptive=true",
+)
 
 
 def hf_greedy(model: HFModel, prompt: list[int], max_new_tokens: int) -> list[int]:

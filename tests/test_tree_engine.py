@@ -22,9 +22,11 @@ from specdec.sampling import make_generator
 from specdec.trees import ROOT
 from specdec.trees.builders import (
     BestFirstTreeBuilder,
+    Calibration,
     DynamicTreeBuilder,
     Expansion,
     SequoiaTreeBuilder,
+    adaptive_size,
     make_tree_builder,
 )
 from specdec.trees.sequoia import RankAcceptance, sequoia_tree, tree_value
@@ -38,6 +40,8 @@ TREES = [
     "dynamic:top_k=2,depth=6,budget=5",
     "best-first:budget=12,depth=5",
     "sequoia:budget=12,depth=5",
+    "dynamic:top_k=3,depth=4,budget=10,adaptive=true",
+    "best-first:budget=12,depth=5,adaptive=true",
 ]
 DRAFTS = [("ngram", None), ("draft-model", "near_draft"), ("draft-model", "padded_draft")]
 
@@ -165,6 +169,7 @@ STAT_CASES = [
     ("draft-model", "static:tree-8,draw=iid"),
     ("draft-model", "static:tree-8,draw=wor"),
     ("draft-model", "dynamic:top_k=3,depth=3,budget=8"),
+    ("draft-model", "dynamic:top_k=3,depth=3,budget=8,adaptive=true"),
     ("ngram", "static:tree-8"),
 ]
 
@@ -298,6 +303,97 @@ def test_best_first_builder_returns_the_most_probable_paths():
     assert got == pytest.approx(sorted(every.values(), reverse=True)[:budget])
 
 
+def test_adaptive_size_maximizes_expected_tokens_per_unit_of_time():
+    probs = [0.9, 0.5, 0.3, 0.1, 0.05]
+
+    def brute(cost, factor=1.0):
+        rates = [(1 + factor * sum(probs[:n])) / cost(n) for n in range(1, len(probs) + 1)]
+        return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+    for cost in (
+        lambda n: 1.0,  # free rows: every node
+        lambda n: 1 + 0.1 * n,
+        lambda n: 1 + 0.3 * n,
+        lambda n: 1 + 2.0 * n,  # dear rows: only the first (at least one)
+        lambda n: 1 + 0.05 * n * n,
+    ):
+        for factor in (0.2, 1.0, 2.0):
+            assert adaptive_size(probs, cost, factor) == brute(cost, factor)
+    assert adaptive_size(probs, lambda n: 1.0) == 5
+    assert adaptive_size(probs, lambda n: 1 + 2.0 * n) == 1
+    assert adaptive_size(probs, lambda n: 1 + 0.1 * n) == 3  # 1.8/1.2 > 2.1/1.3 > 1.7/1.1
+    assert adaptive_size([], lambda n: 1.0) == 0
+    # a calibration that shrinks the probabilities keeps fewer nodes at the same cost
+    assert adaptive_size(probs, lambda n: 1 + 0.1 * n, 0.2) == 1
+
+
+def test_calibration_follows_accepted_over_expected():
+    cal = Calibration(decay=0.9, prior=1.0)
+    assert cal.factor == 1.0
+    for _ in range(60):
+        cal.observe(expected=2.0, accepted=1)  # the draft overstates by 2x
+    assert cal.factor == pytest.approx(0.5, abs=0.01)
+    for _ in range(200):
+        cal.observe(expected=1.0, accepted=0)
+    assert cal.factor == Calibration.low  # clipped: a step always verifies one node
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "best-first"])
+def test_adaptive_builders_keep_the_nodes_that_pay_and_learn_their_calibration(kind):
+    table = _uniform_table([0.5, 0.3, 0.2], 4)
+    spec = f"{kind}:budget=6,depth=3" + (",top_k=2" if kind == "dynamic" else "")
+    fixed = make_tree_builder(spec)
+    adaptive = make_tree_builder(spec + ",adaptive=true")
+    assert adaptive.uses_row_cost and not fixed.uses_row_cost
+
+    def build(builder, **kwargs):
+        return builder.build(FakeSession(table), 3, False, make_generator(0), **kwargs)
+
+    whole = build(fixed)
+    assert len(whole.tree) == 6 and whole.expected is None
+    # no cost known: the whole budget, the same tree
+    assert _spelled(build(adaptive, row_cost=None).tree) == _spelled(whole.tree)
+    free = build(adaptive, row_cost=lambda n: 1.0)
+    assert _spelled(free.tree) == _spelled(whole.tree)
+    dear = build(adaptive, row_cost=lambda n: 1 + 0.2 * n)
+    spelled = _spelled(dear.tree)
+    assert 1 <= len(dear.tree) < 6 and spelled <= _spelled(whole.tree)
+    assert all(len(p) == 1 or p[:-1] in spelled for p in spelled)  # still a tree
+    # the kept nodes are the most probable ones, and their probabilities are reported
+    kept = sorted((math.prod([0.5, 0.3, 0.2][t] for t in p) for p in spelled), reverse=True)
+    every = sorted(
+        (math.prod([0.5, 0.3, 0.2][t] for t in p) for p in _spelled(whole.tree)), reverse=True
+    )
+    assert kept == pytest.approx(every[: len(kept)])
+    assert dear.expected == pytest.approx(sum(kept))
+    # a drafter accepted less often than its probabilities say verifies fewer nodes
+    for _ in range(100):
+        adaptive.observe(dear, [], [0])
+    assert adaptive.calibration.factor < 0.1
+    assert len(build(adaptive, row_cost=lambda n: 1 + 0.2 * n).tree) < len(dear.tree)
+    fixed.observe(whole, [], [0])  # a fixed builder learns nothing
+
+
+def test_adaptive_trees_follow_the_cost_model_in_the_engine(target, near_draft):
+    """Dear rows (a cost model whose forward time grows steeply with rows) keep small
+    trees; free rows keep the whole budget; both give plain decoding's output."""
+    from specdec.control.cost import CostModel, CostPrior
+
+    prompt = PROMPTS[0]
+    sizes = {}
+    for token_cost in (0.0, 1.0):
+        spec = SpeculativeConfig(
+            "draft-model", tree="dynamic:top_k=3,depth=3,budget=10,adaptive=true"
+        )
+        llm = LLM(target, draft=near_draft, speculative=spec)
+        llm.cost_model = CostModel(CostPrior(token_cost=token_cost), frozen=True)
+        out = llm.generate(prompt, _greedy(24))
+        assert out.token_ids == hf_greedy(target, prompt, 24)
+        m = out.metrics
+        sizes[token_cost] = m.num_draft_tokens / m.num_steps
+    assert sizes[0.0] > 8 and sizes[1.0] < 3
+
+
 # ---------------------------------------------------------------- Sequoia
 
 
@@ -365,12 +461,24 @@ def test_spec_parsing_round_trips(tmp_path):
         "dynamic:top_k=4,depth=5,budget=16",
         "best-first:budget=9,depth=4",
         "sequoia:budget=20,depth=7",
+        "dynamic:top_k=4,depth=5,budget=16,adaptive=true",
+        "best-first:budget=9,depth=4,adaptive=true",
     ]:
         assert str(TreeSpec.parse(text)) == text
+    assert not TreeSpec.parse("dynamic:top_k=2,adaptive=false").adaptive
     paths = tmp_path / "paths.json"
     paths.write_text(json.dumps([[0], [1], [0, 0]]))
     spec = TreeSpec.parse(f"static:{paths}")
     assert spec.paths == ((0,), (1,), (0, 0)) and spec.num_nodes == 3
+
+
+def test_names_a_file_tells_paths_files_from_presets_without_opening_them():
+    from specdec.trees.spec import names_a_file
+
+    for text in ("static:tree-16", "static:chain-4,draw=iid", "dynamic:top_k=2", "sequoia:"):
+        assert not names_a_file(text)
+    for text in ("static:/etc/passwd", "static: paths.json ,draw=top", "static:chain-x"):
+        assert names_a_file(text)
 
 
 @pytest.mark.parametrize(
@@ -389,6 +497,9 @@ def test_spec_parsing_round_trips(tmp_path):
         ("dynamic:top_k=4,top_k=5", "given twice"),
         ("sequoia:budget=500", "sequoia tree has at most"),
         ("best-first:depth=1000", "levels deep"),
+        ("dynamic:adaptive=yes", "adaptive must be true or false"),
+        ("sequoia:budget=8,adaptive=true", "unknown option"),
+        ("static:tree-8,adaptive=true", "unknown option"),
     ],
 )
 def test_bad_tree_specs_raise(text, message):
@@ -424,6 +535,8 @@ def test_bad_paths_files_raise(tmp_path, content, message):
         (dict(kind="static", paths=((0, 0),)), "no parent"),
         (dict(kind="static", paths=((0,),), draw="x"), "draw must be"),
         (dict(kind="dynamic", paths=((0,),)), "only used by static"),
+        (dict(kind="dynamic", adaptive=1), "adaptive must be true or false"),
+        (dict(kind="sequoia", adaptive=True), "not sequoia trees"),
     ],
 )
 def test_tree_spec_objects_validate_themselves(kwargs, message):

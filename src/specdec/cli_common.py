@@ -56,7 +56,8 @@ def add_drafter_args(parser: argparse.ArgumentParser) -> None:
         help="verify a token tree per step instead of a chain: "
         "static:<tree-8|tree-16|tree-32|chain-K|paths.json>[,draw=top|iid|wor], "
         "dynamic:top_k=4,depth=5,budget=16 (EAGLE-2), best-first:budget=16,depth=6 "
-        "(DDTree), sequoia:budget=16,depth=6 (Sequoia); budget = draft nodes per step",
+        "(DDTree), sequoia:budget=16,depth=6 (Sequoia); budget = draft nodes per step; "
+        "adaptive=true on dynamic / best-first: verify only the nodes that pay this step",
     )
     parser.add_argument(
         "--controller",

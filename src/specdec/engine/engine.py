@@ -511,6 +511,8 @@ class Engine:
             else:
                 view = StepView(cap, cost, len(verified), other_tokens - 1, len(verified) - 1.0)
             k = check_choice(seq.control, seq.control.choose(view), cap)
+            if k and seq.tree_builder is not None and seq.tree_builder.uses_row_cost:
+                seq.row_cost = _row_cost(view.cost, view.other_tokens + 1 + seq.max_aux_rows)
             other_tokens += math.ceil(k * seq.control_info.tree_nodes_per_depth)
             if k and seq.max_aux_rows:
                 other_tokens += seq.max_aux_rows
@@ -756,7 +758,7 @@ class Engine:
         ``batched``: the chain :meth:`_batched_chains` drafted and its share of the time."""
         t0 = time.perf_counter()
         if seq.tree_builder is not None:
-            draft = _draft_tree(seq, k)
+            draft = _draft_tree(seq, k, seq.row_cost)
         else:
             draft = self._propose(seq, k, None if batched is None else batched[0])
         aux = seq.drafter_state.aux_rows(seq.tokens) if seq.max_aux_rows and k else None
@@ -1101,15 +1103,29 @@ def _verification_input(seq: Sequence, draft, aux: AuxRows | None = None):
     return (seq, [*ids, *aux.token_ids], seq.cache.num_tokens + offsets, full, 0, False)
 
 
-def _draft_tree(seq: Sequence, max_depth: int) -> TreeProposal:
-    """One step's tree (empty when no token may be drafted)."""
+def _draft_tree(seq: Sequence, max_depth: int, row_cost=None) -> TreeProposal:
+    """One step's tree (empty when no token may be drafted); an adaptive builder
+    (:attr:`~specdec.trees.builders.TreeBuilder.uses_row_cost`) also gets the step's
+    ``row_cost`` (:func:`_row_cost`)."""
     if max_depth < 1:
         return TreeProposal(TokenTree((), ()))
     session = seq.drafter_state.tree_session(seq.tokens, seq.params)
+    builder, sampling = seq.tree_builder, not seq.params.greedy
     try:
-        return seq.tree_builder.build(session, max_depth, not seq.params.greedy, seq.generator)
+        if builder.uses_row_cost:
+            return builder.build(session, max_depth, sampling, seq.generator, row_cost=row_cost)
+        return builder.build(session, max_depth, sampling, seq.generator)
     finally:
         session.close()
+
+
+def _row_cost(cost, rows: int):
+    """:data:`~specdec.trees.builders.RowCost` of a step whose forward runs ``rows`` rows
+    besides the tree's draft nodes (the pending token, auxiliary rows and the other
+    sequences'), from the cost model (``cost``: a :class:`~specdec.control.cost.CostModel`
+    or its :class:`~specdec.control.cost.ContextCost` at the step's context)."""
+    base = cost.forward_time(rows)
+    return lambda n: cost.forward_time(rows + n) / base
 
 
 def _round_up(slots: int) -> int:

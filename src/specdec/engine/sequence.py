@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -111,6 +112,8 @@ class Sequence:
     control_info: SequenceInfo | None = None
     last_cap: int = 0
     last_draft_s: float = 0.0
+    #: an adaptive tree builder's row cost this step (set by the engine's plan)
+    row_cost: Callable[[int], float] | None = None
     verifier: str = "rejection"
     logprobs: list = field(default_factory=list)
     grammar: GrammarState | None = None

@@ -21,6 +21,13 @@ Builders:
 * :class:`SequoiaTreeBuilder` -- Sequoia (Chen et al. 2024, arXiv:2402.12374): the
   optimal static shape for the budget under the drafter's measured per-rank acceptance,
   re-solved as the measurements accumulate.
+
+With ``adaptive=true`` the dynamic and best-first builders verify only as many of their
+ranked nodes as pay for their rows this step (:func:`adaptive_size`; OPT-Tree, Wang et al.
+2024, arXiv:2406.17276, which grows the tree while the expected acceptance length gained
+outweighs the verification time added): ``budget`` becomes the most nodes a step may
+verify, and where verification is compute-bound (a CPU, where each verified row costs
+about a twentieth of a step) a tree shrinks to its confident nodes.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from __future__ import annotations
 import heapq
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -78,6 +85,64 @@ class TreeProposal:
 
     tree: TokenTree
     candidates: dict[int, list[int]] = field(default_factory=dict)
+    #: adaptive builders: the draft's expected number of accepted nodes of this tree (the
+    #: sum of its nodes' path probabilities, before calibration); else ``None``
+    expected: float | None = None
+
+
+#: ``RowCost(n)``: a forward verifying ``n`` draft nodes beside the step's other rows, as a
+#: multiple of the same forward without them (``RowCost(0) == 1``).
+RowCost = Callable[[int], float]
+
+
+class Calibration:
+    """How far a drafter's path probabilities overstate its acceptance: the ratio of
+    nodes accepted to nodes expected (the sum of the verified nodes' path probabilities),
+    both discounted by ``decay`` per step and started from ``prior`` steps at ratio 1.
+
+    Attributes:
+        factor: accepted / expected, clipped to [``low``, 2].
+    """
+
+    low = 0.05
+
+    def __init__(self, decay: float = 0.98, prior: float = 4.0) -> None:
+        self.decay = decay
+        self.accepted = self.expected = prior
+
+    @property
+    def factor(self) -> float:
+        return min(2.0, max(self.low, self.accepted / self.expected))
+
+    def observe(self, expected: float, accepted: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.expected = self.decay * self.expected + expected
+
+
+def adaptive_size(probs: Sequence[float], row_cost: RowCost, factor: float = 1.0) -> int:
+    """How many of a tree's ranked nodes to verify (OPT-Tree's criterion, Wang et al.
+    2024, arXiv:2406.17276, Eq. 6, with the verification time of the cost model): the
+    ``n`` in ``1 .. len(probs)`` that maximizes the step's expected tokens per unit of
+    time ``(1 + factor * sum(probs[:n])) / row_cost(n)``.
+
+    Args:
+        probs: the nodes' path probabilities (the product of draft probabilities from
+            the root), in the builder's rank order: every prefix must be a tree (each
+            node after its ancestors).
+        row_cost: :data:`RowCost`.
+        factor: :attr:`Calibration.factor`.
+
+    Returns:
+        At least 1 (when ``probs`` is not empty: the controller decided to draft, and a
+        verified node keeps the calibration learning), at most ``len(probs)``.
+    """
+    best, best_rate, gained = min(1, len(probs)), -1.0, 1.0
+    for n, p in enumerate(probs, start=1):
+        gained += factor * p
+        rate = gained / row_cost(n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
 
 
 class _Recorder:
@@ -128,6 +193,9 @@ class TreeBuilder(ABC):
 
     max_nodes: int
 
+    #: whether ``build`` takes the step's ``row_cost`` (:data:`RowCost`): adaptive builders
+    uses_row_cost: bool = False
+
     @abstractmethod
     def build(
         self, session: TreeSession, max_depth: int, sampling: bool, generator: torch.Generator
@@ -140,6 +208,9 @@ class TreeBuilder(ABC):
                 token budget).
             sampling: decoding samples (temperature > 0); otherwise greedy.
             generator: for builders that sample children.
+
+        A builder whose :attr:`uses_row_cost` is true also takes ``row_cost=``
+        (:data:`RowCost`, or ``None`` where no cost is known: the whole budget).
         """
 
     def observe(self, proposal: TreeProposal, accepted_nodes: list[int], output: list[int]):
@@ -218,14 +289,20 @@ class DynamicTreeBuilder(TreeBuilder):
     Args:
         top_k: children per expanded node and nodes expanded per level.
         depth: levels to expand.
-        budget: nodes kept after reranking by cumulative draft probability.
+        budget: nodes kept after reranking by cumulative draft probability (adaptive:
+            the most kept).
+        adaptive: keep only the ranked nodes that pay for their rows
+            (:func:`adaptive_size` with the step's ``row_cost`` and the drafter's
+            :class:`Calibration`).
     """
 
-    def __init__(self, top_k: int, depth: int, budget: int) -> None:
+    def __init__(self, top_k: int, depth: int, budget: int, adaptive: bool = False) -> None:
         self.top_k, self.depth, self.budget = top_k, depth, budget
         self.max_nodes = budget
+        self.adaptive = self.uses_row_cost = adaptive
+        self.calibration = Calibration()
 
-    def build(self, session, max_depth, sampling, generator) -> TreeProposal:
+    def build(self, session, max_depth, sampling, generator, row_cost=None) -> TreeProposal:
         rec = _Recorder(session)
         score = {ROOT: 0.0}
         depth_of = {ROOT: 0}
@@ -249,8 +326,19 @@ class DynamicTreeBuilder(TreeBuilder):
         # A child never outscores its parent, and ties go to the shallower node, so the
         # best `budget` nodes always include their ancestors.
         ranked = sorted(order, key=lambda n: (-score[n], depth_of[n], n))[: self.budget]
+        probs = [math.exp(score[n]) for n in ranked]
+        if self.adaptive and row_cost is not None:
+            ranked = ranked[: adaptive_size(probs, row_cost, self.calibration.factor)]
         keep = sorted(ranked, key=lambda n: (depth_of[n], n))
-        return rec.proposal(keep)
+        proposal = rec.proposal(keep)
+        if self.adaptive:
+            proposal.expected = sum(probs[: len(ranked)])
+        return proposal
+
+    def observe(self, proposal: TreeProposal, accepted_nodes: list[int], output: list[int]):
+        """Adaptive: calibrate the path probabilities against the nodes accepted."""
+        if self.adaptive and proposal.expected is not None and len(proposal.tree):
+            self.calibration.observe(proposal.expected, len(accepted_nodes))
 
 
 class BestFirstTreeBuilder(TreeBuilder):
@@ -263,15 +351,18 @@ class BestFirstTreeBuilder(TreeBuilder):
     the result is the exact top-``budget`` set of paths.
 
     Args:
-        budget: nodes in the tree.
+        budget: nodes in the tree (adaptive: the most).
         depth: positions drafted.
+        adaptive: as :class:`DynamicTreeBuilder`'s.
     """
 
-    def __init__(self, budget: int, depth: int) -> None:
+    def __init__(self, budget: int, depth: int, adaptive: bool = False) -> None:
         self.budget, self.depth = budget, depth
         self.max_nodes = budget
+        self.adaptive = self.uses_row_cost = adaptive
+        self.calibration = Calibration()
 
-    def build(self, session, max_depth, sampling, generator) -> TreeProposal:
+    def build(self, session, max_depth, sampling, generator, row_cost=None) -> TreeProposal:
         rec = _Recorder(session)
         depth = min(self.depth, max_depth)
         positions: list[list[tuple[int, float]]] = []
@@ -286,6 +377,7 @@ class BestFirstTreeBuilder(TreeBuilder):
             chain.append(rec.add(chain[-1], ranked[0][0]))
         parents: list[int] = []
         tokens: list[int] = []
+        probs: list[float] = []  # path probabilities, in the (decreasing) order added
         heap: list[tuple[float, int, int, int, int]] = []  # (-logp, tie, parent, pos, rank)
         if positions:
             heap.append((-math.log(positions[0][0][1]), 0, ROOT, 0, 0))
@@ -295,6 +387,7 @@ class BestFirstTreeBuilder(TreeBuilder):
             token = positions[pos][rank][0]
             parents.append(parent)
             tokens.append(token)
+            probs.append(math.exp(-neg))
             new = len(tokens) - 1
             parent_logp = -neg - math.log(positions[pos][rank][1])
             if rank + 1 < len(positions[pos]):
@@ -305,6 +398,9 @@ class BestFirstTreeBuilder(TreeBuilder):
                 child = -neg + math.log(positions[pos + 1][0][1])
                 heapq.heappush(heap, (-child, tie, new, pos + 1, 0))
                 tie += 1
+        if self.adaptive and row_cost is not None:  # nodes come after their parents
+            n = adaptive_size(probs, row_cost, self.calibration.factor)
+            parents, tokens, probs = parents[:n], tokens[:n], probs[:n]
         tree = TokenTree.build(parents, tokens)
         # Candidates are known exactly only along the chain (the all-rank-0 path).
         candidates = {
@@ -312,7 +408,12 @@ class BestFirstTreeBuilder(TreeBuilder):
             for tree_node, session_node in zip(_rank0_chain(tree), chain, strict=False)
             if session_node in rec.candidates
         }
-        return TreeProposal(tree, candidates)
+        return TreeProposal(tree, candidates, sum(probs) if self.adaptive else None)
+
+    def observe(self, proposal: TreeProposal, accepted_nodes: list[int], output: list[int]):
+        """Adaptive: calibrate the path probabilities against the nodes accepted."""
+        if self.adaptive and proposal.expected is not None and len(proposal.tree):
+            self.calibration.observe(proposal.expected, len(accepted_nodes))
 
 
 def _rank0_chain(tree: TokenTree) -> list[int]:
@@ -369,7 +470,7 @@ def make_tree_builder(spec: TreeSpec | str) -> TreeBuilder:
     if spec.kind == "static":
         return StaticTreeBuilder(spec.paths, spec.draw)
     if spec.kind == "dynamic":
-        return DynamicTreeBuilder(spec.top_k, spec.depth, spec.budget)
+        return DynamicTreeBuilder(spec.top_k, spec.depth, spec.budget, spec.adaptive)
     if spec.kind == "best-first":
-        return BestFirstTreeBuilder(spec.budget, spec.depth)
+        return BestFirstTreeBuilder(spec.budget, spec.depth, spec.adaptive)
     return SequoiaTreeBuilder(spec.budget, spec.depth)

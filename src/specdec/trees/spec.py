@@ -3,12 +3,13 @@
 Grammar (``KIND:OPTIONS``, options ``key=value`` separated by commas)::
 
     static:<preset or paths.json>[,draw=top|iid|wor]
-    dynamic:top_k=4,depth=5,budget=16
-    best-first:budget=16,depth=6
+    dynamic:top_k=4,depth=5,budget=16[,adaptive=true]
+    best-first:budget=16,depth=6[,adaptive=true]
     sequoia:budget=16,depth=6
 
 The tree budget (draft nodes verified per step) is the knob that trades verification
-cost for acceptance length.
+cost for acceptance length; ``adaptive=true`` makes it the most a step verifies, each step
+keeping only the nodes that pay for their rows (:func:`specdec.trees.builders.adaptive_size`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ KINDS = ("static", "dynamic", "best-first", "sequoia")
 DRAWS = ("top", "iid", "wor")
 _OPTIONS = {
     "static": {"draw"},
-    "dynamic": {"top_k", "depth", "budget"},
-    "best-first": {"budget", "depth"},
+    "dynamic": {"top_k", "depth", "budget", "adaptive"},
+    "best-first": {"budget", "depth", "adaptive"},
     "sequoia": {"budget", "depth"},
 }
 MAX_BUDGET = 1024
@@ -74,7 +75,11 @@ class TreeSpec:
             temperature > 0.
         top_k: dynamic: children per expanded node and nodes expanded per level.
         depth: deepest draft level (dynamic, best-first, sequoia).
-        budget: draft nodes per step (dynamic, best-first, sequoia).
+        budget: draft nodes per step (dynamic, best-first, sequoia); with ``adaptive``
+            the most per step.
+        adaptive: dynamic and best-first: verify each step only the ranked nodes whose
+            expected acceptance pays for their rows in the cost model's forward time
+            (OPT-Tree, Wang et al. 2024, arXiv:2406.17276).
     """
 
     kind: str
@@ -84,6 +89,7 @@ class TreeSpec:
     top_k: int = 4
     depth: int = 5
     budget: int = 16
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         """Validate every field (so a TreeSpec built in Python is checked like a parsed one).
@@ -100,6 +106,12 @@ class TreeSpec:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"tree option {key} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"tree option adaptive must be true or false, got {self.adaptive!r}")
+        if self.adaptive and self.kind not in ("dynamic", "best-first"):
+            raise ValueError(
+                f"adaptive=true sizes dynamic and best-first trees, not {self.kind} trees"
+            )
         if self.kind == "static":
             paths = validate_paths(
                 [list(p) if isinstance(p, (list, tuple)) else p for p in self.paths],
@@ -125,9 +137,10 @@ class TreeSpec:
     def __str__(self) -> str:
         if self.kind == "static":
             return f"static:{self.source}" + ("" if self.draw == "top" else f",draw={self.draw}")
+        adaptive = ",adaptive=true" if self.adaptive else ""
         if self.kind == "dynamic":
-            return f"dynamic:top_k={self.top_k},depth={self.depth},budget={self.budget}"
-        return f"{self.kind}:budget={self.budget},depth={self.depth}"
+            return f"dynamic:top_k={self.top_k},depth={self.depth},budget={self.budget}{adaptive}"
+        return f"{self.kind}:budget={self.budget},depth={self.depth}{adaptive}"
 
     @property
     def num_nodes(self) -> int:
@@ -174,9 +187,24 @@ class TreeSpec:
                 if value not in DRAWS:
                     raise ValueError(f"draw must be one of {', '.join(DRAWS)}, got {value!r}")
                 fields[key] = value
+            elif key == "adaptive":
+                if value.strip().lower() not in ("true", "false"):
+                    raise ValueError(f"tree option adaptive must be true or false, got {value!r}")
+                fields[key] = value.strip().lower() == "true"
             else:
                 fields[key] = _positive_int(key, value)
         return cls(**fields)
+
+
+def names_a_file(text: str) -> bool:
+    """Whether a ``--tree`` string is a static tree read from a paths file (not a preset
+    or ``chain-K``), found without touching the file system: a server refuses such specs
+    from its clients, whose paths would open files on the server's disk."""
+    kind, _, rest = text.partition(":")
+    if kind.strip() != "static":
+        return False
+    source = rest.split(",", 1)[0].strip()
+    return source not in PRESETS and re.fullmatch(r"chain-\d+", source) is None
 
 
 def _positive_int(key: str, value: str) -> int:
