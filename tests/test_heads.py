@@ -802,7 +802,11 @@ def test_exact_law_of_sampled_head_drafts_in_trees(mode):
 class TestEagleConformance(DrafterConformance):
     spec = "eagle"
     kind = "eagle"
-    trees = ("dynamic:top_k=2,depth=4,budget=8", "static:tree-8")
+    trees = (
+        "dynamic:top_k=2,depth=4,budget=8",
+        "static:tree-8",
+        "dynamic:top_k=2,depth=4,budget=8,adaptive=true",
+    )
 
     @pytest.fixture(autouse=True)
     def _head(self, request, heads):
@@ -960,6 +964,9 @@ def test_train_head_needs_spec_bench_before_anything_runs(tmp_path, capsys, monk
         (["--layers", "2,x"], "--layers must be integers"),
         (["--draft-vocab", "0"], "--draft-vocab must be > 0"),
         (["--max-minutes", "-1"], "--max-minutes must be >= 0"),
+        (["--max-minutes", "inf"], "--max-minutes must be a finite number >= 0"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--seed", "-1"], "--seed must be in [0, 2**32)"),
         (["--magpie-share", "1.5"], "--magpie-share must be in [0, 1]"),
         (["--distill-top-k", "-1"], "--distill-top-k must be >= 0"),
         (["--distill-weight", "nan"], "--distill-weight must be a finite number >= 0"),
@@ -993,6 +1000,12 @@ def test_train_head_refuses_a_distillation_wider_than_the_vocabulary(tmp_path, c
     code = main(["train-head", "--out", str(tmp_path / "h"), "--distill-top-k", "100000"])
     assert code == 2
     assert "--distill-top-k 100000 exceeds the target's vocabulary (49152 tokens)" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "h" / "work" / "prompts.jsonl").exists()
+    code = main(["train-head", "--out", str(tmp_path / "h"), "--draft-vocab", "10000000"])
+    assert code == 2
+    assert "--draft-vocab 10000000 exceeds the target's vocabulary (49152 tokens)" in (
         capsys.readouterr().err
     )
     assert not (tmp_path / "h" / "work" / "prompts.jsonl").exists()

@@ -30,6 +30,20 @@ def test_huge_temperature_is_uniform(temperature):
     torch.testing.assert_close(probs, torch.full((2, 8), 1 / 8))
 
 
+@pytest.mark.parametrize("temperature", [1e30, 3.5e38, 1e308])
+def test_huge_temperature_is_uniform_over_the_unmasked_tokens(temperature):
+    """A new user's trial: every head drafter (draft vocabulary: -inf outside it) crashed
+    in multinomial at temperatures above float32's largest number (-inf / inf = nan)."""
+    logits = torch.randn(2, 8)
+    logits[:, 5:] = float("-inf")  # tokens outside a draft vocabulary
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature))
+    assert (probs[:, 5:] == 0).all()
+    torch.testing.assert_close(probs[:, :5], torch.full((2, 5), 1 / 5))
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature, top_k=3))
+    assert (probs[:, 5:] == 0).all() and ((probs == 0) | (probs >= 1 / 5 - 1e-6)).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+
+
 @pytest.mark.parametrize("method", ["none", "ngram", "draft-model"])
 def test_tiny_temperature_generation_equals_greedy(target, near_draft, method):
     llm = LLM(target, draft=near_draft, speculative=SpeculativeConfig(method=method))
@@ -59,7 +73,9 @@ def test_huge_speculation_length_allocates_only_what_it_can_use(
     llm = LLM(target, draft=near_draft, speculative=SpeculativeConfig(method=method))
     target_sizes = _record_capacities(target, monkeypatch)
     draft_sizes = _record_capacities(near_draft, monkeypatch)
-    huge = SpeculativeConfig(method=method, num_speculative_tokens=10**12)
+    with pytest.raises(ValueError, match="from 1 to 64"):
+        SpeculativeConfig(method=method, num_speculative_tokens=10**12)
+    huge = SpeculativeConfig(method=method, num_speculative_tokens=64)
     out = llm.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True), speculative=huge)
     assert len(out.token_ids) == 8
     assert target_sizes == [len(PROMPT) + 8]

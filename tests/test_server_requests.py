@@ -61,13 +61,13 @@ def wait_until(condition, what: str, timeout: float = 20) -> None:
         time.sleep(0.01)
 
 
-def aborts(url: str) -> float:
-    """``specdec:request_success_total{finished_reason="abort"}`` from ``/metrics``."""
+def aborts(url: str, reason: str = "abort") -> float:
+    """``specdec:request_success_total{finished_reason=reason}`` from ``/metrics``."""
     text = httpx.get(f"{url}/metrics").text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
-            if sample.name.endswith("_total") and labels.get("finished_reason") == "abort":
+            if sample.name.endswith("_total") and labels.get("finished_reason") == reason:
                 return sample.value
     return 0.0
 
@@ -246,6 +246,40 @@ def test_an_unexpected_error_is_a_json_500_logged_once(server, llm, caplog, monk
     wait_until(logged, "the error was not logged")
     time.sleep(0.1)
     assert len(logged()) == 1, caplog.text
+
+
+def test_a_request_cannot_name_a_tree_file_on_the_servers_disk(server, tmp_path):
+    """A new user's trial: ``static:/path`` in a request opened that file on the server
+    and quoted its content (or said whether it exists) in the error."""
+    url, _ = server
+    secret = tmp_path / "secret.json"
+    secret.write_text('["sk-SECRET", [0]]')
+    for tree in (f"static:{secret}", "static:/no/such/file", f"static:{tmp_path}"):
+        body = {"model": NAME, "prompt": "w1", "max_tokens": 2, "speculative": {"tree": tree}}
+        error = assert_error(post(url, "completions", body), 400, "speculative.tree")
+        assert "trees from a paths file come only from the server's own --tree" in error["message"]
+        assert "SECRET" not in error["message"] and "neither" not in error["message"]
+    for tree in ("static:tree-8", "static:chain-3", "dynamic:top_k=2,depth=2,budget=3"):
+        body = {"model": NAME, "prompt": "w1", "max_tokens": 2, "speculative": {"tree": tree}}
+        assert post(url, "completions", body).status_code == 200, tree
+
+
+def test_a_failed_engine_step_is_a_500_counted_as_an_error_not_an_abort(server, monkeypatch):
+    """A new user's trial: the server's own failure was counted as a client's abort."""
+    url, app = server
+    engine = app.state.engine.engine
+    step = engine.step
+
+    def broken():
+        monkeypatch.setattr(engine, "step", step)  # once
+        raise RuntimeError("a bug in a step")
+
+    monkeypatch.setattr(engine, "step", broken)
+    before_abort, before_error = aborts(url), aborts(url, "error")
+    error = assert_error(post(url, "completions", {"model": NAME, "prompt": "w1"}), 500)
+    assert "internal error: a bug in a step" in error["message"]
+    assert aborts(url) == before_abort and aborts(url, "error") == before_error + 1
+    assert post(url, "completions", {"model": NAME, "prompt": "w1"}).status_code == 200
 
 
 # ---------------------------------------------------------------- OpenAI's request fields

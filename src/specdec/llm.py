@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -233,6 +234,16 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
 
+#: Tree builders an :class:`LLM` keeps (the most recently used; each learns per config).
+TREE_BUILDERS = 64
+
+
+def _drafter_key(config: SpeculativeConfig) -> tuple:
+    """What builds a drafter: its method, options and draft model (not k, tree,
+    controller or verifier, which the engine applies around it)."""
+    return (config.method, config.options, config.draft_model)
+
+
 class LLM:
     """A target model with a drafter: speculative generation with unchanged output.
 
@@ -340,8 +351,9 @@ class LLM:
         self.tokenizer: Tokenizer = self.target.tokenizer
         self._draft_source = draft
         self._draft: Backend | None = None
-        self._drafters: dict[SpeculativeConfig, Drafter] = {}
-        self._tree_builders: dict[SpeculativeConfig, TreeBuilder] = {}
+        self._drafters: dict[tuple, Drafter] = {}  # by _drafter_key
+        self._told_cap: set[tuple] = set()  # drafter keys warned about their longest draft
+        self._tree_builders: OrderedDict[SpeculativeConfig, TreeBuilder] = OrderedDict()
         self._controllers: dict[tuple, SpeculationController] = {}
         self.engine_config = engine_config or EngineConfig()
         self._prefix_cache: PrefixCache | None = None
@@ -363,14 +375,19 @@ class LLM:
         self.drafter(speculative)  # load and check the draft now, not mid-generation
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
-        """The drafter for ``config`` (built once per config; a draft model loads once)."""
-        drafter = self._drafters.get(config)  # no lock on the common path (a server's
-        if drafter is not None:  # handlers must not wait for a running step)
-            return drafter
-        with self._lock:
-            if config not in self._drafters:
-                self._drafters[config] = self._build_drafter(config)
-            return self._drafters[config]
+        """The drafter for ``config``: built once per drafter (its method, options and
+        draft model; configs that differ only in k, tree, controller or verifier share
+        it, so a server's clients varying those cannot make it build, or load a head,
+        again and again); a draft model loads once."""
+        key = _drafter_key(config)
+        drafter = self._drafters.get(key)  # no lock on the common path (a server's
+        if drafter is None:  # handlers must not wait for a running step)
+            with self._lock:
+                if key not in self._drafters:
+                    self._drafters[key] = self._build_drafter(config)
+                drafter = self._drafters[key]
+        self._tell_cap(config, drafter)
+        return drafter
 
     def prefix_cache(self) -> PrefixCache | None:
         """The prompt-chunk KV shared by this LLM's generations with
@@ -446,13 +463,12 @@ class LLM:
             return None
         if seed is not None:
             return make_tree_builder(config.tree)
-        builder = self._tree_builders.get(config)
-        if builder is not None:
+        with self._lock:  # the most recently used TREE_BUILDERS (clients vary trees freely)
+            builder = self._tree_builders.pop(config, None) or make_tree_builder(config.tree)
+            self._tree_builders[config] = builder
+            while len(self._tree_builders) > TREE_BUILDERS:
+                self._tree_builders.popitem(last=False)
             return builder
-        with self._lock:
-            if config not in self._tree_builders:
-                self._tree_builders[config] = make_tree_builder(config.tree)
-            return self._tree_builders[config]
 
     def _build_drafter(self, config: SpeculativeConfig) -> Drafter:
         if config.method == CUSTOM:
@@ -463,33 +479,45 @@ class LLM:
         context = registry.DrafterContext(
             self.target, self.tokenizer, lambda: self._load_draft(config)
         )
-        drafter = entry.factory(context, config.options)
+        return entry.factory(context, config.options)
+
+    def _tell_cap(self, config: SpeculativeConfig, drafter: Drafter) -> None:
+        """Say when ``config`` asks ``drafter`` for longer drafts than it makes (Medusa's
+        heads, a parallel head's block): as a warning the first time per drafter, after
+        that at debug level (a server's clients must not fill its log)."""
         most = getattr(drafter, "max_draft_tokens", None)
+        if most is None:
+            return
+        key = _drafter_key(config)
+        quiet = logging.DEBUG if key in self._told_cap else logging.WARNING
         cap = (
             "its head's block size" if hasattr(drafter, "block_size")
             else "its head's number of heads" if hasattr(drafter, "num_heads")
             else "its max_draft_tokens"
         )  # fmt: skip
-        if config.tree is None and most is not None and config.num_speculative_tokens > most:
+        if config.tree is None and config.num_speculative_tokens > most:
             # the default k was not asked for: say it quietly (a new user's trial found
             # every default run of a head drafter warning about "the 5 asked")
             asked = config.num_speculative_tokens != DEFAULT_NUM_SPECULATIVE_TOKENS
+            if asked:
+                self._told_cap.add(key)
             logger.log(
-                logging.WARNING if asked else logging.INFO,
+                quiet if asked else min(quiet, logging.INFO),
                 "%s drafts at most %d tokens a step (%s), not the %d %s "
                 "(num_speculative_tokens); chains of %d run",
                 config.method, most, cap, config.num_speculative_tokens,
                 "asked" if asked else "of the default", most,
             )  # fmt: skip
-        elif config.tree is not None and most is not None:
+        elif config.tree is not None:
             depth = make_tree_builder(config.tree).max_depth
             if depth > most:
-                logger.warning(
+                self._told_cap.add(key)
+                logger.log(
+                    quiet,
                     "%s fills at most %d levels of a token tree (%s); the "
                     "tree %s is %d deep, so its deeper levels stay empty",
                     config.method, most, cap, config.tree, depth,
                 )  # fmt: skip
-        return drafter
 
     @property
     def loaded_draft(self) -> Backend | None:

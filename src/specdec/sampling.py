@@ -356,10 +356,15 @@ def _apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor
     so a tiny temperature sends the other logits to ``-inf`` instead of overflowing the
     maximum to ``+inf`` (``inf - inf = nan``). ``T`` is floored at float32's smallest
     normal number, below which it would round to 0 in float32 arithmetic: a temperature
-    that small is greedy in effect (the distribution is uniform over the tied maxima).
+    that small is greedy in effect (the distribution is uniform over the tied maxima). It
+    is capped at float32's largest number, above which it would round to ``inf`` and turn
+    the ``-inf`` of masked tokens (a draft vocabulary's, top-k's) into ``nan``
+    (``-inf / inf``): a temperature that large is uniform over the unmasked tokens either
+    way.
     """
     shifted = logits - logits.amax(dim=-1, keepdim=True)
-    return shifted / max(temperature, torch.finfo(torch.float32).tiny)
+    info = torch.finfo(torch.float32)
+    return shifted / min(max(temperature, info.tiny), info.max)
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:

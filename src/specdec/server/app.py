@@ -51,6 +51,7 @@ from specdec.server.protocol import (
     error_body,
 )
 from specdec.text import TextStream
+from specdec.trees.spec import names_a_file
 
 __all__ = ["BadRequest", "create_app"]
 
@@ -935,6 +936,14 @@ def _speculative(base: SpeculativeConfig, options: SpeculativeOptions | None) ->
     if options.num_speculative_tokens is not None:
         changes["num_speculative_tokens"] = options.num_speculative_tokens
     if "tree" in options.model_fields_set:
+        own = None if base.tree is None else str(base.tree)
+        if options.tree is not None and options.tree != own and names_a_file(options.tree):
+            # a path would open a file on the server's disk, and its error quote it
+            raise BadRequest(
+                "speculative: a request's static tree is a preset (tree-8, tree-16, tree-32, "
+                "chain-K); trees from a paths file come only from the server's own --tree",
+                "speculative.tree",
+            )
         changes["tree"] = options.tree
     if options.verifier is not None:
         changes["verifier"] = options.verifier

@@ -232,11 +232,12 @@ class AsyncEngine:
                 self._abort(request_id)
                 self._post(request_id, Update([], "abort"), final=True)
 
-    def _abort(self, request_id: str) -> None:
-        """Abort a request in the engine; counted as ``finished_reason="abort"`` when it was
-        live there (so once per request, however many aborts arrive)."""
+    def _abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort a request in the engine; counted as ``finished_reason=reason`` (``abort``:
+        the client's; ``error``: the server's failure) when it was live there (so once
+        per request, however many aborts arrive)."""
         if self.engine.abort(request_id):
-            self.metrics.request_success.labels(finished_reason="abort").inc()
+            self.metrics.request_success.labels(finished_reason=reason).inc()
             self._last_stats.pop(request_id, None)
 
     def _deliver(self, seq: Sequence, step: StepOutput) -> None:
@@ -303,7 +304,7 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self._handles):
-            self._abort(request_id)
+            self._abort(request_id, "error")  # not the client's abort (a new user's trial)
             self._post(request_id, Update([], "abort", error=message, status=500), final=True)
 
     def _update_gauges(self) -> None:

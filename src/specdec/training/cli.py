@@ -71,7 +71,7 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     p.add_argument(
         "--max-minutes", type=float, default=tc.max_minutes, metavar="M",
-        help="stop training after M minutes (default: no limit); the report says so",
+        help="stop training after M minutes (default: 0, no limit); the report says so",
     )  # fmt: skip
     p.add_argument("--lr", type=float, default=tc.lr, help=f"peak learning rate (default: {tc.lr})")
     p.add_argument(
@@ -141,8 +141,11 @@ def add_parser(sub) -> None:
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
+    bound = ">= 0" if allow_zero else "> 0"
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+        raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 def recipe_from_args(args: argparse.Namespace):
@@ -180,6 +183,8 @@ def recipe_from_args(args: argparse.Namespace):
         if not args.distill_top_k:
             raise ValueError("--distill-weight has no effect without --distill-top-k K")
         distill_weight = args.distill_weight
+    if not 0 <= args.seed < 2**32:  # numpy's range (the data stage seeds it)
+        raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
     if not 0.0 <= args.magpie_share <= 1.0:
         raise ValueError(f"--magpie-share must be in [0, 1], got {args.magpie_share}")
     capture = None
@@ -253,6 +258,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from specdec.models.base import check_capture
 
         check_capture(recipe.capture, target.num_layers)
+    if args.draft_vocab is not None and args.draft_vocab > target.vocab_size:
+        raise ValueError(
+            f"--draft-vocab {args.draft_vocab} exceeds the target's vocabulary "
+            f"({target.vocab_size} tokens)"
+        )
     if recipe.train.distill_top_k > target.vocab_size:
         raise ValueError(
             f"--distill-top-k {recipe.train.distill_top_k} exceeds the target's vocabulary "
