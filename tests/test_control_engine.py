@@ -463,6 +463,8 @@ def test_bench_methods_take_a_controller():
         ("ar+cost", "only specdec drafters take a controller"),
         ("hf-prompt-lookup+cost", "only specdec drafters take a controller"),
         ("ngram+nope", "unknown controller"),
+        # the controller part is named, not the drafter's (a new user's trial)
+        ("ngram:k=3+cost:prior=5", "controller 'cost:prior=5' of method 'ngram:k=3': prior"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad)

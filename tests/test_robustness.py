@@ -194,3 +194,25 @@ def test_every_interleaving_of_seeded_runs_gives_the_same_outputs(target):
     for order in itertools.permutations(range(3)):
         got = {i: llm.generate(PROMPT, params[i]).token_ids for i in order}
         assert [got[i] for i in range(3)] == expected
+
+
+def test_drafters_and_tree_builders_kept_per_config_stay_bounded(target):
+    """A new user's trial: a server's clients varying num_speculative_tokens or the tree
+    made the LLM keep a drafter (and a head drafter its head) per distinct config."""
+    from specdec import llm as llm_module
+
+    own = SpeculativeConfig(method="ngram")
+    llm = LLM(target, speculative=own)
+    mine = llm.drafter(own)
+    configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k) for k in range(1, 65)]
+    built = [llm.drafter(c) for c in configs]
+    assert len({id(d) for d in built}) == 64  # one per config: what each learns is its own
+    assert len(llm._drafters) == llm_module.DRAFTERS
+    assert llm.drafter(own) is mine and llm.drafter(configs[-1]) is built[-1]
+    builders = [
+        llm.tree_builder(SpeculativeConfig("ngram", tree=f"static:chain-{n}"), None)
+        for n in range(1, 2 * llm_module.TREE_BUILDERS)
+    ]
+    assert len(llm._tree_builders) == llm_module.TREE_BUILDERS
+    again = SpeculativeConfig("ngram", tree=f"static:chain-{2 * llm_module.TREE_BUILDERS - 1}")
+    assert llm.tree_builder(again, None) is builders[-1]  # the recent ones are kept

@@ -192,14 +192,44 @@ def test_call_arguments_of_the_wrong_type_are_refused_by_name(llm):
     assert len(pair) == 2
 
 
+def test_vllms_speculative_config_fields_are_read():
+    """A new user's trial: vLLM's ``{"method": "eagle3", "model": HEAD}`` and its
+    prompt-lookup sizes were refused as unknown fields."""
+    from specdec.llm import _from_vllm_fields, _speculative_config
+
+    def spec(**fields):
+        return _speculative_config(fields)
+
+    assert spec(method="ngram", prompt_lookup_max=5, prompt_lookup_min=1) == SpeculativeConfig(
+        "ngram:max_n=5,min_n=1"
+    )
+    assert spec(prompt_lookup_max=3, num_speculative_tokens=4) == SpeculativeConfig(
+        "ngram:max_n=3", num_speculative_tokens=4
+    )
+    assert _from_vllm_fields({"method": "eagle3", "model": "/heads/e"}) == {
+        "method": "eagle:head=/heads/e"
+    }
+    assert _from_vllm_fields({"method": "medusa", "model": "h"}) == {"method": "medusa:head=h"}
+    for fields in ({"model": "d"}, {"method": "draft_model", "model": "d"}):
+        assert _from_vllm_fields(fields) == {"method": "draft-model", "draft_model": "d"}
+    assert _from_vllm_fields({"method": "eagle3"}) == {"method": "eagle"}
+    assert _from_vllm_fields({"method": "suffix", "num_speculative_tokens": 8}) == {
+        "method": "suffix", "num_speculative_tokens": 8
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="'model' names a draft model or a head"):
+        spec(method="suffix", model="x")
+    with pytest.raises(ValueError, match="prompt_lookup_max / prompt_lookup_min are ngram's"):
+        spec(method="suffix", prompt_lookup_max=3)
+
+
 def test_speculative_settings_as_a_dict(llm):
     """``speculative={...}`` (vLLM's ``speculative_config`` shape) is a
     :class:`SpeculativeConfig` of those fields; anything else is refused by name."""
     as_dict = LLM(llm.target, speculative={"method": "ngram", "num_speculative_tokens": 3})
     assert as_dict.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     assert as_dict.generate(PROMPT, GREEDY).token_ids == llm.generate(PROMPT, GREEDY).token_ids
-    with pytest.raises(ValueError, match="unknown field.*'prompt_lookup_max'.*ngram:max_n"):
-        LLM(llm.target, speculative={"method": "ngram", "prompt_lookup_max": 4})
+    with pytest.raises(ValueError, match="unknown field.*'prompt_lookup'.*vLLM's fields"):
+        LLM(llm.target, speculative={"method": "ngram", "prompt_lookup": 4})
     with pytest.raises(ValueError, match="must be a SpeculativeConfig.*got str"):
         LLM(llm.target, speculative="ngram")
     # vLLM's own keyword takes the same values; both at once are refused

@@ -234,6 +234,8 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
 
+#: Drafters an :class:`LLM` keeps besides its own (the most recently built; one per config).
+DRAFTERS = 16
 #: Tree builders an :class:`LLM` keeps (the most recently used; each learns per config).
 TREE_BUILDERS = 64
 
@@ -351,7 +353,7 @@ class LLM:
         self.tokenizer: Tokenizer = self.target.tokenizer
         self._draft_source = draft
         self._draft: Backend | None = None
-        self._drafters: dict[tuple, Drafter] = {}  # by _drafter_key
+        self._drafters: OrderedDict[SpeculativeConfig, Drafter] = OrderedDict()
         self._told_cap: set[tuple] = set()  # drafter keys warned about their longest draft
         self._tree_builders: OrderedDict[SpeculativeConfig, TreeBuilder] = OrderedDict()
         self._controllers: dict[tuple, SpeculationController] = {}
@@ -375,17 +377,20 @@ class LLM:
         self.drafter(speculative)  # load and check the draft now, not mid-generation
 
     def drafter(self, config: SpeculativeConfig) -> Drafter:
-        """The drafter for ``config``: built once per drafter (its method, options and
-        draft model; configs that differ only in k, tree, controller or verifier share
-        it, so a server's clients varying those cannot make it build, or load a head,
-        again and again); a draft model loads once."""
-        key = _drafter_key(config)
-        drafter = self._drafters.get(key)  # no lock on the common path (a server's
+        """The drafter for ``config`` (built once per config, so that what a drafter
+        learns, such as suffix's global cache, stays with its config: a benchmark's
+        methods never see each other's answers); a draft model loads once. The
+        :data:`DRAFTERS` most recently built are kept (and the LLM's own), so a server's
+        clients varying k or the tree cannot make it hold a drafter, or a head, per value."""
+        drafter = self._drafters.get(config)  # no lock on the common path (a server's
         if drafter is None:  # handlers must not wait for a running step)
             with self._lock:
-                if key not in self._drafters:
-                    self._drafters[key] = self._build_drafter(config)
-                drafter = self._drafters[key]
+                if config not in self._drafters:
+                    self._drafters[config] = self._build_drafter(config)
+                    older = [c for c in self._drafters if c not in (config, self.speculative)]
+                    for old in older[: max(0, len(self._drafters) - DRAFTERS)]:
+                        del self._drafters[old]  # sequences running keep their own reference
+                drafter = self._drafters[config]
         self._tell_cap(config, drafter)
         return drafter
 
@@ -1122,10 +1127,62 @@ def _speculative_config(value) -> SpeculativeConfig:
             names them and lists the fields).
     """
     hint = (
-        " (vLLM's prompt_lookup_max/min are ngram's options: method='ngram:max_n=4,min_n=2'; "
-        "its draft 'model' is draft_model, with method='draft-model')"
+        " (vLLM's fields 'model', 'prompt_lookup_max' and 'prompt_lookup_min' are read too, "
+        "with its method names ngram, eagle, eagle3, medusa, draft_model and suffix)"
     )
+    if isinstance(value, dict):
+        value = _from_vllm_fields(value)
     return _from_fields(SpeculativeConfig, value, "speculative", hint)
+
+
+#: vLLM's ``speculative_config`` methods and the drafters they are here.
+VLLM_METHODS = {
+    "ngram": "ngram", "eagle": "eagle", "eagle3": "eagle", "medusa": "medusa",
+    "draft_model": "draft-model", "suffix": "suffix",
+}  # fmt: skip
+
+
+def _from_vllm_fields(value: dict) -> dict:
+    """vLLM's ``speculative_config`` fields as this project's: ``model`` is a draft
+    model (``draft_model``, method ``draft-model`` when none or ``draft_model`` is given)
+    or a trained head's folder (methods ``eagle`` / ``eagle3`` / ``medusa``: the drafter's
+    ``head=``); ``prompt_lookup_max`` / ``prompt_lookup_min`` are ``ngram``'s ``max_n`` /
+    ``min_n``; vLLM's method names map by :data:`VLLM_METHODS`. A dict without those
+    fields is returned as it is.
+
+    Raises:
+        ValueError: ``model`` with a method that reads no model, or ``prompt_lookup_*``
+            with a method other than ``ngram``.
+    """
+    vllm = {"model", "prompt_lookup_max", "prompt_lookup_min"}
+    method = value.get("method")
+    if not vllm & set(value) and method not in ("eagle3", "draft_model"):
+        return value
+    out = {k: v for k, v in value.items() if k not in vllm}
+    name = VLLM_METHODS.get(method, method) if isinstance(method, str) else method
+    model = value.get("model")
+    if model is not None:
+        if name in (None, "draft-model"):
+            name = "draft-model"
+            out["draft_model"] = model
+        elif name in ("eagle", "medusa"):
+            name = f"{name}:head={model}"
+        else:
+            raise ValueError(
+                f"speculative: 'model' names a draft model or a head, which method "
+                f"{method!r} does not read (use method 'draft_model', 'eagle' or 'medusa')"
+            )
+    lookup = {k: value[k] for k in ("prompt_lookup_max", "prompt_lookup_min") if k in value}
+    if lookup:
+        if name not in (None, "ngram"):
+            raise ValueError(
+                f"speculative: prompt_lookup_max / prompt_lookup_min are ngram's, not {method!r}'s"
+            )
+        sizes = {"prompt_lookup_max": "max_n", "prompt_lookup_min": "min_n"}
+        name = "ngram:" + ",".join(f"{sizes[k]}={v}" for k, v in lookup.items())
+    if name is not None:
+        out["method"] = name
+    return out
 
 
 def _from_fields(cls, value, argument: str, hint: str = ""):

@@ -194,8 +194,8 @@ def parse_method(text: str, controller: str = "fixed") -> Method:
         _integer(kind, "k", items["k"])
     try:  # one spelling per controller: its name and non-default options
         controller = SpeculativeConfig(method="none", controller=controller).controller_spec
-    except ValueError as error:
-        raise ValueError(f"method {text!r}: {error}") from None
+    except ValueError as error:  # named as given, after the +: the drafter part is fine
+        raise ValueError(f"controller {controller!r} of method {text!r}: {error}") from None
     method = Method(kind, tuple(items.items()), tree or None, controller)
     try:
         method.speculative_config()  # specdec's own checks, now rather than mid-run
