@@ -374,6 +374,29 @@ def test_adaptive_builders_keep_the_nodes_that_pay_and_learn_their_calibration(k
     fixed.observe(whole, [], [0])  # a fixed builder learns nothing
 
 
+def test_an_adaptive_dynamic_tree_stops_drafting_levels_no_node_of_which_would_be_kept():
+    table = _uniform_table([0.5, 0.3, 0.2], 4)
+    spec = "dynamic:top_k=2,depth=4,budget=8,adaptive=true"
+
+    def levels(row_cost):
+        session = FakeSession(table)
+        tree = make_tree_builder(spec).build(session, 4, False, make_generator(0), row_cost)
+        return session, tree.tree
+
+    free_session, free_tree = levels(lambda n: 1.0)
+    assert len(free_session.expanded) == 1 + 2 + 2 + 2  # every level drafted
+    dear_session, dear_tree = levels(lambda n: 1 + 0.4 * n)
+    assert len(dear_session.expanded) < len(free_session.expanded)
+    # the same tree as drafting every level and then choosing (no kept node was lost)
+    session = FakeSession(table)
+    whole = make_tree_builder(spec.replace(",adaptive=true", "")).build(
+        session, 4, False, make_generator(0)
+    )
+    probs = sorted(math.prod([0.5, 0.3, 0.2][t] for t in p) for p in _spelled(whole.tree))[::-1]
+    n = adaptive_size(probs, lambda n: 1 + 0.4 * n)
+    assert len(dear_tree) == n
+
+
 def test_adaptive_trees_follow_the_cost_model_in_the_engine(target, near_draft):
     """Dear rows (a cost model whose forward time grows steeply with rows) keep small
     trees; free rows keep the whole budget; both give plain decoding's output."""

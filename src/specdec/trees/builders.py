@@ -95,6 +95,23 @@ class TreeProposal:
 RowCost = Callable[[int], float]
 
 
+def _worth_expanding(
+    probs: Sequence[float], best: float, row_cost: RowCost, factor: float, budget: int
+) -> bool:
+    """Whether another level can add a node :func:`adaptive_size` would keep: a child's
+    path probability is at most ``best`` (its parent's, the best frontier node's), and
+    adding a node of that probability to the tree chosen from ``probs`` so far must raise
+    the expected tokens per unit of time. Checked before each level of an adaptive
+    dynamic tree; when it fails, the levels below are not drafted (their forwards are
+    most of an EAGLE tree's draft time)."""
+    ranked = sorted(probs, reverse=True)[:budget]
+    if len(ranked) >= budget:
+        ranked = ranked[: budget - 1]  # room for one more
+    n = adaptive_size(ranked, row_cost, factor) if ranked else 0
+    gained = 1.0 + factor * sum(ranked[:n])
+    return (gained + factor * best) / row_cost(n + 1) > gained / row_cost(n)
+
+
 class Calibration:
     """How far a drafter's path probabilities overstate its acceptance: the ratio of
     nodes accepted to nodes expected (the sum of the verified nodes' path probabilities),
@@ -323,6 +340,11 @@ class DynamicTreeBuilder(TreeBuilder):
             if not layer:
                 break
             frontier = sorted(layer, key=lambda n: -score[n])[: self.top_k]
+            if self.adaptive and row_cost is not None and not _worth_expanding(
+                [math.exp(score[n]) for n in order], math.exp(score[frontier[0]]),
+                row_cost, self.calibration.factor, self.budget,
+            ):  # fmt: skip
+                break  # no child could be kept: save the next levels' draft forwards
         # A child never outscores its parent, and ties go to the shallower node, so the
         # best `budget` nodes always include their ancestors.
         ranked = sorted(order, key=lambda n: (-score[n], depth_of[n], n))[: self.budget]
