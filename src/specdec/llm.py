@@ -236,13 +236,14 @@ class GenerationChunk:
 
 #: Drafters an :class:`LLM` keeps besides its own (the most recently built; one per config).
 DRAFTERS = 16
-#: Tree builders an :class:`LLM` keeps (the most recently used; each learns per config).
+#: Tree builders an :class:`LLM` keeps (the most recently built; each learns per config).
 TREE_BUILDERS = 64
 
 
 def _drafter_key(config: SpeculativeConfig) -> tuple:
-    """What builds a drafter: its method, options and draft model (not k, tree,
-    controller or verifier, which the engine applies around it)."""
+    """What a drafter is built from: its method, options and draft model (configs that
+    differ in k, tree, controller or verifier get their own drafter object of the same
+    drafter, and :meth:`LLM._tell_cap` warns once for all of them)."""
     return (config.method, config.options, config.draft_model)
 
 
@@ -468,12 +469,15 @@ class LLM:
             return None
         if seed is not None:
             return make_tree_builder(config.tree)
-        with self._lock:  # the most recently used TREE_BUILDERS (clients vary trees freely)
-            builder = self._tree_builders.pop(config, None) or make_tree_builder(config.tree)
-            self._tree_builders[config] = builder
-            while len(self._tree_builders) > TREE_BUILDERS:
-                self._tree_builders.popitem(last=False)
+        builder = self._tree_builders.get(config)  # no lock on the common path (above)
+        if builder is not None:
             return builder
+        with self._lock:  # the TREE_BUILDERS most recently built (clients vary trees freely)
+            if config not in self._tree_builders:
+                self._tree_builders[config] = make_tree_builder(config.tree)
+                while len(self._tree_builders) > TREE_BUILDERS:
+                    self._tree_builders.popitem(last=False)
+            return self._tree_builders[config]
 
     def _build_drafter(self, config: SpeculativeConfig) -> Drafter:
         if config.method == CUSTOM:
