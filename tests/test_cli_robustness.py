@@ -678,7 +678,7 @@ def test_tree_errors_name_the_tree():
 @pytest.mark.parametrize(
     "spec, says",
     [
-        ("dynamic:topk=4", "(allowed: budget, depth, top_k)"),
+        ("dynamic:topk=4", "(allowed: adaptive, budget, depth, top_k)"),
         ("dynamic:top_k=0", "tree option top_k must be an integer >= 1"),
         ("dynamic:top_k=100,depth=4,budget=8", "top_k is at most 64 (top_k**2 candidates"),
     ],

@@ -25,7 +25,7 @@ OK_TOP_P = [1.0, 0.9, 1e-300]
 OK_TOP_K = [0, -1, 1, 5, 10**12]
 OK_SEEDS = [None, 0, 3, 2**63 - 1]
 OK_MAX_NEW = [1, 2, 7, 40, 10**9]
-OK_K = [1, 3, 8, 10**9]
+OK_K = [1, 3, 8, 64]  # 64: the most num_speculative_tokens takes
 #: The largest dynamic tree: valid, but each step expands thousands of nodes (with
 #: ``ngram:min_n=1,max_n=1000000`` a 128-token generation took over 10 minutes).
 HUGE_TREE = "dynamic:top_k=64,depth=128,budget=1024"
