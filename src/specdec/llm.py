@@ -388,11 +388,11 @@ class LLM:
             with self._lock:
                 if config not in self._drafters:
                     self._drafters[config] = self._build_drafter(config)
+                    self._tell_cap(config, self._drafters[config])
                     older = [c for c in self._drafters if c not in (config, self.speculative)]
                     for old in older[: max(0, len(self._drafters) - DRAFTERS)]:
                         del self._drafters[old]  # sequences running keep their own reference
                 drafter = self._drafters[config]
-        self._tell_cap(config, drafter)
         return drafter
 
     def prefix_cache(self) -> PrefixCache | None:
@@ -491,9 +491,10 @@ class LLM:
         return entry.factory(context, config.options)
 
     def _tell_cap(self, config: SpeculativeConfig, drafter: Drafter) -> None:
-        """Say when ``config`` asks ``drafter`` for longer drafts than it makes (Medusa's
-        heads, a parallel head's block): as a warning the first time per drafter, after
-        that at debug level (a server's clients must not fill its log)."""
+        """Say, when ``config``'s drafter is built, that it asks for longer drafts than
+        the drafter makes (Medusa's heads, a parallel head's block): as a warning the
+        first time per drafter, after that at debug level (a server's clients must not
+        fill its log)."""
         most = getattr(drafter, "max_draft_tokens", None)
         if most is None:
             return

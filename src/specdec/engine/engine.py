@@ -758,7 +758,7 @@ class Engine:
         ``batched``: the chain :meth:`_batched_chains` drafted and its share of the time."""
         t0 = time.perf_counter()
         if seq.tree_builder is not None:
-            draft = _draft_tree(seq, k, seq.row_cost)
+            draft = _draft_tree(seq, k)
         else:
             draft = self._propose(seq, k, None if batched is None else batched[0])
         aux = seq.drafter_state.aux_rows(seq.tokens) if seq.max_aux_rows and k else None
@@ -1103,17 +1103,17 @@ def _verification_input(seq: Sequence, draft, aux: AuxRows | None = None):
     return (seq, [*ids, *aux.token_ids], seq.cache.num_tokens + offsets, full, 0, False)
 
 
-def _draft_tree(seq: Sequence, max_depth: int, row_cost=None) -> TreeProposal:
+def _draft_tree(seq: Sequence, max_depth: int) -> TreeProposal:
     """One step's tree (empty when no token may be drafted); an adaptive builder
     (:attr:`~specdec.trees.builders.TreeBuilder.uses_row_cost`) also gets the step's
-    ``row_cost`` (:func:`_row_cost`)."""
+    ``seq.row_cost`` (:func:`_row_cost`, set by the plan)."""
     if max_depth < 1:
         return TreeProposal(TokenTree((), ()))
     session = seq.drafter_state.tree_session(seq.tokens, seq.params)
     builder, sampling = seq.tree_builder, not seq.params.greedy
     try:
         if builder.uses_row_cost:
-            return builder.build(session, max_depth, sampling, seq.generator, row_cost=row_cost)
+            return builder.build(session, max_depth, sampling, seq.generator, row_cost=seq.row_cost)
         return builder.build(session, max_depth, sampling, seq.generator)
     finally:
         session.close()

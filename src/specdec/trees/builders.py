@@ -300,7 +300,32 @@ def build_static(session, paths, draw, max_depth, sampling, generator) -> TreePr
     return rec.proposal(keep, without_replacement=sampled and draw == "wor")
 
 
-class DynamicTreeBuilder(TreeBuilder):
+class _RankedTreeBuilder(TreeBuilder):
+    """A builder whose nodes come ranked by path probability, any prefix a tree (dynamic,
+    best-first): with ``adaptive`` it keeps the prefix :func:`adaptive_size` chooses for
+    the step's ``row_cost``, its probabilities calibrated by what verification accepts."""
+
+    def __init__(self, adaptive: bool) -> None:
+        self.adaptive = adaptive
+        self.calibration = Calibration()
+
+    @property
+    def uses_row_cost(self) -> bool:
+        return self.adaptive
+
+    def _size(self, probs: Sequence[float], row_cost: RowCost | None) -> int:
+        """How many of the ranked nodes (path probabilities ``probs``) this step keeps."""
+        if not self.adaptive or row_cost is None:
+            return len(probs)
+        return adaptive_size(probs, row_cost, self.calibration.factor)
+
+    def observe(self, proposal: TreeProposal, accepted_nodes: list[int], output: list[int]):
+        """Adaptive: calibrate the path probabilities against the nodes accepted."""
+        if self.adaptive and proposal.expected is not None and len(proposal.tree):
+            self.calibration.observe(proposal.expected, len(accepted_nodes))
+
+
+class DynamicTreeBuilder(_RankedTreeBuilder):
     """EAGLE-2 dynamic tree (context-aware expansion, then global reranking).
 
     Args:
@@ -314,10 +339,9 @@ class DynamicTreeBuilder(TreeBuilder):
     """
 
     def __init__(self, top_k: int, depth: int, budget: int, adaptive: bool = False) -> None:
+        super().__init__(adaptive)
         self.top_k, self.depth, self.budget = top_k, depth, budget
         self.max_nodes = budget
-        self.adaptive = self.uses_row_cost = adaptive
-        self.calibration = Calibration()
 
     def build(self, session, max_depth, sampling, generator, row_cost=None) -> TreeProposal:
         rec = _Recorder(session)
@@ -349,21 +373,15 @@ class DynamicTreeBuilder(TreeBuilder):
         # best `budget` nodes always include their ancestors.
         ranked = sorted(order, key=lambda n: (-score[n], depth_of[n], n))[: self.budget]
         probs = [math.exp(score[n]) for n in ranked]
-        if self.adaptive and row_cost is not None:
-            ranked = ranked[: adaptive_size(probs, row_cost, self.calibration.factor)]
+        ranked = ranked[: self._size(probs, row_cost)]
         keep = sorted(ranked, key=lambda n: (depth_of[n], n))
         proposal = rec.proposal(keep)
         if self.adaptive:
             proposal.expected = sum(probs[: len(ranked)])
         return proposal
 
-    def observe(self, proposal: TreeProposal, accepted_nodes: list[int], output: list[int]):
-        """Adaptive: calibrate the path probabilities against the nodes accepted."""
-        if self.adaptive and proposal.expected is not None and len(proposal.tree):
-            self.calibration.observe(proposal.expected, len(accepted_nodes))
 
-
-class BestFirstTreeBuilder(TreeBuilder):
+class BestFirstTreeBuilder(_RankedTreeBuilder):
     """DDTree-style best-first tree from per-position draft distributions.
 
     The drafter extends its most probable chain ``depth`` times; the ranked candidates at
@@ -379,10 +397,9 @@ class BestFirstTreeBuilder(TreeBuilder):
     """
 
     def __init__(self, budget: int, depth: int, adaptive: bool = False) -> None:
+        super().__init__(adaptive)
         self.budget, self.depth = budget, depth
         self.max_nodes = budget
-        self.adaptive = self.uses_row_cost = adaptive
-        self.calibration = Calibration()
 
     def build(self, session, max_depth, sampling, generator, row_cost=None) -> TreeProposal:
         rec = _Recorder(session)
@@ -420,9 +437,8 @@ class BestFirstTreeBuilder(TreeBuilder):
                 child = -neg + math.log(positions[pos + 1][0][1])
                 heapq.heappush(heap, (-child, tie, new, pos + 1, 0))
                 tie += 1
-        if self.adaptive and row_cost is not None:  # nodes come after their parents
-            n = adaptive_size(probs, row_cost, self.calibration.factor)
-            parents, tokens, probs = parents[:n], tokens[:n], probs[:n]
+        n = self._size(probs, row_cost)  # nodes come after their parents: a prefix is a tree
+        parents, tokens, probs = parents[:n], tokens[:n], probs[:n]
         tree = TokenTree.build(parents, tokens)
         # Candidates are known exactly only along the chain (the all-rank-0 path).
         candidates = {
@@ -431,11 +447,6 @@ class BestFirstTreeBuilder(TreeBuilder):
             if session_node in rec.candidates
         }
         return TreeProposal(tree, candidates, sum(probs) if self.adaptive else None)
-
-    def observe(self, proposal: TreeProposal, accepted_nodes: list[int], output: list[int]):
-        """Adaptive: calibrate the path probabilities against the nodes accepted."""
-        if self.adaptive and proposal.expected is not None and len(proposal.tree):
-            self.calibration.observe(proposal.expected, len(accepted_nodes))
 
 
 def _rank0_chain(tree: TokenTree) -> list[int]:
