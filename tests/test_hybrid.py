@@ -14,7 +14,7 @@ from test_layer_skip import _NativeTargets
 from conftest import make_model, make_tokenizer, perturbed_copy
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.drafters.base import DraftProposal
-from specdec.drafters.hybrid import HybridDrafter
+from specdec.drafters.hybrid import SCORE_BINS, GoodputChoice, HybridDrafter
 from specdec.drafters.options import HybridOptions, SuffixOptions
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.models.native import NativeModel
@@ -42,6 +42,14 @@ class TestHybridQuantizedConformance(_NativeTargets, DrafterConformance):
         tokenizer = make_tokenizer(num_words=5)
         target = make_model(tokenizer, seed=0, hidden_size=32, num_layers=1, init_std=0.2)
         return target, perturbed_copy(target, noise=0.08, seed=1)
+
+
+@needs_kernels
+class TestHybridGoodputConformance(TestHybridQuantizedConformance):
+    """The learned choice (``choose=goodput``): which draft a step takes depends on
+    timing, never on the output."""
+
+    spec = "hybrid:threshold=0,choose=goodput"
 
 
 class TestHybridDraftModelConformance(DrafterConformance):
@@ -82,9 +90,9 @@ class _ModelSequence:
         pass
 
 
-def _hybrid(threshold: float, model_tokens: int = 0, vocab: int = 16):
+def _hybrid(threshold: float, model_tokens: int = 0, vocab: int = 16, choose="threshold"):
     model = _Model(vocab)
-    options = HybridOptions(threshold=threshold, model_tokens=model_tokens)
+    options = HybridOptions(threshold=threshold, model_tokens=model_tokens, choose=choose)
     suffix = SuffixDrafter(SuffixOptions(global_cache=False))
     return HybridDrafter(suffix, model, options), model
 
@@ -282,3 +290,97 @@ def test_serve_refuses_a_hybrid_tree_at_startup():
     with pytest.raises(ValueError, match="hybrid cannot draft token trees"):
         check_tree_drafter(HybridDrafter(SuffixDrafter(), _Model(16)))
     check_tree_drafter(SuffixDrafter())  # a tree drafter passes
+
+
+def _timed(choice, suffix_accepted, model_accepted, model_draft_s, verify_s=0.01, n=50):
+    """``n`` steps of each source with these outcomes (score 1, bin 1; 4-token drafts),
+    verification costing ``verify_s`` whatever the rows."""
+    for _ in range(n):
+        choice.record("suffix", 4, suffix_accepted, verify_s, score=1.0)
+        choice.record("model", 4, model_accepted, verify_s, draft_s=model_draft_s)
+
+
+def test_the_learned_choice_follows_the_threshold_until_both_sources_are_seen():
+    choice = GoodputChoice(threshold=2.0)
+    assert choice.rates(1.0, 4, 4) is None
+    assert not choice.take_suffix(1.0, 4, 4) and choice.take_suffix(2.0, 4, 4)
+    choice.record("suffix", 4, 3, 0.01, score=1.0)
+    assert choice.rates(1.0, 4, 4) is None  # the model is not timed yet
+    choice.record("model", 4, 1, 0.01, draft_s=0.005)
+    assert choice.rates(1.0, 4, 4) is not None
+
+
+def test_the_learned_choice_weighs_acceptance_against_draft_time():
+    """A suffix draft of score 1 that the target accepts 3 tokens of, against a model
+    whose drafts cost as much as verification: the suffix draft; against a free model
+    accepting 4 tokens: the model, whatever the threshold says."""
+    weak = GoodputChoice(threshold=100.0)
+    _timed(weak, suffix_accepted=3, model_accepted=2, model_draft_s=0.01)
+    suffix, model = weak.rates(1.0, 8, 4)
+    assert suffix == pytest.approx(4 / 0.01, rel=0.05)
+    assert model == pytest.approx(3 / 0.02, rel=0.05)
+    assert weak.take_suffix(1.0, 8, 4)
+    strong = GoodputChoice(threshold=0.0)
+    _timed(strong, suffix_accepted=1, model_accepted=4, model_draft_s=0.0005)
+    assert not strong.take_suffix(1.0, 8, 4)
+
+
+def test_verification_time_is_fitted_by_rows_across_both_sources():
+    """Suffix steps of 16 rows at 20 ms, model steps of 5 at 9 ms: V(rows) = 4 ms + 1 ms
+    per row, so a long suffix draft pays for its rows."""
+    choice = GoodputChoice(threshold=2.0, decay=0.99)
+    for _ in range(40):
+        choice.record("suffix", 15, 3, 0.020, score=4.0)
+        choice.record("model", 4, 3, 0.009, draft_s=0.001)
+    assert choice.verify_s(16) == pytest.approx(0.020)
+    assert choice.verify_s(5) == pytest.approx(0.009)
+    assert choice.verify_s(1) == pytest.approx(0.005)
+    # 3 of 15 at 20 ms (200 tok/s) against 3 of 4 at 10 ms (400 tok/s): the model
+    assert choice.rates(4.0, 15, 4) == pytest.approx((200.0, 400.0), rel=0.02)
+    assert not choice.take_suffix(4.0, 15, 4)
+    one = GoodputChoice(threshold=2.0)
+    one.record("model", 4, 3, 0.009, draft_s=0.001)
+    assert one.verify_s(1) == one.verify_s(99) == pytest.approx(0.009)  # one row count: the mean
+
+
+def test_the_suffix_acceptance_is_learned_per_score_bin_with_the_score_as_prior():
+    choice = GoodputChoice(threshold=2.0)
+    _timed(choice, suffix_accepted=0, model_accepted=1, model_draft_s=0.001)
+    # bin of score 1 learned ~0 tokens; a score of 10 (another bin) keeps its prior
+    assert choice.rates(1.0, 16, 4)[0] < choice.rates(10.0, 16, 4)[0]
+    assert choice.bin(1.0) != choice.bin(10.0) and choice.bin(1e9) == len(SCORE_BINS)
+    assert not choice.take_suffix(1.0, 4, 4) and choice.take_suffix(10.0, 4, 4)
+    # the prior is capped at the draft's length
+    assert choice.rates(10.0, 2, 4)[0] < choice.rates(10.0, 4, 4)[0]
+    with pytest.raises(ValueError, match="decay must be in"):
+        GoodputChoice(2.0, decay=1.0)
+    with pytest.raises(ValueError, match="choose must be threshold or goodput"):
+        make_options("hybrid", {"choose": "bandit"})
+
+
+def test_the_learned_choice_decides_greedy_and_unseeded_requests_not_seeded_sampling():
+    drafter, model = _hybrid(threshold=2.0, choose="goodput")
+    assert drafter.observes  # the choice reads every verification, though the model does not
+    _timed(drafter.choice, suffix_accepted=0, model_accepted=4, model_draft_s=0.0001)
+    context = [1, 2, 3, 1, 2, 3, 1]  # the suffix path 2 3 scores 2
+    seeded = SamplingParams(temperature=1.0, seed=3, max_new_tokens=8)
+    unseeded = SamplingParams(temperature=1.0, max_new_tokens=8)
+    for params, source in ((GREEDY, "model"), (unseeded, "model"), (seeded, "suffix")):
+        state = drafter.start(context, params)
+        assert state.learned is (params is not seeded)
+        assert state.propose(context, 2, torch.Generator()).source == source
+
+
+def test_the_learned_choice_records_every_verified_step(target, near_draft):
+    """Through the engine: each step's outcome reaches the choice, the output is plain
+    decoding's."""
+    config = SpeculativeConfig(
+        method="hybrid:model=draft-model,threshold=1,choose=goodput", num_speculative_tokens=4
+    )
+    llm = LLM(target, draft=near_draft, speculative=config)
+    prompt = PROMPTS[0] * 4
+    out = llm.generate(prompt, GREEDY)
+    assert out.token_ids == hf_greedy(target, prompt, 40)
+    choice = llm.drafter(llm.speculative).choice
+    assert choice.verify_s.weight > 0 and choice.model_draft_s.weight > 0
+    assert out.metrics.draft_sources and sum(out.metrics.draft_sources.values()) >= 1

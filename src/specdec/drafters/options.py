@@ -110,6 +110,12 @@ class HybridOptions:
             draft (e.g. 16) while the model's stays short (e.g. 5).
         max_depth: the suffix trees' depth (the suffix drafter's ``max_depth``, 2 to 256).
         global_cache: the suffix drafter's ``global_cache`` (also match earlier requests).
+        choose: ``threshold`` (default): the suffix draft when its score reaches
+            ``threshold``; ``goodput``: per step, the draft with the higher expected
+            tokens per second, ``(1 + E[accepted]) / (draft time + verification time)``,
+            each term learned online (:class:`specdec.drafters.hybrid.GoodputChoice`);
+            ``threshold`` still decides for seeded sampled requests, whose output must
+            not depend on timing.
     """
 
     model: str = option(
@@ -123,8 +129,15 @@ class HybridOptions:
     )
     max_depth: int = option(24, "the suffix trees' depth, hence their longest draft (2 to 256)")
     global_cache: bool = option(True, "the suffix draft also matches earlier requests")
+    choose: str = option(
+        "threshold",
+        "threshold: the suffix draft when its score reaches threshold; goodput: the draft "
+        "with more expected tokens per second, learned online from the verifications",
+    )
 
     def __post_init__(self) -> None:
+        if self.choose not in ("threshold", "goodput"):
+            raise ValueError(f"choose must be threshold or goodput, got {self.choose!r}")
         name, _ = self.model_spec
         if not name:
             raise ValueError(f"model must name a drafter, got {self.model!r}")
