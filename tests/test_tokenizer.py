@@ -90,3 +90,70 @@ def test_model_eos_ids_from_config_and_generation_config():
         generation_config = Generation()
 
     assert model_eos_token_ids(Model()) == {3, 4, 5}
+
+
+def _byte_tokenizers():
+    """Two tiny tokenizers whose tokens are single bytes: GPT-2's byte-level BPE symbols
+    (SmolLM, Llama 3, Qwen) and SentencePiece's byte-fallback pieces ``<0xHH>`` (Llama
+    2, Mistral), plus the word ``ab``."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    level = {s: i for i, s in enumerate(sorted(alphabet))}
+    level["ab"] = len(level)
+    raw = RawTokenizer(models.BPE(level, [("a", "b")]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    byte_level = PreTrainedTokenizerFast(tokenizer_object=raw)
+    pieces = {f"<0x{b:02X}>": b for b in range(256)}
+    pieces["ab"] = 256
+    raw = RawTokenizer(models.BPE(pieces, [], byte_fallback=True))
+    raw.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    fallback = PreTrainedTokenizerFast(tokenizer_object=raw)
+    return byte_level, fallback
+
+
+def test_token_bytes_are_the_bytes_a_token_stands_for_even_inside_a_character():
+    """OpenAI's logprobs ``bytes``: an emoji's four byte tokens give its four bytes (each
+    decodes to U+FFFD alone), which join into it."""
+    party = "🎉".encode()
+    byte_level, fallback = _byte_tokenizers()
+    symbols = {b: s for b, s in enumerate(_gpt2_symbols())}
+    for hf, piece in ((byte_level, lambda b: symbols[b]), (fallback, lambda b: f"<0x{b:02X}>")):
+        tok = Tokenizer(hf)
+        ids = [hf.convert_tokens_to_ids(piece(b)) for b in party]
+        assert [tok.token_text(i) for i in ids] == ["\ufffd"] * 4
+        assert [tok.token_bytes(i) for i in ids] == [bytes([b]) for b in party]
+        assert b"".join(tok.token_bytes(i) for i in ids).decode() == "🎉"
+        assert tok.token_bytes(hf.convert_tokens_to_ids("ab")) == b"ab"  # whole characters
+    words = Tokenizer(make_tokenizer())
+    assert words.token_bytes(3) == b"w0" and words.token_bytes(2) == b"</s>"  # special: its text
+
+
+def _gpt2_symbols() -> list[str]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)]
+
+
+def test_logprob_text_offsets_count_characters_whatever_tokens_split_them():
+    """Completions' ``text_offset``: where each token starts in the text, in characters;
+    the bytes of a split emoji make one character."""
+    from specdec.sampling import TokenLogprob
+    from specdec.server.app import LogprobFormat
+
+    byte_level, _ = _byte_tokenizers()
+    symbols = _gpt2_symbols()
+    ids = [byte_level.convert_tokens_to_ids(symbols[b]) for b in "🎉".encode()]
+    ids.append(byte_level.convert_tokens_to_ids("ab"))
+    entries = [TokenLogprob(i, -0.5, [(i, -0.5)]) for i in ids]
+    completions = LogprobFormat(Tokenizer(byte_level), chat=False, wanted=[True])
+    assert completions.format(0, entries[:2])["text_offset"] == [0, 0]
+    assert completions.format(0, entries[2:])["text_offset"] == [0, 0, 1]  # across chunks
+    chat = LogprobFormat(Tokenizer(byte_level), chat=True, wanted=[True]).format(0, entries)
+    content = chat["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content).decode() == "🎉ab"
+    assert content[0]["top_logprobs"][0]["bytes"] == [0xF0]

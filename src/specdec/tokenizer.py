@@ -136,6 +136,58 @@ class Tokenizer:
         """Detokenize, dropping special tokens (EOS, end-of-turn)."""
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own decoding, special tokens shown (a token holding part of a
+        character decodes to U+FFFD)."""
+        return self.hf.decode([int(token_id)], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of the text one token stands for (OpenAI's logprobs ``bytes``): a
+        token holding part of a multi-byte character gives its own bytes (the first byte
+        of an emoji, ``b"\\xf0"``), not the U+FFFD its decoding shows, so that the
+        bytes of consecutive tokens join into the text. Read from the token's string: a
+        byte-level BPE symbol (GPT-2's byte-to-unicode table: Llama 3, Qwen, SmolLM) or a
+        byte-fallback piece ``<0xF0>`` (SentencePiece: Llama 2, Mistral); a token of
+        neither kind, or a special token, gives its decoding's UTF-8. Cached per id."""
+        token_id = int(token_id)
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            text = self.token_text(token_id)
+            cached = text.encode()
+            if "\ufffd" in text:
+                raw = _piece_bytes(self.hf.convert_ids_to_tokens(token_id))
+                cached = cached if raw is None else raw
+            self._token_bytes[token_id] = cached
+        return cached
+
+    @functools.cached_property
+    def _token_bytes(self) -> dict[int, bytes]:
+        return {}
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE table, symbol -> byte (its ``bytes_to_unicode`` inverted)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {symbol: byte for byte, symbol in bytes_to_unicode().items()}
+
+
+def _piece_bytes(piece) -> bytes | None:
+    """The bytes a token string stands for: ``<0xHH>`` (a byte-fallback piece) or a
+    byte-level BPE symbol string; ``None`` for anything else."""
+    if not isinstance(piece, str) or not piece:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    table = _byte_decoder()
+    if all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return None
+
 
 #: ``apply_chat_template`` arguments that ``chat_template_kwargs`` may not set (specdec
 #: sets them, or they are not template variables)

@@ -17,6 +17,7 @@ counted once as ``finished_reason="abort"``.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 import functools
 import hmac
@@ -176,12 +177,14 @@ async def _off_loop(pool: ThreadPoolExecutor, fn, *args):
 def _tokenize(llm: LLM, body: TokenizeRequest) -> JSONResponse:
     """``POST /tokenize``'s answer, its JSON rendered here on the tokenizer thread (the
     ids of a long prompt took seconds to render on the event loop)."""
-    if body.prompt is not None:
+    if body.prompt == "":  # nothing to generate from, but a string to tokenize
+        ids = llm.tokenizer.encode("", chat=False) if body.add_special_tokens else []
+    elif body.prompt is not None:
         ids = _completion_prompts(llm, body.prompt)[0]
         if not body.add_special_tokens:
             ids = list(llm.tokenizer.hf(body.prompt, add_special_tokens=False)["input_ids"])
     else:
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [m.template_message() for m in body.messages]
         ids = _chat_prompt(llm, messages, body)
     out = {"count": len(ids), "max_model_len": llm.target.max_context, "tokens": ids}
     if body.return_token_strs:
@@ -206,7 +209,7 @@ def _add_generation_routes(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         if body.model:
             _check_model(body.model, name)
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [m.template_message() for m in body.messages]
         prompts = [await _off_loop(tokenizing, _chat_prompt, llm, messages, body)]
         if body.max_completion_tokens is not None:  # OpenAI's name; vLLM's rule: it wins
             body.max_tokens = body.max_completion_tokens
@@ -253,7 +256,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Overloaded)
     async def _overloaded(request: Request, error: Overloaded):
-        return JSONResponse(error_body(str(error), "rate_limit_exceeded"), status_code=429)
+        body = error_body(str(error), "rate_limit_exceeded")
+        return JSONResponse(body, status_code=429, headers={"Retry-After": "1"})
 
     @app.exception_handler(Unavailable)
     async def _unavailable(request: Request, error: Unavailable):
@@ -312,7 +316,7 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     jobs = []  # (candidate index, prompt ids, params)
     for p, ids in enumerate(prompts):
         for i in range(best_of):
-            seed = None if body.seed is None else (body.seed + i) % 2**63
+            seed = None if body.seed is None else (body.seed + i + 2**63) % 2**64 - 2**63
             params = _sampling(llm, body, ids, seed, spec)
             if best_of > body.n and params.logprobs is None:  # to rank the candidates
                 params = dataclasses.replace(params, logprobs=0)
@@ -355,10 +359,13 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     meta = dict(id=response_id, created=int(time.time()), model=name)
     reason = functools.partial(_stop_reason, llm.tokenizer, body)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options.continuous_usage_stats)
         events = _events(
-            engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs, reason
-        )
+            engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs, reason,
+            continuous,
+        )  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
     pick = (body.n, best_of)
     return await _complete(
@@ -566,11 +573,15 @@ async def _collect(
             return update
 
 
-async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs, reason):
+async def _events(
+    engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs, reason,
+    continuous=False,
+):  # fmt: skip
     """Server-sent events: one chunk per step and choice, then usage, then ``[DONE]``.
     A choice's token log-probabilities ride on its next chunk (text held back for a stop
     string holds its tokens' entries back with it). The chunks ready at once are sent
-    together."""
+    together. ``continuous`` (vLLM's ``continuous_usage_stats``): every chunk also carries
+    the usage so far."""
     pending: list[list] = [[] for _ in queues]
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -617,13 +628,16 @@ async def _events(engine, ids, queues, streams, meta, chat, usage, include_usage
             chunk["prompt_logprobs"] = echo.vllm_format(index)
         if update.stats is not None and len(queues) == 1:
             chunk["metrics"] = {"speculative_decoding": speculation_metrics(update.stats)}
+        if continuous:
+            chunk["usage"] = usage.body()
         return _sse(chunk)
 
     try:
         if chat:
             role = {"role": "assistant", "content": ""}
+            extra = {"usage": usage.body()} if continuous else {}
             yield "".join(
-                _sse({**meta, "object": obj, "choices": [_chunk(i, role, None, chat)]})
+                _sse({**meta, "object": obj, "choices": [_chunk(i, role, None, chat)], **extra})
                 for i in range(len(queues))
             )
         while live:
@@ -653,7 +667,12 @@ class LogprobFormat:
     "logprob", "bytes"}]}]}``. Completions: ``{"tokens", "token_logprobs",
     "top_logprobs": [{token: logprob}] (the chosen token included, as vLLM does),
     "text_offset"}`` (offsets in characters of the choice's text, summed over the tokens'
-    own texts). A token's text is its own decoding, special tokens shown.
+    own texts). A token's text is its own decoding, special tokens shown (U+FFFD for a
+    token holding part of a character); its ``bytes`` are the bytes it stands for
+    (:meth:`~specdec.tokenizer.Tokenizer.token_bytes`), so that the bytes of the tokens
+    of one character join into it; ``text_offset`` counts the characters of the text
+    before the token (a token completing a character starts where that character does
+    not: at the text's length when it begins, as the bytes say).
 
     Args:
         tokenizer: the model's :class:`~specdec.tokenizer.Tokenizer`.
@@ -664,11 +683,25 @@ class LogprobFormat:
     def __init__(self, tokenizer, chat: bool, wanted: list[bool]) -> None:
         self.tokenizer, self.chat, self.wanted = tokenizer, chat, wanted
         self.offsets = [0] * len(wanted)
+        # per choice, the text's bytes decoded so far (characters complete; offsets count them)
+        self._decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in wanted]
         #: the response's :class:`PromptEcho` (set by the request handler)
         self.prompts: PromptEcho | None = None
 
     def _text(self, token_id: int) -> str:
-        return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.token_text(token_id)
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": self._text(token_id), "logprob": logprob, "bytes": list(raw)}
+
+    def _offset(self, index: int, token_id: int) -> int:
+        """Choice ``index``'s text offset of this token (characters before it), then the
+        token's bytes counted in."""
+        offset = self.offsets[index]
+        text = self._decoders[index].decode(self.tokenizer.token_bytes(token_id))
+        self.offsets[index] += len(text)
+        return offset
 
     def format(self, index: int, entries: list) -> dict | None:
         """Choice ``index``'s next ``entries`` (``None`` when it asked for none)."""
@@ -677,22 +710,15 @@ class LogprobFormat:
         if self.chat:
             content = []
             for e in entries:
-                text = self._text(e.token_id)
-                top = [
-                    {"token": (t := self._text(i)), "logprob": lp, "bytes": list(t.encode())}
-                    for i, lp in e.top
-                ]
-                content.append(
-                    {"token": text, "logprob": e.logprob, "bytes": list(text.encode()),
-                     "top_logprobs": top}
-                )  # fmt: skip
+                entry = self._entry(e.token_id, e.logprob)
+                entry["top_logprobs"] = [self._entry(i, lp) for i, lp in e.top]
+                content.append(entry)
             return {"content": content}
         tokens, offsets, tops = [], [], []
         for e in entries:
             text = self._text(e.token_id)
             tokens.append(text)
-            offsets.append(self.offsets[index])
-            self.offsets[index] += len(text)
+            offsets.append(self._offset(index, e.token_id))
             if e.logprob is None:  # an echoed prompt's first token: nothing predicts it
                 tops.append(None)
                 continue
@@ -770,7 +796,7 @@ class PromptEcho:
         return out
 
     def _text(self, token_id: int) -> str:
-        return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.token_text(token_id)
 
 
 def _echo_texts(llm: LLM, prompt) -> list[str]:
