@@ -232,6 +232,20 @@ def test_preempted_request_is_recomputed_and_counted(native):
         assert sequences[i].output_ids == _alone(native, None, req, cfg)
 
 
+def test_prompt_tokens_are_counted_as_their_chunks_run(native):
+    """``num_prompt_tokens_computed`` (the server's load line): each prefill chunk's tokens
+    when it runs, not the whole prompt when it arrives."""
+    engine = Engine(native, EngineConfig(max_num_batched_tokens=8, prefill_chunk=8))
+    engine.add_request("a", _prompt(0, 21), SamplingParams(max_new_tokens=2))
+    assert engine.num_prompt_tokens_computed == 0
+    counts = []
+    while engine.has_unfinished():
+        engine.step()
+        counts.append(engine.num_prompt_tokens_computed)
+    # the prompt but its pending last token, 8 at a time
+    assert counts[:3] == [8, 16, 20] and counts[-1] == 20
+
+
 def test_bad_requests_and_configs_are_clear_errors(native):
     engine = Engine(native, EngineConfig(max_kv_tokens=64))
     params = SamplingParams(max_new_tokens=4)

@@ -106,6 +106,17 @@ def test_streaming_completion_and_chat(client, llm):
     )
     pieces = [c.choices[0].delta.content or "" for c in streamed if c.choices]
     assert "".join(pieces) == expected.text
+    # vLLM's continuous_usage_stats: the counts so far in every chunk, growing
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    counted = list(
+        client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True,
+            stream_options=options,
+        )
+    )  # fmt: skip
+    so_far = [c.usage.completion_tokens for c in counted]
+    assert so_far == sorted(so_far) and so_far[0] == 0 and so_far[-1] == len(expected.token_ids)
+    assert all(c.usage.prompt_tokens == counted[-1].usage.prompt_tokens for c in counted)
 
 
 def test_stops_seeds_and_n(client, llm):
@@ -291,8 +302,10 @@ def test_overload_is_429_and_shutdown_drains(llm):
                 calls = [http.post(f"{url}/v1/completions", json=body) for _ in range(24)]
                 return await asyncio.gather(*calls)
 
-        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
         assert 200 in codes and set(codes) <= {200, 429} and 429 in codes
+        assert all(r.headers["retry-after"] == "1" for r in responses if r.status_code == 429)
         # a request that alone needs more sequences than may wait could never be queued:
         # a 400 naming the limit (a 429 would have clients retry it for nothing)
         for extra, param in (({"n": 2}, "n"), ({"prompt": [PROMPT, PROMPT]}, "prompt"),
@@ -331,7 +344,8 @@ def test_a_request_refused_for_room_queues_none_of_its_sequences(llm):
 
     asyncio.run(fill())
     before = engine.metrics.render()
-    with pytest.raises(Overloaded, match="2 sequences are waiting \\(at most 3\\)"):
+    message = "2 sequences are waiting and at most 3 may .this request's 2 would make 4"
+    with pytest.raises(Overloaded, match=message):
         engine.check_room(2)
     engine.check_room(1)  # one more fits
     assert engine.metrics.render() == before
@@ -648,10 +662,12 @@ def test_vllms_model_version_and_tokenizer_routes(server, llm):
     assert plain["token_strs"] == llm.tokenizer.hf.convert_ids_to_tokens(plain["tokens"])
     back = httpx.post(f"{url}/detokenize", json={"tokens": out["tokens"]}).json()
     assert back["prompt"] == llm.tokenizer.hf.decode(out["tokens"])
+    empty = httpx.post(f"{url}/tokenize", json={"prompt": ""})  # a string, if nothing to generate
+    assert empty.status_code == 200 and empty.json()["count"] == len(empty.json()["tokens"])
     for route, body, param in (
         ("tokenize", {"prompt": PROMPT, "messages": messages}, "prompt"),
         ("tokenize", {}, "prompt"),
-        ("tokenize", {"prompt": ""}, "prompt"),
+        ("tokenize", {"prompt": " "}, "prompt"),  # whitespace, which this tokenizer drops
         ("tokenize", {"prompt": PROMPT, "model": "other"}, "model"),
         ("detokenize", {"tokens": [10**6]}, "tokens"),
         ("detokenize", {"tokens": [-1]}, "tokens[0]"),

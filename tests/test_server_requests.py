@@ -408,11 +408,12 @@ def test_unknown_fields_are_refused_by_name(server, route, change, param):
         ("completions", {"prompt": "w1 " * 200}, "prompt", "nothing could be generated"),
         ("chat/completions", {"messages": [{"role": "user", "content": "w1 " * 200}]},
          "messages", "nothing could be generated"),
-        ("completions", {"seed": -1}, "seed", "seed"),
+        ("completions", {"seed": -(2**63) - 1}, "seed", "seed"),
         ("completions", {"prompt": None}, "prompt", "prompt: Field required"),
         ("completions", {"prompt": {"a": 1}}, "prompt", "prompt must be a string"),
         ("completions", {"prompt": ["w1", 5]}, "prompt[1]", "string or a list of token ids"),
-        ("completions", {"prompt": ["w1", " "]}, "prompt[1]", "empty"),
+        ("completions", {"prompt": ["w1", ""]}, "prompt[1]", "empty"),
+        ("completions", {"prompt": ["w1", " "]}, "prompt[1]", "encodes to no tokens"),
         ("completions", {"prompt": [10**6]}, "prompt", "outside the vocabulary"),
         ("completions", {"stop": 5}, "stop", "stop must be a string or a list"),
         ("completions", {"stop": ["w1", ""]}, "stop[1]", "1 to 1024 characters"),
@@ -446,8 +447,8 @@ def test_unknown_fields_are_refused_by_name(server, route, change, param):
                                             "tool_calls": [{"id": "c"}]}]},
          "messages[0].tool_calls", "not supported by this server: messages[0].tool_calls"),
         ("chat/completions", {"messages": [{"role": "tool", "content": "4",
-                                            "tool_call_id": "c"}]},
-         "messages[0].tool_call_id", "not supported"),
+                                            "tool_call_id": 3}]},
+         "messages[0].tool_call_id", "valid string"),
     ],
 )  # fmt: skip
 def test_every_error_names_its_field_without_a_framework_prefix(server, route, change, param,
@@ -538,6 +539,28 @@ def test_content_parts_from_the_openai_client_are_joined_with_newlines(server, l
         model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+
+def test_a_tool_messages_call_id_reaches_the_chat_template(server, llm):
+    """OpenAI's SDK sends ``tool_call_id`` with every tool message: accepted, and given to
+    the template (this test's template shows it)."""
+    url, _ = server
+    hf = llm.tokenizer.hf
+    before = hf.chat_template
+    hf.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% if m['tool_call_id'] is defined %} "
+        "{{ m['tool_call_id'] }}{% endif %} {% endfor %}"
+    )
+    try:
+        messages = [{"role": "user", "content": "w1"},
+                    {"role": "tool", "content": "w2", "tool_call_id": "w3"}]  # fmt: skip
+        response = httpx.post(f"{url}/tokenize", json={"messages": messages})
+        assert response.status_code == 200, response.text
+        assert response.json()["tokens"] == llm.encode("w1 w2 w3", chat=False)
+        answer = chat(url, messages=messages, max_tokens=4)
+        assert answer.status_code == 200, answer.text
+    finally:
+        hf.chat_template = before
 
 
 @pytest.mark.parametrize(

@@ -200,3 +200,14 @@ def test_an_ill_posed_request_is_a_400_and_others_still_finish(url, llm):
     assert results["normal"].status_code == 200
     want = llm.generate(PROMPT, SamplingParams(max_new_tokens=40), chat=False).text
     assert results["normal"].json()["choices"][0]["text"] == want
+
+
+def test_a_json_schema_format_without_a_schema_asks_for_any_json():
+    """OpenAI's ``json_schema.schema`` is optional: without it, the empty schema."""
+    from specdec.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate(
+        {"model": NAME, "messages": [{"role": "user", "content": "w1"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}
+    )  # fmt: skip
+    assert body.structured_spec() == (StructuredOutputsParams(json={}), "response_format")

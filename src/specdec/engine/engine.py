@@ -235,6 +235,9 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        #: prompt tokens run through the target so far (prefill chunks; tokens found in
+        #: the prefix cache are not run): the server's load line reads it per interval
+        self.num_prompt_tokens_computed = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -460,6 +463,7 @@ class Engine:
                 seq.drafter_state.observe_prefill(start, hidden)
                 seq.stats.draft_s += time.perf_counter() - t0
             seq.num_prefilled = end
+            self.num_prompt_tokens_computed += end - start
             seq.stats.prefill_s += forward_s
             if self.prefix_cache is not None:
                 self._share_chunk(seq, start, end, hidden)

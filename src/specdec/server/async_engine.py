@@ -91,6 +91,7 @@ class AsyncEngine:
     ):
         self.llm = llm
         self.stats = stats
+        self._prompt_counted = 0  # the engine's computed prompt tokens already in ``stats``
         self.engine = Engine(llm.target, llm.engine_config, llm.cost_model, llm.prefix_cache())
         self.max_waiting = max_waiting
         self.metrics = metrics or ServerMetrics()
@@ -180,8 +181,14 @@ class AsyncEngine:
             raise Unavailable("the server is shutting down")
         waiting = len(self.engine.waiting) + self._inbox.qsize()
         if waiting + count > self.max_waiting:
+            ask = (
+                f"this request's {count} would make {waiting + count}"
+                if count > 1
+                else ("one more would pass that")
+            )
             raise Overloaded(
-                f"{waiting} sequences are waiting (at most {self.max_waiting}); retry later"
+                f"{waiting} sequences are waiting and at most {self.max_waiting} may ({ask}); "
+                "retry later"
             )
 
     def abort(self, request_id: str) -> None:
@@ -206,6 +213,10 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(f"internal error: {error}")
                 continue
+            if self.stats is not None:  # prompt tokens as their chunks run, as vLLM counts
+                computed = self.engine.num_prompt_tokens_computed
+                self.stats.add(prompt=computed - self._prompt_counted)
+                self._prompt_counted = computed
             for seq, step in outputs:
                 self._deliver(seq, step)
             self._update_gauges()
@@ -222,8 +233,6 @@ class AsyncEngine:
                     continue  # aborted before it reached the engine
                 try:
                     self.engine.add_request(request_id, prompt_ids, params, **kwargs)
-                    if self.stats is not None:
-                        self.stats.add(prompt=len(prompt_ids))
                 except ValueError as error:
                     update = Update([], "abort", error=str(error), status=400)
                     self._post(request_id, update, final=True)

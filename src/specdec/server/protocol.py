@@ -26,9 +26,10 @@ A chat message has ``role``, ``content`` and optionally ``name`` (ignored). ``co
 a string or a list of OpenAI content parts: text parts (``{"type": "text", "text": ...}``)
 are joined with ``"\\n"`` (as vLLM does); other parts (``image_url``, ``input_audio``,
 ``file``, ...) are refused, as this model takes text only. An assistant message's
-``content`` may be ``null`` (read as ``""``). Tool calls (``tool_calls``,
-``tool_call_id``, ``function_call``) and a returned answer's ``refusal``, ``audio`` and
-``annotations`` are accepted only empty (``null``, ``[]``).
+``content`` may be ``null`` (read as ``""``). A tool message's ``tool_call_id`` is passed
+to the chat template. Tool calls (``tool_calls``, ``function_call``) and a returned
+answer's ``refusal``, ``audio`` and ``annotations`` are accepted only empty (``null``,
+``[]``).
 
 Every string of a request (prompts, message contents, stop strings, ``model``, the
 ``speculative`` options, field names, ignored values) must be valid Unicode: a lone UTF-16
@@ -203,7 +204,6 @@ IGNORED = frozenset(
 #: Chat message fields beside ``role`` and ``content`` that are not implemented.
 MESSAGE_UNSUPPORTED: dict[str, tuple] = {
     "tool_calls": (None, []),
-    "tool_call_id": (None,),
     "function_call": (None,),
     "refusal": (None,),
     "audio": (None,),
@@ -215,7 +215,8 @@ MESSAGE_IGNORED = frozenset({"name"})
 
 
 class JsonSchemaFormat(BaseModel):
-    """``response_format.json_schema`` (OpenAI): the schema, its ``name`` and
+    """``response_format.json_schema`` (OpenAI): the schema (optional in OpenAI's API:
+    without it, any JSON value, the empty schema ``{}``), its ``name`` and
     ``description`` (accepted, unused), ``strict`` (accepted: the output always follows
     the schema)."""
 
@@ -223,7 +224,7 @@ class JsonSchemaFormat(BaseModel):
 
     name: str | None = None
     description: str | None = None
-    schema_: dict = Field(alias="schema")
+    schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -285,11 +286,13 @@ class Prediction(BaseModel):
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts;
+    with it, vLLM's ``continuous_usage_stats`` also puts the counts so far in every chunk;
     ``include_obfuscation`` (padding against side channels) is accepted and ignored."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # no type coercion (see _Common)
 
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
     include_obfuscation: bool | None = None
 
 
@@ -308,7 +311,7 @@ class _Common(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, strict=True)]] | None = Field(
         None, max_length=MAX_STOP_TOKEN_IDS
     )
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -359,7 +362,8 @@ class _Common(BaseModel):
             if name == "response_format":
                 if value.type == "json_object":
                     return StructuredOutputsParams(json_object=True), name
-                return StructuredOutputsParams(json=value.json_schema.schema_), name
+                schema = value.json_schema.schema_
+                return StructuredOutputsParams(json={} if schema is None else schema), name
             if name == "structured_outputs":
                 return StructuredOutputsParams(
                     json=value.json_, regex=value.regex, choice=value.choice,
@@ -517,6 +521,16 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+    #: a tool message's answer to the call with this id (passed to the chat template,
+    #: which may show it; OpenAI's SDK always sends it)
+    tool_call_id: str | None = None
+
+    def template_message(self) -> dict:
+        """The message as the chat template gets it."""
+        out = {"role": self.role, "content": self.content}
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(_Common):
@@ -687,7 +701,7 @@ def _screen_message(message, path: str):
     if not isinstance(message, dict):
         return message  # pydantic says what is wrong
     role, content = message.get("role"), message.get("content")
-    fields = ("role", "content")
+    fields = ("role", "content", "tool_call_id")
     message = screen_fields(message, fields, MESSAGE_UNSUPPORTED, MESSAGE_IGNORED, path)
     return {**message, "content": _content_text(content, role, f"{path}.content")}
 
