@@ -14,7 +14,7 @@ from specdec import SamplingParams, SpeculativeConfig
         ({"top_k": -1.0}, "top_k"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"seed": "x"}, "seed"),
-        ({"seed": -1}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"seed": 2**64}, "seed"),
         ({"stop": ("",)}, "stop"),
     ],

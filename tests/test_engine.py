@@ -342,7 +342,9 @@ def test_same_seed_same_output(request, target, method, draft_name):
 
 @pytest.mark.parametrize("prompt", ["", "   ", []])
 def test_empty_prompt_raises(target, prompt):
-    with pytest.raises(ValueError, match="empty"):
+    """Nothing to generate from: an empty prompt, or whitespace this word-level tokenizer
+    drops (a byte-level one makes tokens of it, and generates)."""
+    with pytest.raises(ValueError, match="empty|encodes to no tokens"):
         LLM(target).generate(prompt)
 
 

@@ -23,7 +23,7 @@ from specdec.models.native import NativeModel
 OK_TEMPERATURES = [0.0, 0.0, 5e-324, 1e-40, 1e-5, 0.7, 1.0, 1e30, 1e308]
 OK_TOP_P = [1.0, 0.9, 1e-300]
 OK_TOP_K = [0, -1, 1, 5, 10**12]
-OK_SEEDS = [None, 0, 3, 2**63 - 1]
+OK_SEEDS = [None, 0, 3, 2**63 - 1, -1, -(2**63)]
 OK_MAX_NEW = [1, 2, 7, 40, 10**9]
 OK_K = [1, 3, 8, 64]  # 64: the most num_speculative_tokens takes
 #: The largest dynamic tree: valid, but each step expands thousands of nodes (with
@@ -45,7 +45,7 @@ BAD = {
     "temperature": [-1.0, math.nan, math.inf],
     "top_p": [0.0, 1.5, math.nan],
     "top_k": [-2],  # -1 is vLLM's "disabled"
-    "seed": [2**63, -1],
+    "seed": [2**63, -(2**63) - 1],
     "max_new": [0, -3],
     "k": [0, -1],
     "method": ["bogus"],

@@ -489,6 +489,11 @@ def test_spec_parsing_round_trips(tmp_path):
     ]:
         assert str(TreeSpec.parse(text)) == text
     assert not TreeSpec.parse("dynamic:top_k=2,adaptive=false").adaptive
+    # bare presets and kinds, as a request or --tree may name them
+    assert TreeSpec.parse("tree-16") == TreeSpec.parse("static:tree-16")
+    assert TreeSpec.parse(" chain-4") == TreeSpec.parse("static:chain-4")
+    assert TreeSpec.parse("dynamic") == TreeSpec.parse("dynamic:")
+    assert TreeSpec.parse("best-first").kind == "best-first"
     paths = tmp_path / "paths.json"
     paths.write_text(json.dumps([[0], [1], [0, 0]]))
     spec = TreeSpec.parse(f"static:{paths}")
@@ -498,7 +503,15 @@ def test_spec_parsing_round_trips(tmp_path):
 def test_names_a_file_tells_paths_files_from_presets_without_opening_them():
     from specdec.trees.spec import names_a_file
 
-    for text in ("static:tree-16", "static:chain-4,draw=iid", "dynamic:top_k=2", "sequoia:"):
+    for text in (
+        "static:tree-16",
+        "static:chain-4,draw=iid",
+        "dynamic:top_k=2",
+        "sequoia:",
+        "tree-16",
+        "chain-4",
+        "paths.json",
+    ):
         assert not names_a_file(text)
     for text in ("static:/etc/passwd", "static: paths.json ,draw=top", "static:chain-x"):
         assert names_a_file(text)
@@ -507,7 +520,9 @@ def test_names_a_file_tells_paths_files_from_presets_without_opening_them():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("dynamic", "KIND:OPTIONS"),
+        ("dynmic", "KIND:OPTIONS"),
+        ("static", "KIND:OPTIONS"),  # a static tree names its preset or file
+        ("paths.json", "KIND:OPTIONS"),  # never read as a file without static:
         ("bushy:budget=3", "unknown tree kind"),
         ("dynamic:width=3", "unknown option"),
         ("dynamic:budget=0", "integer >= 1"),

@@ -45,7 +45,8 @@ def test_vllm_prompt_dicts_are_the_text_or_the_ids(llm):
         ({"role": "user", "content": PROMPT}, "must come in a list"),
         ({"prompt": 5}, "'prompt' must be a string"),
         ({"prompt_token_ids": "w1"}, "must be a list of token ids"),
-        ({"prompt": " "}, "prompt is empty"),
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": " \n"}, "encodes to no tokens"),  # this word-level tokenizer drops whitespace
         ({}, "it has neither"),
         ([{"prompt": PROMPT}, {}], "it has neither"),  # a batch, not a chat
     ],
@@ -72,6 +73,18 @@ def test_results_read_as_vllm_request_outputs(llm):
         assert choices.prompt == prompt and choices.prompt_token_ids == llm.encode(prompt)
     alone = llm.generate("w3 w4", sampled)
     assert [c.token_ids for c in alone] == [c.token_ids for c in results[1]]
+
+
+def test_generate_takes_vllms_keyword_names(llm):
+    """``generate(prompts=..., sampling_params=...)`` as vLLM scripts call it; ``prompt=``
+    too; both is a TypeError, neither a bad prompt."""
+    by_name = llm.generate(prompts=[PROMPT], sampling_params=GREEDY)
+    assert [o.token_ids for o in by_name] == [llm.generate(PROMPT, GREEDY).token_ids]
+    assert llm.generate(prompt=PROMPT, sampling_params=GREEDY).token_ids == by_name[0].token_ids
+    with pytest.raises(TypeError, match="takes the prompt"):
+        llm.generate(prompts=PROMPT, prompt=PROMPT, sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="prompt must be"):
+        llm.generate(sampling_params=GREEDY)
 
 
 def test_get_tokenizer_is_the_hugging_face_tokenizer(llm):

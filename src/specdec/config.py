@@ -115,8 +115,9 @@ class SamplingParams:
             exceeded; the model's context caps it further (nothing is allocated beyond the
             context).
         seed: seed of the ``torch.Generator`` used for every random draw (drafts,
-            acceptance tests, residual and bonus samples). Same seed, same output.
-            ``None`` draws a fresh seed.
+            acceptance tests, residual and bonus samples). Same seed, same output. Any
+            64-bit integer, as vLLM takes (a negative one is ``2**64 - 1 + seed`` to
+            ``torch.Generator.manual_seed``). ``None`` draws a fresh seed.
         stop: stop strings (a string, a sequence, or ``None`` for none; at most 64, each 1
             to 1024 characters). The text ends right
             before the first occurrence (the stop string is dropped); the token ids end
@@ -249,8 +250,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63) (or unset), got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            raise ValueError(
+                f"seed must be a 64-bit integer, in [-2**63, 2**63) (or unset), got {self.seed!r}"
+            )
         self._check_stops()
         self._check_transforms()
 

@@ -596,10 +596,13 @@ class LLM:
             )
         extra = (add_generation_prompt, continue_final_message, chat_template_kwargs)
         if isinstance(prompt, str):
-            if not prompt.strip():
+            if not prompt:
                 raise ValueError("prompt is empty")
             self._check_text_length(len(prompt))
-            return self.tokenizer.encode(prompt, chat, *extra)
+            ids = self.tokenizer.encode(prompt, chat, *extra)
+            if not ids:  # whitespace is text; a tokenizer that drops it leaves nothing
+                raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+            return ids
         if not prompt:
             raise ValueError(
                 "prompt is empty (an empty list is neither a prompt nor a batch of prompts)"
@@ -643,19 +646,21 @@ class LLM:
 
     def generate(
         self,
-        prompt: Prompt | list[Prompt],
+        prompts: Prompt | list[Prompt] | None = None,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         speculative: SpeculativeConfig | list[SpeculativeConfig] | None = None,
         chat: bool | None = None,
         prediction: str | list[int] | list | None = None,
         use_tqdm: bool = False,
+        prompt: Prompt | list[Prompt] | None = None,
     ) -> GenerationOutput | list[GenerationOutput]:
         """Generate a completion, or one per prompt of a batch.
 
         Args:
-            prompt: a user message (str; chat template applied when the model has one and
-                ``chat`` is not False), a list of chat messages, prompt token ids, or
+            prompts: (vLLM's name; ``prompt=`` is accepted too) a user message (str;
+                chat template applied when the model has one and ``chat`` is not False),
+                a list of chat messages, prompt token ids, or
                 vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; or a
                 *batch*: a list of such prompts (a list of strings, of token-id lists, of
                 message lists or of prompt dicts), run together by the batched engine.
@@ -675,6 +680,7 @@ class LLM:
                 batch, a list with one per prompt (``None`` for none).
             use_tqdm: show a progress bar of finished requests on stderr while a batch
                 runs (vLLM's argument; its default is ``True``, specdec's ``False``).
+            prompt: the same as ``prompts`` (one of the two).
 
         Returns:
             GenerationOutput | list: one :class:`GenerationOutput`, or a list of them in
@@ -691,7 +697,11 @@ class LLM:
                 ids, a list of sampling parameters, speculative settings or predictions
                 whose length is not the number of prompts, an empty prediction, or a
                 prediction with speculation off (method ``none``).
+            TypeError: both ``prompts`` and ``prompt``.
         """
+        if prompts is not None and prompt is not None:
+            raise TypeError("generate() takes the prompt(s) once: prompts=... (or prompt=...)")
+        prompt = prompts if prompt is None else prompt  # None: refused as any bad prompt
         if speculative is not None and not isinstance(speculative, list):
             speculative = _speculative_config(speculative)
         if isinstance(sampling_params, (list, tuple)):  # vLLM takes any sequence
@@ -1039,7 +1049,7 @@ def _choices(params: SamplingParams) -> list[SamplingParams]:
             params,
             n=1,
             best_of=None,
-            seed=None if params.seed is None else (params.seed + i) % 2**63,
+            seed=None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63,
             logprobs=0 if rank and params.logprobs is None else params.logprobs,
         )
         for i in range(count)

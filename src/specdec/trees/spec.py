@@ -7,6 +7,9 @@ Grammar (``KIND:OPTIONS``, options ``key=value`` separated by commas)::
     best-first:budget=16,depth=6[,adaptive=true]
     sequoia:budget=16,depth=6
 
+A bare preset (``tree-16``, ``chain-4``) is read as ``static:`` it, a bare kind
+(``dynamic``, ``best-first``, ``sequoia``) as that kind with its default options.
+
 The tree budget (draft nodes verified per step) is the knob that trades verification
 cost for acceptance length; ``adaptive=true`` makes it the most a step verifies, each step
 keeping only the nodes that pay for their rows (:func:`specdec.trees.builders.adaptive_size`).
@@ -157,6 +160,12 @@ class TreeSpec:
         """
         if isinstance(text, TreeSpec):
             return text
+        if isinstance(text, str) and ":" not in text:  # a bare preset or kind
+            bare = text.strip()
+            if bare in PRESETS or re.fullmatch(r"chain-\d+", bare):
+                text = f"static:{bare}"
+            elif bare in KINDS and bare != "static":
+                text = f"{bare}:"  # its default options
         if not isinstance(text, str) or ":" not in text:
             raise ValueError(
                 f"tree spec {text!r} must look like KIND:OPTIONS with KIND one of "
