@@ -131,8 +131,7 @@ class HybridOptions:
     global_cache: bool = option(True, "the suffix draft also matches earlier requests")
     choose: str = option(
         "threshold",
-        "threshold: the suffix draft when its score reaches threshold; goodput: the draft "
-        "with more expected tokens per second, learned online from the verifications",
+        "threshold: suffix draft if its score reaches threshold; goodput: learned, more tokens/s",
     )
 
     def __post_init__(self) -> None:
