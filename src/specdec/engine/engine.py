@@ -235,8 +235,9 @@ class Engine:
         self._live: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
-        #: prompt tokens run through the target so far (prefill chunks; tokens found in
-        #: the prefix cache are not run): the server's load line reads it per interval
+        #: tokens run through the target as prefill chunks so far (prompts, and the output
+        #: a preempted sequence recomputes; tokens the prefix cache served are not run):
+        #: the server's load line reads it per interval
         self.num_prompt_tokens_computed = 0
 
     # ------------------------------------------------------------------ requests

@@ -666,13 +666,12 @@ class LogprobFormat:
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
     "logprob", "bytes"}]}]}``. Completions: ``{"tokens", "token_logprobs",
     "top_logprobs": [{token: logprob}] (the chosen token included, as vLLM does),
-    "text_offset"}`` (offsets in characters of the choice's text, summed over the tokens'
-    own texts). A token's text is its own decoding, special tokens shown (U+FFFD for a
-    token holding part of a character); its ``bytes`` are the bytes it stands for
+    "text_offset"}``. A token's text is its own decoding, special tokens shown (U+FFFD for
+    a token holding part of a character); its ``bytes`` are the bytes it stands for
     (:meth:`~specdec.tokenizer.Tokenizer.token_bytes`), so that the bytes of the tokens
-    of one character join into it; ``text_offset`` counts the characters of the text
-    before the token (a token completing a character starts where that character does
-    not: at the text's length when it begins, as the bytes say).
+    of one character join into it. ``text_offset``: the characters of the choice's text
+    before the token, counted from the bytes of the tokens before it (the tokens of one
+    split character all start where it does).
 
     Args:
         tokenizer: the model's :class:`~specdec.tokenizer.Tokenizer`.

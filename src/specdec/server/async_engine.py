@@ -181,11 +181,9 @@ class AsyncEngine:
             raise Unavailable("the server is shutting down")
         waiting = len(self.engine.waiting) + self._inbox.qsize()
         if waiting + count > self.max_waiting:
-            ask = (
-                f"this request's {count} would make {waiting + count}"
-                if count > 1
-                else ("one more would pass that")
-            )
+            ask = f"this request's {count} would make {waiting + count}"
+            if count == 1:
+                ask = "one more would pass that"
             raise Overloaded(
                 f"{waiting} sequences are waiting and at most {self.max_waiting} may ({ask}); "
                 "retry later"
