@@ -790,6 +790,31 @@ def test_echo_with_logprobs_scores_the_prompt(client, llm, stream):
     assert offsets == sorted(offsets) and offsets[0] == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, client, llm, stream):
+    """OpenAI's legacy scoring request (echo, logprobs, max_tokens 0): the prompt and its
+    scores, nothing generated, finish_reason "length"; max_tokens 0 without echo is a 400
+    (it would return nothing)."""
+    want = llm.generate(PROMPT, SamplingParams(max_new_tokens=1, prompt_logprobs=1), chat=False)
+    out = client.completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=0, temperature=0, logprobs=1, echo=True,
+        stream=stream, stream_options={"include_usage": True} if stream else None,
+    )  # fmt: skip
+    chunks = list(out) if stream else [out]
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == PROMPT
+    assert [c.finish_reason for c in choices][-1] == "length"
+    values = [v for c in choices if c.logprobs is not None for v in c.logprobs.token_logprobs]
+    assert values == [None] + [t.logprob for t in want.prompt_logprobs[1:]]
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 0 and usage.prompt_tokens == len(want.prompt_token_ids)
+    url, _, _ = server
+    refused = httpx.post(
+        f"{url}/v1/completions", json={"model": NAME, "prompt": PROMPT, "max_tokens": 0}
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
 def test_prompt_logprobs_in_vllm_format(server, llm, route):
     url, _, _ = server

@@ -305,6 +305,15 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
             await asyncio.to_thread(llm.grammars.compile, spec)
         except ValueError as error:
             raise BadRequest(f"{field}: {error}", field) from None
+    score_only = not chat and body.max_tokens == 0  # OpenAI's legacy scoring
+    if score_only:
+        if not body.echo:
+            raise BadRequest(
+                "max_tokens 0 generates nothing: it needs echo: true (to return the prompt, "
+                "with logprobs its scores)",
+                "max_tokens",
+            )
+        body.max_tokens = 1  # run for the prompt's scores; the one token is not returned
     best_of = getattr(body, "best_of", None) or body.n  # candidates per prompt
     if len(prompts) * best_of > engine.max_waiting:  # could never be queued: not a 429
         count = f"{len(prompts)} prompt(s) x {best_of} choice(s)"
@@ -329,7 +338,9 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     try:
         for (_, prompt_ids, params), drafter in zip(jobs, drafters, strict=True):
             request_id = engine.new_request_id(response_id)
-            queues.append(engine.submit(request_id, prompt_ids, params, speculative, drafter))
+            queues.append(
+                engine.submit(request_id, prompt_ids, params, speculative, drafter, score_only)
+            )
             ids.append(request_id)
     except ValueError as error:  # the drafter, tree or controller refused these settings
         for request_id in ids:

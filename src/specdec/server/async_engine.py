@@ -68,6 +68,9 @@ class _Handle:
     queue: asyncio.Queue
     arrived: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    #: the request scores its prompt only (completions' ``echo`` with ``max_tokens: 0``):
+    #: the one token it runs for is not passed on
+    score_only: bool = False
 
 
 class AsyncEngine:
@@ -149,9 +152,13 @@ class AsyncEngine:
         params: SamplingParams,
         speculative: SpeculativeConfig,
         drafter=None,
+        score_only: bool = False,
     ) -> asyncio.Queue:
         """Queue a request; its :class:`Update` items arrive on the returned queue.
         ``drafter``: the request's own (its prediction), instead of ``speculative``'s.
+        ``score_only``: the request is run for its prompt's log-probabilities (with
+        ``params.prompt_logprobs``); its updates carry no token, and its finish reason
+        is ``"length"`` (OpenAI's legacy ``echo`` with ``max_tokens: 0``).
 
         Raises:
             Unavailable: the server is shutting down.
@@ -161,7 +168,7 @@ class AsyncEngine:
         """
         self.check_room(1)
         kwargs = self.llm._request(speculative, params, drafter)
-        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue())
+        handle = _Handle(asyncio.get_running_loop(), asyncio.Queue(), score_only=score_only)
         self._handles[request_id] = handle
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         self._inbox.put(("add", request_id, prompt_ids, params, kwargs))
@@ -269,8 +276,11 @@ class AsyncEngine:
             self.metrics.request_success.labels(finished_reason=step.finish_reason).inc()
             self.metrics.e2e_latency.observe(now - handle.arrived)
             self._last_stats.pop(seq.request_id, None)
-        update = Update(list(step.new_token_ids), step.finish_reason, step.text_end)
-        update.logprobs = step.logprobs
+        if handle.score_only:  # the prompt's scores only: no token, the limit reached
+            update = Update([], "length" if final else None)
+        else:
+            update = Update(list(step.new_token_ids), step.finish_reason, step.text_end)
+            update.logprobs = step.logprobs
         update.prompt_logprobs = step.prompt_logprobs
         if final:
             update.stats = seq.stats.snapshot()

@@ -459,10 +459,11 @@ def _is_token_ids(value) -> bool:
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``; ``max_tokens`` defaults to 16 as in OpenAI's API."""
+    """``POST /v1/completions``; ``max_tokens`` defaults to 16 as in OpenAI's API; ``0``
+    with ``echo`` scores the prompt without generating (OpenAI's legacy API, vLLM)."""
 
     prompt: str | list[int] | list[str | list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=16, strict=True)
 
