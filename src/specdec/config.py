@@ -93,6 +93,12 @@ MAX_BAD_WORDS = 256
 LOGIT_BIAS_RANGE = 100.0
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded ``seed`` (``n`` / ``best_of``):
+    ``seed + index``, wrapped into the 64-bit range seeds take (``None`` stays unseeded)."""
+    return None if seed is None else (seed + index + 2**63) % 2**64 - 2**63
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

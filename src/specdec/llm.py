@@ -18,6 +18,7 @@ from specdec.config import (
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     SamplingParams,
     SpeculativeConfig,
+    choice_seed,
 )
 from specdec.control.base import SpeculationController
 from specdec.control.cost import CostModel
@@ -1049,7 +1050,7 @@ def _choices(params: SamplingParams) -> list[SamplingParams]:
             params,
             n=1,
             best_of=None,
-            seed=None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63,
+            seed=choice_seed(params.seed, i),
             logprobs=0 if rank and params.logprobs is None else params.logprobs,
         )
         for i in range(count)

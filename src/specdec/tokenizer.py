@@ -40,6 +40,7 @@ class Tokenizer:
         self.hf = hf
         self.name = name
         self.eos_token_ids = frozenset(_eos_token_ids(hf) | {int(i) for i in extra_eos_token_ids})
+        self._token_bytes: dict[int, bytes] = {}  # token_bytes' cache
 
     @classmethod
     def of(cls, tokenizer, extra_eos_token_ids: Iterable[int] = (), name: str = "model"):
@@ -159,10 +160,6 @@ class Tokenizer:
                 cached = cached if raw is None else raw
             self._token_bytes[token_id] = cached
         return cached
-
-    @functools.cached_property
-    def _token_bytes(self) -> dict[int, bytes]:
-        return {}
 
 
 @functools.cache

@@ -145,7 +145,6 @@ class GoodputChoice:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
         self.threshold, self.decay = float(threshold), decay
         self.suffix_accepted = [_Mean() for _ in range(len(SCORE_BINS) + 1)]
-        self.suffix_steps = 0.0
         self.model_accepted = _Mean()
         self.model_draft_s = _Mean()
         self.verify_s = _RowCost()
@@ -160,7 +159,8 @@ class GoodputChoice:
         """``(suffix, model)`` expected tokens per second of a suffix draft of
         ``suffix_tokens`` tokens with this ``score`` and of a model draft of
         ``model_tokens``, or ``None`` before both sources have been seen."""
-        if not (self.suffix_steps and self.model_draft_s.weight):
+        suffix_seen = any(m.weight for m in self.suffix_accepted)
+        if not (suffix_seen and self.model_draft_s.weight):
             return None
         prior = min(score, float(suffix_tokens))
         accepted = self.suffix_accepted[self.bin(score)].mean(prior)
@@ -192,7 +192,6 @@ class GoodputChoice:
         self.verify_s.add(1 + drafted, verify_s, decay)
         if source == "suffix":
             self.suffix_accepted[self.bin(score or 0.0)].add(accepted, decay)
-            self.suffix_steps += 1
         else:
             self.model_accepted.add(accepted, decay)
             if draft_s is not None:

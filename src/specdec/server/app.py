@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec import __version__, registry
-from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig
+from specdec.config import CUSTOM, SamplingParams, SpeculativeConfig, choice_seed
 from specdec.engine.stops import stop_reason
 from specdec.llm import LLM
 from specdec.sampling import TokenLogprob
@@ -325,8 +325,7 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
     jobs = []  # (candidate index, prompt ids, params)
     for p, ids in enumerate(prompts):
         for i in range(best_of):
-            seed = None if body.seed is None else (body.seed + i + 2**63) % 2**64 - 2**63
-            params = _sampling(llm, body, ids, seed, spec)
+            params = _sampling(llm, body, ids, choice_seed(body.seed, i), spec)
             if best_of > body.n and params.logprobs is None:  # to rank the candidates
                 params = dataclasses.replace(params, logprobs=0)
             jobs.append((p * best_of + i, ids, params))
