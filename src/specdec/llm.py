@@ -53,6 +53,7 @@ from specdec.sampling import NoAllowedToken, TokenLogprob, make_generator
 from specdec.structured import GrammarCompiler, GrammarState
 from specdec.text import TextStream, final_text
 from specdec.tokenizer import Tokenizer
+from specdec.tools import check_tools, template_tool_calls
 from specdec.trees.builders import TreeBuilder, make_tree_builder
 from specdec.unicode import check_text
 
@@ -570,6 +571,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Prompt -> token ids (chat template for strings when the model has one).
 
@@ -578,14 +580,17 @@ class LLM:
         text, raw as vLLM reads it unless ``chat=True``, or the ids).
         ``add_generation_prompt``, ``continue_final_message`` and
         ``chat_template_kwargs`` apply where the chat template does (see
-        :meth:`specdec.tokenizer.Tokenizer.encode`; vLLM's chat arguments).
+        :meth:`specdec.tokenizer.Tokenizer.encode`; vLLM's chat arguments), and so do
+        ``tools`` (OpenAI's function tools, checked by :func:`specdec.tools.check_tools`).
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, a prompt dict with
                 other keys (or both), ``continue_final_message`` with
                 ``add_generation_prompt`` or after a last message that is not the
-                assistant's, or bad ``chat_template_kwargs``.
+                assistant's, bad ``chat_template_kwargs``, or bad ``tools``.
         """
+        if tools:
+            tools = check_tools(tools)
         if isinstance(prompt, dict):
             if "prompt" in prompt and chat is None:  # vLLM's text prompt: raw text
                 chat = False
@@ -600,7 +605,7 @@ class LLM:
             if not prompt:
                 raise ValueError("prompt is empty")
             self._check_text_length(len(prompt))
-            ids = self.tokenizer.encode(prompt, chat, *extra)
+            ids = self.tokenizer.encode(prompt, chat, *extra, tools=tools)
             if not ids:  # whitespace is text; a tokenizer that drops it leaves nothing
                 raise ValueError(f"prompt {prompt!r} encodes to no tokens")
             return ids
@@ -616,7 +621,7 @@ class LLM:
         if all(isinstance(m, dict) for m in prompt):
             prompt = _text_messages(prompt)
             self._check_text_length(sum(len(m["content"]) for m in prompt))
-            return self.tokenizer.encode(prompt, chat, *extra)
+            return self.tokenizer.encode(prompt, chat, *extra, tools=tools)
         raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
 
     def _check_text_length(self, chars: int) -> None:
@@ -914,14 +919,16 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
         use_tqdm: bool = False,
     ) -> GenerationOutput | list[GenerationOutput]:
         """vLLM's ``LLM.chat``: :meth:`generate` on one conversation (a list of
         ``{"role", "content"}`` messages, the chat template applied) or on a batch of them.
 
-        ``add_generation_prompt``, ``continue_final_message`` and
-        ``chat_template_kwargs`` are vLLM's (see :meth:`encode`); ``use_tqdm`` as in
-        :meth:`generate`.
+        ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` and
+        ``tools`` are vLLM's (see :meth:`encode`; the tools go to the chat template; to
+        force a call, or to read calls out of the text, see :mod:`specdec.tools`);
+        ``use_tqdm`` as in :meth:`generate`.
 
         Raises:
             ValueError: a conversation that is not a non-empty list of messages, what
@@ -938,11 +945,11 @@ class LLM:
         conversations = [_text_messages(c) for c in conversations]
         messages = conversations if batch else conversations[0]
         flags = (add_generation_prompt, continue_final_message, chat_template_kwargs)
-        if flags == (True, False, None):
+        if flags == (True, False, None) and not tools:
             return self.generate(
                 messages, sampling_params, speculative=speculative, chat=True, use_tqdm=use_tqdm
             )
-        ids = [self.encode(c, True, *flags) for c in conversations]
+        ids = [self.encode(c, True, *flags, tools=tools) for c in conversations]
         return self.generate(
             ids if batch else ids[0], sampling_params, speculative=speculative, use_tqdm=use_tqdm
         )
@@ -1120,7 +1127,12 @@ def _text_messages(messages: list[dict]) -> list[dict]:
                 f"messages[{i}].content must be a string or a list of content parts, got "
                 f"{type(content).__name__}"
             )
-        out.append({**message, "content": content})
+        message = {**message, "content": content}
+        if message.get("tool_calls"):  # an assistant's calls, arguments as the template reads them
+            message["tool_calls"] = template_tool_calls(
+                message["tool_calls"], f"messages[{i}].tool_calls"
+            )
+        out.append(message)
     return out
 
 

@@ -75,6 +75,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Tokenize a prompt; with ``chat`` (default: when a template exists) use the chat
         template with the generation prompt appended.
@@ -90,6 +91,9 @@ class Tokenizer:
             chat_template_kwargs: extra variables for the chat template (vLLM's and
                 transformers' name, e.g. ``{"enable_thinking": False}`` for Qwen3); only
                 where the template applies.
+            tools: function tools in OpenAI's form (:func:`specdec.tools.check_tools`),
+                given to the chat template as ``tools`` (transformers' argument; a template
+                that does not read them ignores them); only where the template applies.
 
         Returns:
             prompt token ids (list of int).
@@ -129,6 +133,7 @@ class Tokenizer:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **({"tools": list(tools)} if tools else {}),
             **extra,
         )
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
@@ -190,7 +195,7 @@ def _piece_bytes(piece) -> bytes | None:
 #: sets them, or they are not template variables)
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-     "return_tensors", "return_dict", "chat_template"}
+     "return_tensors", "return_dict", "chat_template", "tools"}
 )  # fmt: skip
 
 
@@ -202,7 +207,7 @@ def _template_kwargs(values: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"chat_template_kwargs must map variable names to values, got {values!r}")
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(values))
     if reserved:
-        own = {"add_generation_prompt", "continue_final_message"}.intersection(reserved)
+        own = {"add_generation_prompt", "continue_final_message", "tools"}.intersection(reserved)
         why = (
             f"give {' / '.join(sorted(own))} as its own argument"
             if own

@@ -81,6 +81,7 @@ def _replica_app(args: argparse.Namespace, cpus: int) -> Any:
         llm, args.served_model_name or args.model, args.max_waiting,
         stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         api_key=getattr(args, "api_key", None),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
     )  # fmt: skip
 
 

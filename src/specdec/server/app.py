@@ -52,6 +52,9 @@ from specdec.server.protocol import (
     error_body,
 )
 from specdec.text import TextStream
+from specdec.tools import ToolCallParser, ToolCallStream, ToolChoice
+from specdec.tools import finish as tool_finish
+from specdec.tools import tool_call_parser as tool_call_parser_named
 from specdec.trees.spec import names_a_file
 
 __all__ = ["BadRequest", "create_app"]
@@ -65,6 +68,7 @@ def create_app(
     engine_thread: bool = True,
     stats_interval: float | None = None,
     api_key: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``llm``.
 
@@ -82,7 +86,15 @@ def create_app(
         api_key: requests to ``/v1/*`` must carry ``Authorization: Bearer <api_key>``,
             else HTTP 401 (vLLM's ``--api-key``); ``None``: no key. ``/health``,
             ``/metrics`` and ``/reset_prefix_cache`` stay open, as in vLLM.
+        tool_call_parser: how to read tool calls out of the model's text, which makes
+            ``tool_choice: "auto"`` available (vLLM's ``--tool-call-parser``; see
+            :data:`specdec.tools.TOOL_CALL_PARSERS`); ``None``: ``"auto"`` with tools is a
+            400, as in vLLM, and forced choices (``"required"``, a named function) work.
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
     """
+    parser = None if tool_call_parser is None else tool_call_parser_named(tool_call_parser)
     name = model_name or llm.target.name
     stats = StatsLog(stats_interval) if stats_interval else None
     engine = AsyncEngine(llm, max_waiting, ServerMetrics(name), stats)
@@ -164,7 +176,7 @@ def create_app(
             raise BadRequest("prefix caching is off: start the server with --enable-prefix-caching")
         return {"reset": True}
 
-    _add_generation_routes(app, llm, engine, name, tokenizing)
+    _add_generation_routes(app, llm, engine, name, tokenizing, parser)
     return app
 
 
@@ -193,7 +205,12 @@ def _tokenize(llm: LLM, body: TokenizeRequest) -> JSONResponse:
 
 
 def _add_generation_routes(
-    app: FastAPI, llm: LLM, engine: AsyncEngine, name: str, tokenizing: ThreadPoolExecutor
+    app: FastAPI,
+    llm: LLM,
+    engine: AsyncEngine,
+    name: str,
+    tokenizing: ThreadPoolExecutor,
+    parser: ToolCallParser | None = None,
 ) -> None:
     """``POST /v1/completions`` and ``POST /v1/chat/completions``; prompts are tokenized
     on ``tokenizing``."""
@@ -209,11 +226,19 @@ def _add_generation_routes(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         if body.model:
             _check_model(body.model, name)
+        if body.choice.mode == "auto" and parser is None:  # vLLM's rule
+            raise BadRequest(
+                'tool_choice "auto" (the default with tools) needs a tool-call parser: start '
+                "the server with --tool-call-parser (hermes, llama3_json), or send tool_choice "
+                '"required", "none" or a named function',
+                "tool_choice",
+            )
         messages = [m.template_message() for m in body.messages]
         prompts = [await _off_loop(tokenizing, _chat_prompt, llm, messages, body)]
         if body.max_completion_tokens is not None:  # OpenAI's name; vLLM's rule: it wins
             body.max_tokens = body.max_completion_tokens
-        return await _serve(llm, engine, name, body, prompts, request, chat=True)
+        tools = (body.choice, parser if body.choice.mode == "auto" else None)
+        return await _serve(llm, engine, name, body, prompts, request, chat=True, tools=tools)
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
@@ -287,8 +312,9 @@ def _undecodable_body(error: StarletteHTTPException) -> str | None:
 # ---------------------------------------------------------------- request handling
 
 
-async def _serve(llm, engine, name, body, prompts, request, chat: bool):
-    """Submit ``n`` choices per prompt and answer (JSON or SSE)."""
+async def _serve(llm, engine, name, body, prompts, request, chat: bool, tools=None):
+    """Submit ``n`` choices per prompt and answer (JSON or SSE); chat's ``tools``: the
+    request's :class:`~specdec.tools.ToolChoice` and the parser of an ``"auto"`` one."""
     speculative = _speculative(llm.speculative, body.speculative)
     needs_draft = speculative.method != CUSTOM and registry.needs_draft_model(
         speculative.method, speculative.options
@@ -350,6 +376,8 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
             engine.abort(request_id)
         raise
     streams = [TextStream(llm.tokenizer, params.stop) for _, _, params in jobs]
+    choice, parser = tools or (ToolChoice("none"), None)
+    calls = [ToolCallStream(choice, parser) for _ in jobs]  # chat: text -> content / tool calls
     asked = body.logprobs is not None if not chat else bool(body.logprobs)
     wanted = [asked] * len(jobs)
     logprobs = LogprobFormat(llm.tokenizer, chat, wanted)
@@ -374,12 +402,12 @@ async def _serve(llm, engine, name, body, prompts, request, chat: bool):
         continuous = include_usage and bool(options.continuous_usage_stats)
         events = _events(
             engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs, reason,
-            continuous,
+            continuous, calls,
         )  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
     pick = (body.n, best_of)
     return await _complete(
-        engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick, reason
+        engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick, reason, calls
     )
 
 
@@ -441,7 +469,7 @@ class Usage:
 
 
 async def _complete(
-    engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick, reason
+    engine, ids, queues, streams, meta, chat, usage, request, logprobs, pick, reason, calls
 ):
     """Wait for every candidate (aborting all if the client goes away); answer the ``n``
     of each prompt's ``best_of`` with the highest mean log-probability per token
@@ -482,8 +510,15 @@ async def _complete(
             "finish_reason": update.finish_reason,
             "stop_reason": reason(stream, update),
         }
-        if chat:
-            choice["message"] = {"role": "assistant", "content": stream.text}
+        if chat:  # the text, or the tool calls read out of it (see specdec.tools.finish)
+            tool = calls[index]
+            content, made, finish_reason = tool_finish(
+                tool.choice, tool.parser, stream.text, update.finish_reason
+            )
+            choice["message"] = {"role": "assistant", "content": content}
+            if made:
+                choice["message"]["tool_calls"] = [call.openai() for call in made]
+            choice["finish_reason"] = finish_reason
         else:
             choice["text"] = echo.text(index) + stream.text
         if echo.top is not None and not chat:  # vLLM: per choice in completions
@@ -585,7 +620,7 @@ async def _collect(
 
 async def _events(
     engine, ids, queues, streams, meta, chat, usage, include_usage, logprobs, reason,
-    continuous=False,
+    continuous=False, calls=None,
 ):  # fmt: skip
     """Server-sent events: one chunk per step and choice, then usage, then ``[DONE]``.
     A choice's token log-probabilities ride on its next chunk (text held back for a stop
@@ -623,10 +658,17 @@ async def _events(
         if update.finish_reason is not None:
             live.discard(index)
             usage.record(index, update)
-        if not (text or update.finish_reason is not None or first):
+        finish_reason = update.finish_reason
+        if chat:  # content, or tool calls (held back until they parse, see ToolCallStream)
+            delta, finish_reason = calls[index].push(text, update.finish_reason)
+            if delta is None and not first:
+                return ""
+            delta = delta or {"content": ""}
+        elif not (text or finish_reason is not None or first):
             return ""
-        delta = {"content": text} if chat else text
-        choice = _chunk(index, delta, update.finish_reason, chat)
+        else:
+            delta = text
+        choice = _chunk(index, delta, finish_reason, chat)
         choice["logprobs"] = logprobs.format(index, pending[index])
         if update.finish_reason is not None:
             choice["stop_reason"] = reason(streams[index], update)
@@ -852,7 +894,7 @@ def _chat_prompt(llm: LLM, messages: list[dict], body) -> list[int]:
     the field at fault."""
     flags = (body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
     try:
-        return llm.encode(messages, None, *flags)
+        return llm.encode(messages, None, *flags, tools=getattr(body, "checked_tools", None))
     except ValueError as error:
         fields = ("chat_template_kwargs", "continue_final_message")
         param = next((f for f in fields if f in str(error)), "messages")

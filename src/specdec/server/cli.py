@@ -51,7 +51,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(
         llm, args.served_model_name or args.model, args.max_waiting, engine_thread=False,
         stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-        api_key=args.api_key,
+        api_key=args.api_key, tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     ran_on = describe_target(target_meta(llm.target, threads.num_threads))
     if config.enable_prefix_caching:

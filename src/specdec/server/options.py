@@ -25,6 +25,7 @@ from specdec.models.loading import (
     check_dtype,
     check_quantization,
 )
+from specdec.tools import TOOL_CALL_PARSERS
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,6 +119,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "(vLLM's flag; default: $SPECDEC_API_KEY, else no key); /health, /metrics open",
     )  # fmt: skip
     p.add_argument(
+        "--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+        help="read tool calls out of the model's text in this format: makes tool_choice "
+        '"auto" work (vLLM\'s flag; default: none, "auto" with tools is a 400)',
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="vLLM's flag, accepted: tool_choice auto is on whenever --tool-call-parser is given",
+    )  # fmt: skip
+    p.add_argument(
         "--max-waiting", type=int, default=256,
         help="queued sequences (a prompt's n choices count apart) beyond which new requests "
         "get HTTP 429; a request needing more alone gets 400 (default: 256)",
@@ -192,6 +202,13 @@ def check_serve_args(args: argparse.Namespace):
         raise ValueError("--invariant-prefill needs exact mode: drop --no-exact")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(
+        args, "tool_call_parser", None
+    ):
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): the "
+            "format the model writes its tool calls in"
+        )
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if getattr(args, "replicas", 1) < 1:

@@ -5,15 +5,16 @@ Fields follow OpenAI's completions and chat completions APIs (``presence_penalty
 plus vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``bad_words``, ``structured_outputs`` and ``guided_json`` /
 ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, OpenAI's ``prediction``
-(Predicted Outputs), and specdec's ``speculative``. Every field a request
-sends falls under one rule:
+(Predicted Outputs), chat's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (see
+:mod:`specdec.tools`), and specdec's ``speculative``. Every field a request sends falls
+under one rule:
 
 - the fields this server implements work as documented; ``null`` means the default;
 - known OpenAI fields and vLLM sampling extensions that it does not implement
-  (:data:`UNSUPPORTED`: ``tools``, ``suffix``, ``functions``, ...) are accepted when
-  their value asks for nothing
-  (``null`` or the neutral value: ``false``, ``tool_choice: "none"`` or ``"auto"`` without tools,
-  ...) and otherwise refused
+  (:data:`UNSUPPORTED`: ``suffix``, ``functions``, completions' ``tools``, ...) are
+  accepted when their value asks for nothing
+  (``null`` or the neutral value: ``false``, ``[]``, ``tool_choice: "none"``, ...) and
+  otherwise refused
   (HTTP 400, ``param`` the field): ignoring ``echo: true`` would hand a client less than
   it asked for;
 - fields that do not change the output (:data:`IGNORED`: ``user``, ``metadata``,
@@ -26,10 +27,10 @@ A chat message has ``role``, ``content`` and optionally ``name`` (ignored). ``co
 a string or a list of OpenAI content parts: text parts (``{"type": "text", "text": ...}``)
 are joined with ``"\\n"`` (as vLLM does); other parts (``image_url``, ``input_audio``,
 ``file``, ...) are refused, as this model takes text only. An assistant message's
-``content`` may be ``null`` (read as ``""``). A tool message's ``tool_call_id`` is passed
-to the chat template. Tool calls (``tool_calls``, ``function_call``) and a returned
-answer's ``refusal``, ``audio`` and ``annotations`` are accepted only empty (``null``,
-``[]``).
+``content`` may be ``null`` (read as ``""``). A tool message's ``tool_call_id`` and an
+assistant's ``tool_calls`` (their arguments as objects) are passed to the chat template.
+``function_call`` and a returned answer's ``refusal``, ``audio`` and ``annotations`` are
+accepted only empty (``null``, ``[]``).
 
 Every string of a request (prompts, message contents, stop strings, ``model``, the
 ``speculative`` options, field names, ignored values) must be valid Unicode: a lone UTF-16
@@ -43,7 +44,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from specdec.config import (
     LOGIT_BIAS_RANGE,
@@ -56,6 +57,13 @@ from specdec.config import (
     MAX_STOP_TOKEN_IDS,
 )
 from specdec.structured import StructuredOutputsParams
+from specdec.tools import (
+    ToolChoice,
+    check_tool_choice,
+    check_tools,
+    template_tool_calls,
+    tool_constraint,
+)
 from specdec.unicode import find_invalid, printable
 
 
@@ -203,7 +211,6 @@ IGNORED = frozenset(
 
 #: Chat message fields beside ``role`` and ``content`` that are not implemented.
 MESSAGE_UNSUPPORTED: dict[str, tuple] = {
-    "tool_calls": (None, []),
     "function_call": (None,),
     "refusal": (None,),
     "audio": (None,),
@@ -525,12 +532,17 @@ class ChatMessage(BaseModel):
     #: a tool message's answer to the call with this id (passed to the chat template,
     #: which may show it; OpenAI's SDK always sends it)
     tool_call_id: str | None = None
+    #: an assistant's tool calls (OpenAI's form), checked by ``_screen_message`` and given
+    #: to the chat template with their arguments as objects
+    tool_calls: list[dict] | None = None
 
     def template_message(self) -> dict:
         """The message as the chat template gets it."""
         out = {"role": self.role, "content": self.content}
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = template_tool_calls(self.tool_calls)
         return out
 
 
@@ -538,12 +550,66 @@ class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``; without ``max_tokens`` / ``max_completion_tokens`` the
     output may fill the rest of the context."""
 
-    #: chat has no ``echo`` (vLLM's chat echo repeats the last message) and no ``best_of``
+    #: chat has no ``echo`` (vLLM's chat echo repeats the last message) and no ``best_of``;
+    #: it has ``tools`` and ``tool_choice``
     unsupported_fields: ClassVar[dict] = {
-        **UNSUPPORTED,
+        **{k: v for k, v in UNSUPPORTED.items() if k not in ("tools", "tool_choice")},
         "echo": (None, False),
         "best_of": (None, 1),
     }
+    #: OpenAI's function tools (see :mod:`specdec.tools`), given to the chat template
+    tools: list[dict] | None = None
+    #: ``"none"``, ``"auto"`` (default with tools: needs the server's tool-call parser),
+    #: ``"required"`` or ``{"type": "function", "function": {"name": ...}}``
+    tool_choice: str | dict | None = None
+    #: ``false``: at most one call under ``tool_choice: "required"``
+    parallel_tool_calls: bool | None = None
+    _tools: list[dict] = PrivateAttr(default_factory=list)
+    _tool_choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        """The tools and the choice checked (errors name the field)."""
+        if self.tools is not None:
+            try:
+                self._tools = check_tools(self.tools)
+            except ValueError as error:
+                param = str(error).split(":")[0].split(" ")[0]
+                param = param if param.startswith("tools") else "tools"
+                raise BadRequest(str(error), param) from None
+        try:
+            self._tool_choice = check_tool_choice(self.tool_choice, self._tools)
+        except ValueError as error:
+            raise BadRequest(str(error), "tool_choice") from None
+        return self
+
+    @property
+    def checked_tools(self) -> list[dict]:
+        """The request's tools as the chat template takes them (empty: none)."""
+        return self._tools
+
+    @property
+    def choice(self) -> ToolChoice:
+        """The request's checked tool choice."""
+        return self._tool_choice
+
+    def structured_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """As :meth:`_Common.structured_spec`, and a forced tool choice's constraint
+        (:func:`~specdec.tools.tool_constraint`; field ``tool_choice``), which excludes
+        the others."""
+        spec, field = super().structured_spec()
+        if not self._tool_choice.forced:
+            return spec, field
+        if spec is not None:
+            raise BadRequest(
+                f"give one output constraint, got tool_choice (a forced call) and {field}", field
+            )
+        try:
+            return tool_constraint(
+                self._tools, self._tool_choice, self.parallel_tool_calls is not False
+            ), "tool_choice"
+        except ValueError as error:
+            raise BadRequest(f"tools: {error}", "tools") from None
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -584,6 +650,20 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = Field(True, strict=True)
     continue_final_message: bool = Field(False, strict=True)
     chat_template_kwargs: dict[str, Any] | None = None
+    #: vLLM's: ``messages``' tools, given to the chat template as chat gives them
+    tools: list[dict] | None = None
+
+    @property
+    def checked_tools(self) -> list[dict]:
+        """The tools as the chat template takes them (see :func:`specdec.tools.check_tools`).
+
+        Raises:
+            BadRequest: bad tools, naming the field.
+        """
+        try:
+            return check_tools(self.tools or [])
+        except ValueError as error:
+            raise BadRequest(str(error), "tools") from None
 
     @model_validator(mode="before")
     @classmethod
@@ -702,8 +782,19 @@ def _screen_message(message, path: str):
     if not isinstance(message, dict):
         return message  # pydantic says what is wrong
     role, content = message.get("role"), message.get("content")
-    fields = ("role", "content", "tool_call_id")
+    fields = ("role", "content", "tool_call_id", "tool_calls")
     message = screen_fields(message, fields, MESSAGE_UNSUPPORTED, MESSAGE_IGNORED, path)
+    calls = message.get("tool_calls")
+    if calls:
+        if role != "assistant":
+            raise BadRequest(f"{path}.tool_calls: only an assistant's message makes tool calls",
+                             f"{path}.tool_calls")  # fmt: skip
+        try:
+            template_tool_calls(calls, f"{path}.tool_calls")
+        except ValueError as error:
+            raise BadRequest(str(error), f"{path}.tool_calls") from None
+    elif calls is not None:
+        message.pop("tool_calls")
     return {**message, "content": _content_text(content, role, f"{path}.content")}
 
 
