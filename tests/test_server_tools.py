@@ -214,6 +214,9 @@ def test_the_tools_and_earlier_calls_reach_the_chat_template(url, llm):
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "no"}}},
          "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
+          "tool_choice": "required"}, "tools"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format"),

@@ -144,10 +144,22 @@ def test_llama3_json_reads_a_bare_object_or_several():
     assert LLAMA.parse('{"name": "f", "parameters": {}} and more')[1] == []
 
 
+def test_mistral_reads_a_json_array_opening_the_output():
+    mistral = TOOL_CALL_PARSERS["mistral"]
+    text = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Lima"}}, {"name": "get_time", "arguments": {}}]'  # noqa: E501
+    content, calls = mistral.parse(text)
+    assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert mistral.parse('[{"name": "get_time", "arguments": {}}]')[1][0].name == "get_time"
+    assert mistral.parse("[1] a list") == ("[1] a list", [])  # not calls: text
+    assert mistral.parse('[{"name": "f", "arguments": {}}] more')[1] == []
+    deltas, reason = _stream(ToolChoice("auto"), mistral, ["[1", "] first"])
+    assert "".join(d.get("content", "") for d in deltas) == "[1] first" and reason == "stop"
+
+
 def test_an_unknown_parser_names_the_known_ones():
     assert tool_call_parser("hermes") is HERMES
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
-        tool_call_parser("mistral")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        tool_call_parser("pythonic")
 
 
 def test_finish_turns_forced_output_into_calls_and_keeps_a_cut_one_as_text():

@@ -17,8 +17,10 @@ Three parts, used by the server's ``tools`` / ``tool_choice`` and open to librar
   ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Hermes, Qwen2.5,
   SmolLM3 and others) and ``llama3_json`` (a bare JSON object ``{"name": ...,
   "parameters": {...}}``, optionally after ``<|python_tag|>``, several joined by ``;``:
-  Llama 3.1-3.3). The model decides; a parser only reads. vLLM's parsers of the same names
-  read the same formats.
+  Llama 3.1-3.3) and ``mistral`` (a JSON array of ``{"name", "arguments"}`` opening the
+  output, after the ``[TOOL_CALLS]`` token, which decoding drops as a special token:
+  Mistral's instruct models). The model decides; a parser only reads. vLLM's parsers of
+  the same names read the same formats.
 
 :class:`ToolCallStream` turns one choice's text, as it is generated, into OpenAI's
 streamed ``delta`` objects (``content`` or ``tool_calls``) and its final
@@ -340,6 +342,18 @@ def _read_llama3(text: str) -> list[ToolCall] | None:
     return calls or None
 
 
+def _read_mistral(text: str) -> list[ToolCall] | None:
+    text = text.strip().removeprefix("[TOOL_CALLS]").strip()
+    try:
+        items, end = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or text[end:].strip():
+        return None
+    calls = [_call(item) for item in items]
+    return None if not calls or None in calls else calls
+
+
 #: The tool-call parsers, by name (``--tool-call-parser``).
 TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
     "hermes": ToolCallParser(
@@ -348,6 +362,10 @@ TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
     "llama3_json": ToolCallParser(
         "llama3_json", re.compile(r"(<\|python_tag\|>\s*)?\{"), False, _read_llama3,
         ("<|python_tag|>", "{"),
+    ),
+    "mistral": ToolCallParser(
+        "mistral", re.compile(r"(\[TOOL_CALLS\]\s*)?\["), False, _read_mistral,
+        ("[TOOL_CALLS]", "["),
     ),
 }  # fmt: skip
 

@@ -52,7 +52,7 @@ from specdec.server.protocol import (
     error_body,
 )
 from specdec.text import TextStream
-from specdec.tools import ToolCallParser, ToolCallStream, ToolChoice
+from specdec.tools import TOOL_CALL_PARSERS, ToolCallParser, ToolCallStream, ToolChoice
 from specdec.tools import finish as tool_finish
 from specdec.tools import tool_call_parser as tool_call_parser_named
 from specdec.trees.spec import names_a_file
@@ -229,8 +229,8 @@ def _add_generation_routes(
         if body.choice.mode == "auto" and parser is None:  # vLLM's rule
             raise BadRequest(
                 'tool_choice "auto" (the default with tools) needs a tool-call parser: start '
-                "the server with --tool-call-parser (hermes, llama3_json), or send tool_choice "
-                '"required", "none" or a named function',
+                f"the server with --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}), or send "
+                'tool_choice "required", "none" or a named function',
                 "tool_choice",
             )
         messages = [m.template_message() for m in body.messages]

@@ -206,8 +206,8 @@ def check_serve_args(args: argparse.Namespace):
         args, "tool_call_parser", None
     ):
         raise ValueError(
-            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): the "
-            "format the model writes its tool calls in"
+            f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}): "
+            "the format the model writes its tool calls in"
         )
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")

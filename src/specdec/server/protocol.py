@@ -595,8 +595,8 @@ class ChatCompletionRequest(_Common):
 
     def structured_spec(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """As :meth:`_Common.structured_spec`, and a forced tool choice's constraint
-        (:func:`~specdec.tools.tool_constraint`; field ``tool_choice``), which excludes
-        the others."""
+        (:func:`~specdec.tools.tool_constraint`; field ``tools``, whose schemas it is
+        made of), which excludes the others."""
         spec, field = super().structured_spec()
         if not self._tool_choice.forced:
             return spec, field
@@ -607,7 +607,7 @@ class ChatCompletionRequest(_Common):
         try:
             return tool_constraint(
                 self._tools, self._tool_choice, self.parallel_tool_calls is not False
-            ), "tool_choice"
+            ), "tools"
         except ValueError as error:
             raise BadRequest(f"tools: {error}", "tools") from None
 
