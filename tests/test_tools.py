@@ -253,3 +253,57 @@ def test_a_tool_call_in_openais_form():
     assert call.openai() == {"id": "call_x", "type": "function",
                              "function": {"name": "f", "arguments": "{}"}}  # fmt: skip
     assert call.openai(2)["index"] == 2
+
+
+# ------------------------------------------------ lossless under speculation (end to end)
+
+TINY_TOOLS = check_tools([
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 5}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}},
+])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def byte_llm():
+    from test_structured import make_byte_tokenizer
+
+    from conftest import make_model, perturbed_copy
+    from specdec import LLM, SpeculativeConfig
+
+    target = make_model(make_byte_tokenizer(), seed=0, max_positions=256, name="tiny-bytes")
+    draft = perturbed_copy(target, noise=0.02, seed=5, name="tiny-bytes-draft")
+    return LLM(target, draft=draft, speculative=SpeculativeConfig("ngram"))
+
+
+@pytest.mark.parametrize("choice", [ToolChoice("named", "get_weather"), ToolChoice("required")])
+def test_forced_calls_under_speculation_equal_plain_decodings(byte_llm, choice):
+    """Greedy: every drafter, chains and trees, returns plain decoding's calls; seeded
+    sampling returns parseable calls (the constraint holds whatever was drafted)."""
+    from specdec import SamplingParams, SpeculativeConfig
+
+    spec = tool_constraint(TINY_TOOLS, choice, parallel=False)
+    params = SamplingParams(max_new_tokens=200, structured_outputs=spec)
+    plain = byte_llm.generate("the cat sat", params, speculative=SpeculativeConfig("none"))
+    assert plain.finish_reason == "stop" and read_forced(choice, plain.text)
+    for method, tree in [("ngram", None), ("draft-model", None), ("suffix", None),
+                         ("draft-model", "dynamic:top_k=3,depth=4,budget=10"),
+                         ("ngram", "static:tree-8")]:  # fmt: skip
+        out = byte_llm.generate(
+            "the cat sat", params, speculative=SpeculativeConfig(method, 4, tree=tree)
+        )
+        assert out.token_ids == plain.token_ids, (method, tree)
+    finished = 0
+    for seed in range(3):
+        sampled = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=200,
+                                 structured_outputs=spec)  # fmt: skip
+        out = byte_llm.generate(
+            "the cat sat", sampled, speculative=SpeculativeConfig("draft-model", 4)
+        )
+        if out.finish_reason == "stop":
+            finished += 1
+            calls = read_forced(choice, out.text)
+            assert calls and {c.name for c in calls} <= {"get_weather", "get_time"}, out.text
+    assert finished
