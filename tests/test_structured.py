@@ -441,10 +441,13 @@ def test_seeded_sampling_with_a_grammar_equals_plain_and_stays_valid(byte_target
             assert re.fullmatch(r"\(\d{1,3}(,\d{1,3})*,?", out.text), out.text
 
 
+@pytest.mark.parametrize("forcing", [False, True])
 @pytest.mark.parametrize("method", ["draft-model", "ngram"])
-def test_sampled_speculation_with_a_grammar_matches_plain_law(small, method):
+def test_sampled_speculation_with_a_grammar_matches_plain_law(small, method, forcing):
     """Chi-square on the first two tokens (toy grammar on the 8-token model): speculation
-    against the exact law of plain decoding with the same mask."""
+    against the exact law of plain decoding with the same mask. ``forcing``: the grammar
+    allows only token 5 first and offers it as forced, which the engine drafts in place
+    of the drafter's chain (``_with_forced``)."""
     target, draft = small
     vocab = target.vocab_size
 
@@ -455,11 +458,17 @@ def test_sampled_speculation_with_a_grammar_matches_plain_law(small, method):
             allowed[:3] = False  # no special tokens
             if history:
                 allowed[history[-1]] = False
+            elif forcing:
+                allowed[:] = False
+                allowed[5] = True
             return allowed
 
         def commit(self, tokens):
             self.committed += list(tokens)
             return len(tokens)
+
+        def forced_tokens(self, max_tokens):
+            return [5][:max_tokens] if forcing and not self.committed else []
 
         is_stopped = False
         valid_prefix_length = GrammarState.valid_prefix_length  # reads allowed() only

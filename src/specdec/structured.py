@@ -349,6 +349,23 @@ class GrammarState:
         ok = allowed[index, torch.as_tensor(list(tokens), dtype=torch.long)].tolist()
         return next((i for i, good in enumerate(ok) if not good), len(tokens))
 
+    def forced_tokens(self, max_tokens: int) -> list[int]:
+        """The tokens the grammar forces after the committed output (at most
+        ``max_tokens``): llguidance's fast-forward tokens, the canonical tokenization of
+        the bytes every match must continue with (``[{"name":"`` of a compact tool call;
+        SGLang's jump-forward decoding). The engine drafts them: under the mask they are
+        the only continuation, so verification accepts them (another tokenization of the
+        same bytes may be what the target picks: verification decides, as for any draft).
+
+        Returns:
+            ``[m]`` token ids, m <= ``max_tokens`` (empty when nothing is forced, or the
+            grammar is stopped).
+        """
+        m = self.matcher
+        if max_tokens <= 0 or m.is_stopped() or m.is_error():
+            return []
+        return [int(t) for t in m.compute_ff_tokens()[:max_tokens]]
+
     # ------------------------------------------------------------ commit
 
     def commit(self, tokens: Sequence[int]) -> int:

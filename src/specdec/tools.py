@@ -194,14 +194,17 @@ def tool_constraint(
         ``"named"``: the function's ``parameters`` schema; ``"required"``: an array (at
         least one item) of ``{"name": <a tool's name>, "parameters": <its schema>}``
         objects, every tool's ``$defs`` moved to the top so that its ``$ref`` still
-        resolve (vLLM's schema for ``"required"``).
+        resolve (vLLM's schema for ``"required"``). Compact JSON (no whitespace between
+        its tokens: arguments are data, and a small model cannot pad them with newlines
+        until ``max_tokens``), so most of a call's scaffolding is forced and drafted
+        whole (:meth:`~specdec.structured.GrammarState.forced_tokens`).
 
     Raises:
         ValueError: two tools defining one ``$defs`` name differently.
     """
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     if choice.mode == "named":
-        return StructuredOutputsParams(json=by_name[choice.name])
+        return StructuredOutputsParams(json=by_name[choice.name], disable_any_whitespace=True)
     if choice.mode != "required":
         return None
     defs: dict = {}
@@ -225,7 +228,7 @@ def tool_constraint(
         schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
-    return StructuredOutputsParams(json=schema)
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 # ------------------------------------------------------------------------- parsers

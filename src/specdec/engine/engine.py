@@ -827,6 +827,8 @@ class Engine:
                 None if confidence is None else confidence[:keep],
                 draft.source,
             )
+        if grammar is not None and k and (seq.params.greedy or draft.draft_probs is None):
+            draft = _with_forced(draft, grammar.forced_tokens(k))
         return draft
 
     def _forward(self, items) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -1122,6 +1124,18 @@ def _draft_tree(seq: Sequence, max_depth: int) -> TreeProposal:
         return builder.build(session, max_depth, sampling, seq.generator)
     finally:
         session.close()
+
+
+def _with_forced(draft: DraftProposal, forced: list[int]) -> DraftProposal:
+    """``draft``, or the tokens the request's grammar forces (``forced``,
+    :meth:`~specdec.structured.GrammarState.forced_tokens`) where the draft does not
+    extend them: the only continuation the mask allows, drafted as a point mass (source
+    ``"grammar"``), so the JSON scaffolding of a tool call or a schema costs one
+    verification, not a step per token. Called only where the draft is a function of the
+    history (greedy target or deterministic draft), so the choice keeps the output law."""
+    if not forced or draft.token_ids[: len(forced)] == forced:
+        return draft
+    return DraftProposal(list(forced), None, [1.0] * len(forced), "grammar")
 
 
 def _row_cost(cost, rows: int):
