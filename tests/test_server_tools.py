@@ -90,11 +90,11 @@ def _library(llm, choice: ToolChoice, parallel=True, max_tokens=120):
     return llm.generate(ids, params, speculative=SpeculativeConfig("none"))
 
 
-def _ask(client, stream: bool, speculative: bool = True, extra=None, **fields):
+def _ask(client, stream: bool, speculative: bool = True, extra=None, max_tokens=120, **fields):
     """One chat request with the tools -> (content, [(id, name, arguments)], finish)."""
     extra = dict(extra or {}) | ({} if speculative else {"speculative": {"enabled": False}})
     out = client.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=120, temperature=0, stream=stream,
+        model=NAME, messages=MESSAGES, max_tokens=max_tokens, temperature=0, stream=stream,
         tools=TOOLS, extra_body=extra, **fields,
     )  # fmt: skip
     if not stream:
@@ -167,6 +167,18 @@ def test_auto_reads_the_models_calls_with_the_servers_parser(client, stream):
     assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris"})
 
 
+def test_auto_keeps_the_first_call_without_parallel_calls(client):
+    two = HERMES_TEXT + '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    for stream in (False, True):
+        extra = {"structured_outputs": {"choice": [two]}}
+        _, calls, _ = _ask(client, stream, extra=extra, max_tokens=200)
+        assert [name for _, name, _ in calls] == ["get_weather", "get_time"]
+        _, calls, finish = _ask(
+            client, stream, extra=extra, max_tokens=200, parallel_tool_calls=False
+        )
+        assert [name for _, name, _ in calls] == ["get_weather"] and finish == "tool_calls"
+
+
 def test_auto_without_calls_answers_in_text(client, llm):
     want = llm.generate(llm.encode(MESSAGES, tools=TOOLS), SamplingParams(max_new_tokens=120),
                         speculative=SpeculativeConfig("none"))  # fmt: skip
@@ -195,8 +207,9 @@ def test_the_tools_and_earlier_calls_reach_the_chat_template(url, llm):
              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]  # fmt: skip
-    r = httpx.post(f"{url}/tokenize", json={"messages": history, "tools": TOOLS})
-    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/tokenize", json={"messages": history, "tools": TOOLS,
+                                             "tool_choice": "required"})  # fmt: skip
+    assert r.status_code == 200, r.text  # a chat body's tool fields are accepted
     text = llm.tokenizer.decode(r.json()["tokens"])
     assert text.startswith("TOOLS get_weather get_time ") and "CALL get_weather Oslo" in text
     body = {"messages": history, "tools": TOOLS, "tool_choice": "none", "max_tokens": 4}
@@ -214,6 +227,9 @@ def test_the_tools_and_earlier_calls_reach_the_chat_template(url, llm):
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "no"}}},
          "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "string"}}}]}, "tools[0].function.parameters"),
+        ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
           "tool_choice": "required"}, "tools"),
@@ -233,6 +249,14 @@ def test_bad_tool_requests_are_400s_naming_the_field(url, extra, param):
     r = httpx.post(f"{url}/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_tokenize_checks_tools_as_chat_does(url):
+    bad = [{"type": "function", "function": {"name": "bad name"}}]
+    r = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES, "tools": bad})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.name"
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "hi", "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
 def test_completions_still_refuse_tools(url):

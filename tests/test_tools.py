@@ -41,7 +41,13 @@ LLAMA = TOOL_CALL_PARSERS["llama3_json"]
 
 def test_tools_are_checked_and_given_an_object_schema_by_default():
     assert TOOLS[0] == {"type": "function", "function": WEATHER["function"]}
-    assert TOOLS[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+    # no parameters: OpenAI's function without arguments (its only call is "{}")
+    assert TOOLS[1]["function"]["parameters"] == {
+        "type": "object", "properties": {}, "additionalProperties": False,
+    }  # fmt: skip
+    untyped = check_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"type": "integer"}}}}}])  # fmt: skip
+    assert untyped[0]["function"]["parameters"]["type"] == "object"
 
 
 @pytest.mark.parametrize(
@@ -57,6 +63,8 @@ def test_tools_are_checked_and_given_an_object_schema_by_default():
         ([{"type": "function", "function": {"name": "f", "params": {}}}], "unknown field 'params'"),
         ([{"type": "function", "function": {"name": "f", "description": 3}}], "description"),
         ([TIME] * 129, "at most 128"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+         'tools[0].function.parameters must be a JSON schema of "type": "object"'),
     ],
 )  # fmt: skip
 def test_bad_tools_are_refused_naming_the_entry(tools, where):
@@ -81,6 +89,8 @@ def test_tool_choice_defaults_and_checks():
         check_tool_choice("any", TOOLS)
     with pytest.raises(ValueError, match="names a function as"):
         check_tool_choice({"name": "get_time"}, TOOLS)
+    with pytest.raises(ValueError, match="tool_choice of type 'allowed_tools' is not supported"):
+        check_tool_choice({"type": "allowed_tools", "allowed_tools": {}}, TOOLS)
 
 
 def test_a_named_choice_constrains_the_output_to_its_arguments():
@@ -113,10 +123,10 @@ def test_required_moves_each_tools_defs_to_the_top():
         tool_constraint(clash, ToolChoice("required"))
 
 
-def test_hermes_reads_calls_and_keeps_the_text_before_them():
-    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'  # noqa: E501
+def test_hermes_reads_calls_and_keeps_the_text_around_them():
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call> and <tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.'  # noqa: E501
     content, calls = HERMES.parse(text)
-    assert content == "Let me look.\n"
+    assert content == "Let me look.\n and  Done."  # no text is lost
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {}),
     ]  # fmt: skip
@@ -179,6 +189,10 @@ def test_finish_turns_forced_output_into_calls_and_keeps_a_cut_one_as_text():
     auto = ToolChoice("auto")
     text = 'Hi <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     assert finish(auto, HERMES, text, "stop")[2] == "tool_calls"
+    two = text + '<tool_call>{"name": "get_weather", "arguments": {"city": "x"}}</tool_call>'
+    assert [c.name for c in finish(auto, HERMES, two, "stop")[1]] == ["get_time", "get_weather"]
+    one = ToolChoice("auto", parallel=False)  # parallel_tool_calls: false keeps the first
+    assert [c.name for c in finish(one, HERMES, two, "stop")[1]] == ["get_time"]
     assert finish(auto, HERMES, text, "length")[2] == "length"
     assert finish(auto, None, text, "stop") == (text, [], "stop")  # no parser: text
     assert finish(ToolChoice("none"), HERMES, text, "stop") == (text, [], "stop")
@@ -205,6 +219,15 @@ def test_auto_streams_the_content_holding_back_a_partial_tag():
     # a "<" that opens no call is sent once the next text shows it
     deltas, reason = _stream(ToolChoice("auto"), HERMES, ["a <", "b", " c"])
     assert "".join(d.get("content", "") for d in deltas) == "a <b c" and reason == "stop"
+
+
+def test_whitespace_before_a_call_is_not_streamed_as_content():
+    text = '\n\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    deltas, reason = _stream(ToolChoice("auto"), HERMES, [text[:1], text[1:2], text[2:]])
+    assert not any("content" in d for d in deltas) and reason == "tool_calls"
+    assert finish(ToolChoice("auto"), HERMES, text, "stop")[0] is None  # as not streamed
+    deltas, _ = _stream(ToolChoice("auto"), HERMES, ["\n", "\nHi"])
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nHi"
 
 
 def test_a_stream_whose_calls_do_not_parse_sends_them_as_text():

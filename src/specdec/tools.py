@@ -78,10 +78,14 @@ class ToolChoice:
             calls), ``"required"`` (one or more calls, forced) or ``"named"`` (a call of
             ``name``, forced).
         name: the function of a ``"named"`` choice, else ``None``.
+        parallel: ``parallel_tool_calls``; ``False``: at most one call (``"required"``'s
+            constraint allows one; under ``"auto"`` the first call read is kept, as vLLM
+            does).
     """
 
     mode: str
     name: str | None = None
+    parallel: bool = True
 
     @property
     def forced(self) -> bool:
@@ -98,8 +102,9 @@ def check_tools(tools: Sequence) -> list[dict]:
         tools: the tool definitions (dicts, as decoded from JSON).
 
     Returns:
-        The tools as chat templates take them (new dicts; ``parameters`` defaulted to an
-        object schema with no properties).
+        The tools as chat templates take them (new dicts; ``parameters`` given
+        ``"type": "object"`` when it has no type, and defaulted to an object without
+        properties: OpenAI's function of no arguments).
 
     Raises:
         ValueError: the first thing wrong, named as ``tools[i].function.name`` and so on.
@@ -130,10 +135,16 @@ def check_tools(tools: Sequence) -> list[dict]:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise ValueError(f"{where}.function.description must be a string")
         params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
+        if params is None:  # OpenAI's reading: a function without arguments
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict):
             raise ValueError(f"{where}.function.parameters must be a JSON schema object")
+        if params.get("type", "object") != "object":  # OpenAI's rule: arguments are an object
+            raise ValueError(
+                f'{where}.function.parameters must be a JSON schema of "type": "object" '
+                f"(a function's arguments are an object), got type {params['type']!r}"
+            )
+        params = {"type": "object", **params}
         checked = {"name": name, "parameters": params}
         if fn.get("description") is not None:
             checked["description"] = fn["description"]
@@ -166,6 +177,12 @@ def check_tool_choice(choice, tools: Sequence[dict] | None) -> ToolChoice:
         if choice == "required" and not names:
             raise ValueError('tool_choice "required" needs tools')
         return ToolChoice(choice if names or choice == "none" else "none")
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if isinstance(kind, str) and kind != "function":
+        raise ValueError(
+            f'tool_choice of type {kind!r} is not supported here: give "none", "auto", '
+            '"required" or {"type": "function", "function": {"name": ...}}'
+        )
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function"
             and isinstance(fn, dict) and isinstance(fn.get("name"), str)):  # fmt: skip
@@ -181,14 +198,15 @@ def check_tool_choice(choice, tools: Sequence[dict] | None) -> ToolChoice:
 
 
 def tool_constraint(
-    tools: Sequence[dict], choice: ToolChoice, parallel: bool = True
+    tools: Sequence[dict], choice: ToolChoice, parallel: bool | None = None
 ) -> StructuredOutputsParams | None:
     """The output constraint of a forced ``choice`` (``None`` for ``"none"`` / ``"auto"``).
 
     Args:
         tools: checked tools (:func:`check_tools`).
         choice: checked choice (:func:`check_tool_choice`).
-        parallel: ``parallel_tool_calls``; ``False`` allows one call under ``"required"``.
+        parallel: ``parallel_tool_calls``; ``False`` allows one call under ``"required"``
+            (default: the choice's own :attr:`ToolChoice.parallel`).
 
     Returns:
         ``"named"``: the function's ``parameters`` schema; ``"required"``: an array (at
@@ -224,7 +242,7 @@ def tool_constraint(
             "additionalProperties": False,
         })  # fmt: skip
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
-    if not parallel:
+    if not (choice.parallel if parallel is None else parallel):
         schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
@@ -246,6 +264,7 @@ class ToolCallParser:
         anywhere: calls may follow text (``True``) or must open the output (``False``).
         read: the calls' text -> calls, or ``None`` when it does not parse.
         prefixes: the strings that open calls, for holding back a partial one in a stream.
+        outside: the calls' text -> the text in it that is not a call (``None``: none).
     """
 
     name: str
@@ -253,6 +272,7 @@ class ToolCallParser:
     anywhere: bool
     read: Callable[[str], list[ToolCall] | None]
     prefixes: tuple[str, ...]
+    outside: Callable[[str], str] | None = None
 
     def split(self, text: str) -> int | None:
         """Where the calls start in ``text`` (``None``: no calls)."""
@@ -264,7 +284,8 @@ class ToolCallParser:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole output -> (its content, its calls). Calls that do not parse leave the
-        whole text as content and no calls (vLLM's rule: nothing is lost).
+        whole text as content and no calls; with calls, the content is the text outside
+        them (``hermes``: before, between and after its blocks), so no text is lost.
 
         Returns:
             ``content`` (``None`` when empty or only whitespace) and the calls in order.
@@ -275,7 +296,7 @@ class ToolCallParser:
         calls = self.read(text[start:])
         if not calls:
             return (text or None), []
-        content = text[:start]
+        content = text[:start] + (self.outside(text[start:]) if self.outside else "")
         return (content if content.strip() else None), calls
 
     def held_back(self, text: str) -> int:
@@ -357,10 +378,15 @@ def _read_mistral(text: str) -> list[ToolCall] | None:
     return None if not calls or None in calls else calls
 
 
+def _outside_hermes(text: str) -> str:
+    return _HERMES_BLOCK.sub("", text)
+
+
 #: The tool-call parsers, by name (``--tool-call-parser``).
 TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
     "hermes": ToolCallParser(
-        "hermes", re.compile(re.escape("<tool_call>")), True, _read_hermes, ("<tool_call>",)
+        "hermes", re.compile(re.escape("<tool_call>")), True, _read_hermes, ("<tool_call>",),
+        _outside_hermes,
     ),
     "llama3_json": ToolCallParser(
         "llama3_json", re.compile(r"(<\|python_tag\|>\s*)?\{"), False, _read_llama3,
@@ -423,6 +449,7 @@ def finish(
     if choice.mode == "auto" and parser is not None:
         content, calls = parser.parse(text)
         if calls:
+            calls = calls if choice.parallel else calls[:1]  # vLLM's rule
             return content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
     return text, [], finish_reason
 
@@ -493,8 +520,8 @@ class ToolCallStream:
                 end = start
             else:
                 end = len(self.text) - self.parser.held_back(self.text)
-            if end <= self.sent:
-                return None, None
+            if end <= self.sent or not self.text[:end].strip():
+                return None, None  # nothing new, or only whitespace so far (null if calls follow)
             out, self.sent = self.text[self.sent : end], end
             return {"content": out}, None
         content, calls, reason = finish(self.choice, self.parser, self.text, finish_reason)

@@ -661,8 +661,8 @@ async def _events(
         finish_reason = update.finish_reason
         if chat:  # content, or tool calls (held back until they parse, see ToolCallStream)
             delta, finish_reason = calls[index].push(text, update.finish_reason)
-            if delta is None and not first:
-                return ""
+            if delta is None and not (first and echo.top is not None):
+                return ""  # nothing to send yet (the prompt's logprobs lead the first chunk)
             delta = delta or {"content": ""}
         elif not (text or finish_reason is not None or first):
             return ""

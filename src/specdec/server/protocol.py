@@ -19,7 +19,7 @@ under one rule:
   it asked for;
 - fields that do not change the output (:data:`IGNORED`: ``user``, ``metadata``,
   ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
-  ``parallel_tool_calls``, ``request_id``) are accepted and ignored;
+  ``request_id``, and completions' ``parallel_tool_calls``) are accepted and ignored;
 - anything else is refused (HTTP 400, ``unknown field 'foo_bar'``, ``param: "foo_bar"``):
   a misspelt field would otherwise silently do nothing.
 
@@ -41,6 +41,7 @@ is. Errors name the offending field in OpenAI's ``param`` (``"temperature"``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -570,17 +571,14 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _check_tools(self):
         """The tools and the choice checked (errors name the field)."""
-        if self.tools is not None:
-            try:
-                self._tools = check_tools(self.tools)
-            except ValueError as error:
-                param = str(error).split(":")[0].split(" ")[0]
-                param = param if param.startswith("tools") else "tools"
-                raise BadRequest(str(error), param) from None
+        self._tools = _checked_tools(self.tools)
         try:
-            self._tool_choice = check_tool_choice(self.tool_choice, self._tools)
+            choice = check_tool_choice(self.tool_choice, self._tools)
         except ValueError as error:
             raise BadRequest(str(error), "tool_choice") from None
+        self._tool_choice = dataclasses.replace(
+            choice, parallel=self.parallel_tool_calls is not False
+        )
         return self
 
     @property
@@ -605,9 +603,7 @@ class ChatCompletionRequest(_Common):
                 f"give one output constraint, got tool_choice (a forced call) and {field}", field
             )
         try:
-            return tool_constraint(
-                self._tools, self._tool_choice, self.parallel_tool_calls is not False
-            ), "tools"
+            return tool_constraint(self._tools, self._tool_choice), "tools"
         except ValueError as error:
             raise BadRequest(f"tools: {error}", "tools") from None
 
@@ -650,20 +646,21 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = Field(True, strict=True)
     continue_final_message: bool = Field(False, strict=True)
     chat_template_kwargs: dict[str, Any] | None = None
-    #: vLLM's: ``messages``' tools, given to the chat template as chat gives them
+    #: vLLM's: ``messages``' tools, given to the chat template as chat gives them; a chat
+    #: request's ``tool_choice`` and ``parallel_tool_calls`` are accepted (they do not
+    #: change the prompt)
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def checked_tools(self) -> list[dict]:
         """The tools as the chat template takes them (see :func:`specdec.tools.check_tools`).
 
         Raises:
-            BadRequest: bad tools, naming the field.
+            BadRequest: bad tools, naming the field as chat does.
         """
-        try:
-            return check_tools(self.tools or [])
-        except ValueError as error:
-            raise BadRequest(str(error), "tools") from None
+        return _checked_tools(self.tools)
 
     @model_validator(mode="before")
     @classmethod
@@ -681,6 +678,10 @@ class TokenizeRequest(BaseModel):
     def _one_prompt(self):
         if (self.prompt is None) == (self.messages is None):
             raise BadRequest("give prompt (text) or messages (a chat), one of them", "prompt")
+        if self.prompt is not None and self.tools:
+            raise BadRequest(
+                "tools apply to messages (the chat template), not to a prompt", "tools"
+            )
         return self
 
 
@@ -691,6 +692,21 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0, strict=True)]]
+
+
+def _checked_tools(tools) -> list[dict]:
+    """:func:`~specdec.tools.check_tools` of a request's ``tools`` (``None``: none).
+
+    Raises:
+        BadRequest: naming the entry at fault (``tools[0].function.name``).
+    """
+    if tools is None:
+        return []
+    try:
+        return check_tools(tools)
+    except ValueError as error:
+        param = str(error).split(":")[0].split(" ")[0]
+        raise BadRequest(str(error), param if param.startswith("tools") else "tools") from None
 
 
 # ---------------------------------------------------------------- screening
