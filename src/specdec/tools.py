@@ -477,10 +477,6 @@ class ToolCallStream:
         self._named_id = new_call_id() if choice.mode == "named" else None
         self._named_started = False
 
-    @property
-    def buffers(self) -> bool:
-        return self.choice.forced or (self.choice.mode == "auto" and self.parser is not None)
-
     def push(self, text: str, finish_reason: str | None) -> tuple[dict | None, str | None]:
         """Take the next text (``finish_reason`` set on the last push).
 
@@ -489,13 +485,12 @@ class ToolCallStream:
             (``None`` until the last push).
         """
         self.text += text
-        done = finish_reason is not None
         mode = self.choice.mode
         if mode == "named":
             return self._push_named(text, finish_reason)
         if mode == "required" or (mode == "auto" and self.parser is not None):
             return self._push_buffered(finish_reason)
-        if not text and not done:
+        if not text and finish_reason is None:
             return None, None
         return {"content": text}, finish_reason
 

@@ -563,7 +563,8 @@ class ChatCompletionRequest(_Common):
     #: ``"none"``, ``"auto"`` (default with tools: needs the server's tool-call parser),
     #: ``"required"`` or ``{"type": "function", "function": {"name": ...}}``
     tool_choice: str | dict | None = None
-    #: ``false``: at most one call under ``tool_choice: "required"``
+    #: ``false``: at most one call (``"required"``: by the constraint; ``"auto"``: the
+    #: first call read, as vLLM does)
     parallel_tool_calls: bool | None = None
     _tools: list[dict] = PrivateAttr(default_factory=list)
     _tool_choice: ToolChoice = PrivateAttr(default_factory=lambda: ToolChoice("none"))
