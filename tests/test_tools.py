@@ -183,6 +183,15 @@ def test_finish_turns_forced_output_into_calls_and_keeps_a_cut_one_as_text():
     out = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "a"}}]'  # noqa: E501
     content, calls, reason = finish(required, None, out, "stop")
     assert [c.name for c in calls] == ["get_time", "get_weather"] and reason == "tool_calls"
+    assert [c.arguments for c in calls] == ["{}", '{"city": "a"}']  # the text as generated
+    cut = out[: out.rindex('"a"')]  # cut by max_tokens: as streamed
+    content, calls, reason = finish(required, None, cut, "length")
+    assert [c.arguments for c in calls] == ["{}", '{"city": '] and reason == "length"
+    assert finish(required, None, '[{"name": "get_ti', "length") == (
+        '[{"name": "get_ti',
+        [],
+        "length",
+    )  # cut before any call: the text
     assert read_forced(required, "[]") is None and read_forced(required, "{}") is None
     assert read_forced(named, '{"city": "Rome"}')[0].name == "get_weather"
     assert read_forced(named, '{"city": "Ro') is None
@@ -246,11 +255,27 @@ def test_a_named_choice_streams_its_arguments_as_they_come():
     assert all(set(d["tool_calls"][0]) == {"index", "function"} for d in deltas[1:])
 
 
-def test_required_streams_its_calls_when_they_are_whole():
-    out = '[{"name": "get_time", "parameters": {}}]'
-    deltas, reason = _stream(ToolChoice("required"), None, [out[:10], out[10:]])
-    assert len(deltas) == 1 and reason == "tool_calls"
-    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+def test_required_streams_each_call_as_it_is_generated():
+    out = '[{"name":"get_time","parameters":{"tz":"a}\\"b"}},{"name":"get_weather","parameters":{"city":"Lima"}}]'  # noqa: E501
+    for size in (1, 5, len(out)):
+        pieces = [out[i : i + size] for i in range(0, len(out), size)]
+        deltas, reason = _stream(ToolChoice("required"), None, pieces)
+        assert reason == "tool_calls" and all("content" not in d for d in deltas)
+        calls: dict = {}
+        for d in deltas:
+            for entry in d.get("tool_calls", []):
+                call = calls.setdefault(entry["index"], {"id": None, "name": None, "args": ""})
+                call["id"] = entry.get("id", call["id"])
+                call["name"] = entry["function"].get("name", call["name"])
+                call["args"] += entry["function"]["arguments"]
+        got = [(c["name"], c["args"]) for _, c in sorted(calls.items())]
+        assert got == [("get_time", '{"tz":"a}\\"b"}'), ("get_weather", '{"city":"Lima"}')]
+        assert [c.arguments for c in finish(ToolChoice("required"), None, out, "stop")[1]] == [
+            a for _, a in got
+        ]  # streamed = not streamed
+        assert all(c["id"] for c in calls.values())
+    deltas, reason = _stream(ToolChoice("required"), None, ['[{"na'], "length")
+    assert deltas[-1] == {"content": '[{"na'} and reason == "length"
 
 
 def test_no_tools_streams_content_unchanged():

@@ -427,25 +427,74 @@ def read_forced(choice: ToolChoice, text: str) -> list[ToolCall] | None:
     return None if not calls or None in calls else calls
 
 
+#: The opening of a ``"required"`` output's next call, up to its arguments: ``[`` (the
+#: first) or the end of the call before and ``,``, then ``{"name": "<name>",
+#: "parameters": `` (the constraint's key order; any JSON whitespace).
+_REQUIRED_HEAD = re.compile(
+    r'\s*(?:\[|\}\s*,)\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"parameters"\s*:\s*'
+)
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array opening at ``start`` ends (one past its closing
+    bracket), or ``None`` while it is incomplete."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def scan_required(text: str) -> list[tuple[str, str, bool]]:
+    """A ``"required"`` output, whole or still being generated, as its calls so far: per
+    call its name, its arguments' text as generated (compact JSON under the constraint)
+    and whether they are complete. A call appears once its name and the opening of its
+    arguments are generated; the text the constraint makes is read in its key order."""
+    calls, pos = [], 0
+    while True:
+        head = _REQUIRED_HEAD.match(text, pos)
+        if head is None or head.end() >= len(text):
+            return calls
+        end = _value_end(text, head.end())
+        calls.append((head.group(1), text[head.end() : end], end is not None))
+        if end is None:
+            return calls
+        pos = end
+
+
 def finish(
     choice: ToolChoice, parser: ToolCallParser | None, text: str, finish_reason: str | None
 ) -> tuple[str | None, list[ToolCall], str | None]:
     """One choice's whole output -> (``content``, ``tool_calls``, ``finish_reason``).
 
-    A named function's output is its call's arguments, whole or cut by ``max_tokens``
-    (as they were streamed; ``finish_reason`` kept, as OpenAI's forced calls end with
-    ``"stop"``); ``"required"``'s and a parser's calls turn a ``"stop"`` into
-    ``"tool_calls"``. Text that does not parse as calls (cut by ``max_tokens``, or not in
-    the parser's format) stays the content.
+    A named function's output is its call's arguments, and ``"required"``'s are its
+    calls (:func:`scan_required`), whole or cut by ``max_tokens`` as they were streamed
+    (the arguments' text as generated); a named call keeps its ``finish_reason`` (OpenAI's
+    forced calls end with ``"stop"``), ``"required"``'s and a parser's calls turn a
+    ``"stop"`` into ``"tool_calls"``. Text that holds no call (cut before the first one's
+    arguments, or not in the parser's format) stays the content.
     """
     if choice.mode == "named":
         return None, [ToolCall(choice.name, text)], finish_reason
-    if choice.forced:
-        calls = read_forced(choice, text)
-        if calls is None:
+    if choice.mode == "required":
+        calls = [ToolCall(name, args) for name, args, _ in scan_required(text)]
+        if not calls:
             return text, [], finish_reason
-        required = choice.mode == "required" and finish_reason == "stop"
-        return None, calls, "tool_calls" if required else finish_reason
+        return None, calls, "tool_calls" if finish_reason == "stop" else finish_reason
     if choice.mode == "auto" and parser is not None:
         content, calls = parser.parse(text)
         if calls:
@@ -460,7 +509,8 @@ class ToolCallStream:
     - no tools / ``"none"``: ``{"content": text}`` as it comes;
     - a named function: its call's id and name first, then the arguments' text as it
       comes (``{"tool_calls": [{"index": 0, "function": {"arguments": ...}}]}``);
-    - ``"required"``: the calls when the output ends (parsed whole);
+    - ``"required"``: each call's id and name once generated, then its arguments' text
+      as it comes (:func:`scan_required`);
     - ``"auto"`` with a parser: content as it comes until calls start (a partial opening
       held back), then the calls when the output ends.
 
@@ -476,6 +526,8 @@ class ToolCallStream:
         self.calls_at: int | None = None  # where calls start ("auto")
         self._named_id = new_call_id() if choice.mode == "named" else None
         self._named_started = False
+        self._ids: list[str] = []  # "required": the calls streamed so far
+        self._args_sent: list[int] = []  # and how much of each one's arguments
 
     def push(self, text: str, finish_reason: str | None) -> tuple[dict | None, str | None]:
         """Take the next text (``finish_reason`` set on the last push).
@@ -488,7 +540,9 @@ class ToolCallStream:
         mode = self.choice.mode
         if mode == "named":
             return self._push_named(text, finish_reason)
-        if mode == "required" or (mode == "auto" and self.parser is not None):
+        if mode == "required":
+            return self._push_required(finish_reason)
+        if mode == "auto" and self.parser is not None:
             return self._push_buffered(finish_reason)
         if not text and finish_reason is None:
             return None, None
@@ -504,6 +558,29 @@ class ToolCallStream:
                      "function": {"name": self.choice.name, "arguments": text}}  # fmt: skip
             self._named_started = True
         return {"tool_calls": [entry]}, finish_reason
+
+    def _push_required(self, finish_reason: str | None) -> tuple[dict | None, str | None]:
+        calls = scan_required(self.text)
+        entries = []
+        for i, (name, args, _) in enumerate(calls):
+            if i == len(self._ids):  # a new call: its id and name first
+                self._ids.append(new_call_id())
+                self._args_sent.append(0)
+                entries.append({"index": i, "id": self._ids[i], "type": "function",
+                                "function": {"name": name, "arguments": ""}})  # fmt: skip
+            more = args[self._args_sent[i] :]
+            if more:
+                if entries and entries[-1]["index"] == i:
+                    entries[-1]["function"]["arguments"] += more
+                else:
+                    entries.append({"index": i, "function": {"arguments": more}})
+                self._args_sent[i] = len(args)
+        if finish_reason is None:
+            return ({"tool_calls": entries} if entries else None), None
+        _, made, reason = finish(self.choice, None, self.text, finish_reason)
+        if not made:  # cut before any call: the text is all there is
+            return {"content": self.text}, reason
+        return ({"tool_calls": entries} if entries else {}), reason
 
     def _push_buffered(self, finish_reason: str | None) -> tuple[dict | None, str | None]:
         if finish_reason is None:
