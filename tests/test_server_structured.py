@@ -22,16 +22,21 @@ NAME = "tiny-bytes"
 PROMPT = "the cat sat on the mat"
 
 
-@pytest.fixture(scope="module")
-def llm():
+def make_byte_llm(chat_template: str) -> LLM:
+    """The tiny byte-level model (exact, native) with this chat template, n-gram drafts."""
     tokenizer = make_byte_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.chat_template = chat_template
     target = NativeModel(make_model(tokenizer, seed=0, max_positions=256, name=NAME), exact=True)
     return LLM(
         target,
         speculative=SpeculativeConfig("ngram", num_speculative_tokens=4),
         engine_config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=256),
     )
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_byte_llm("{% for m in messages %}{{ m['content'] }} {% endfor %}")
 
 
 @pytest.fixture(scope="module")

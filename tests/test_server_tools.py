@@ -11,16 +11,13 @@ import json
 import httpx
 import openai
 import pytest
-from test_structured import make_byte_tokenizer
+from test_server_structured import NAME, make_byte_llm
 
-from conftest import make_model, uvicorn_thread
-from specdec import LLM, SamplingParams, SpeculativeConfig
-from specdec.engine import EngineConfig
-from specdec.models.native import NativeModel
+from conftest import uvicorn_thread
+from specdec import SamplingParams, SpeculativeConfig
 from specdec.server import create_app
 from specdec.tools import ToolChoice, check_tools, scan_required, tool_constraint
 
-NAME = "tiny-bytes"
 #: shows the tools and an assistant's calls (their arguments as objects), as real
 #: templates (Qwen2.5's, Hermes') do
 TEMPLATE = (
@@ -52,14 +49,7 @@ MESSAGES = [{"role": "user", "content": "the cat sat on the mat"}]
 
 @pytest.fixture(scope="module")
 def llm():
-    tokenizer = make_byte_tokenizer()
-    tokenizer.chat_template = TEMPLATE
-    target = NativeModel(make_model(tokenizer, seed=0, max_positions=256, name=NAME), exact=True)
-    return LLM(
-        target,
-        speculative=SpeculativeConfig("ngram", num_speculative_tokens=4),
-        engine_config=EngineConfig(max_num_seqs=8, max_num_batched_tokens=256),
-    )
+    return make_byte_llm(TEMPLATE)
 
 
 @pytest.fixture(scope="module")
