@@ -1133,7 +1133,7 @@ def _with_forced(draft: DraftProposal, forced: list[int]) -> DraftProposal:
     ``"grammar"``), so the JSON scaffolding of a tool call or a schema costs one
     verification, not a step per token. Called only where the draft is a function of the
     history (greedy target or deterministic draft), so the choice keeps the output law."""
-    if not forced or draft.token_ids[: len(forced)] == forced:
+    if not forced or list(draft.token_ids[: len(forced)]) == forced:
         return draft
     return DraftProposal(list(forced), None, [1.0] * len(forced), "grammar")
 
