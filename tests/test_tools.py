@@ -355,3 +355,44 @@ def test_forced_calls_under_speculation_equal_plain_decodings(byte_llm, choice):
             calls = read_forced(choice, out.text)
             assert calls and {c.name for c in calls} <= {"get_weather", "get_time"}, out.text
     assert finished
+
+
+class _Never:
+    """A controller that never drafts (``choose`` -> 0)."""
+
+    name = "never"
+
+    def start(self, info):
+        return self
+
+    def choose(self, view):
+        return 0
+
+    def observe(self, outcome):
+        pass
+
+
+def test_forced_tokens_are_drafted_when_the_controller_chose_none(byte_llm):
+    """The grammar's forced tokens raise a step's k (``_forced_k``): with a controller that
+    never drafts, a forced call still takes fewer steps than tokens, and equals plain
+    decoding."""
+    from specdec import SamplingParams, SpeculativeConfig
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.engine import Engine
+
+    spec = tool_constraint(TINY_TOOLS, ToolChoice("named", "get_weather"))
+    params = SamplingParams(max_new_tokens=40, structured_outputs=spec)
+    prompt = byte_llm.encode("the cat sat", chat=False)
+    plain = byte_llm.generate(prompt, params, speculative=SpeculativeConfig("none"))
+    engine = Engine(byte_llm.target)
+    engine.add_request(
+        "0", prompt, params, drafter=NgramDrafter(), num_speculative_tokens=8,
+        controller=_Never(), grammar=byte_llm.grammars.matcher(spec),
+    )  # fmt: skip
+    tokens, steps = [], 0
+    while engine.has_unfinished():
+        for _, out in engine.step():
+            tokens += out.new_token_ids
+            steps += 1
+    assert tokens == plain.token_ids and plain.text.startswith('{"city":"')
+    assert steps < len(tokens)

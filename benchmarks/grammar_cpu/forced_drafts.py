@@ -2,8 +2,9 @@
 decoding, on the embedded model (greedy; every output checked equal to plain decoding's).
 
 Ten chat requests (five questions, twice) with two tools, ``tool_choice`` "required" and
-a named function, 96 tokens at most. The ablation swaps the engine's ``_with_forced``
-for the identity (the drafter's chain as it was), in the same process, interleaved.
+a named function, 96 tokens at most, the ``fixed`` and ``cost`` controllers. The ablation
+swaps the engine's ``_with_forced`` and ``_forced_k`` for the identity (the drafter's chain
+and the controller's k as they were), in the same process, interleaved.
 
     .venv/bin/python benchmarks/grammar_cpu/forced_drafts.py --out benchmarks/grammar_cpu
 """
@@ -40,10 +41,12 @@ QUESTIONS = [
 CHOICES = {"required": ToolChoice("required"), "named": ToolChoice("named", "get_weather")}
 
 
-def run(llm, choice, method: str, forced: bool) -> dict:
+def run(llm, choice, method: str, forced: bool, controller: str = "fixed") -> dict:
     """One pass over the questions; tokens, steps, seconds and the outputs."""
-    real = engine_module._with_forced
-    engine_module._with_forced = real if forced else (lambda draft, tokens: draft)
+    real, real_k = engine_module._with_forced, engine_module._forced_k
+    if not forced:
+        engine_module._with_forced = lambda draft, tokens: draft
+        engine_module._forced_k = lambda seq, k, cap: k
     try:
         params = SamplingParams(
             max_new_tokens=96, temperature=0, structured_outputs=tool_constraint(TOOLS, choice)
@@ -54,14 +57,15 @@ def run(llm, choice, method: str, forced: bool) -> dict:
         for question in QUESTIONS:
             ids = llm.encode([{"role": "user", "content": question}], tools=TOOLS)
             t0 = time.perf_counter()
-            out = llm.generate(ids, params, speculative=SpeculativeConfig(method))
+            spec = SpeculativeConfig(method, controller=controller if method != "none" else "fixed")
+            out = llm.generate(ids, params, speculative=spec)
             seconds += time.perf_counter() - t0
             tokens += len(out.token_ids)
             steps += out.metrics.num_steps
             outputs.append(out.token_ids)
         return {"tokens": tokens, "steps": steps, "seconds": seconds, "outputs": outputs}
     finally:
-        engine_module._with_forced = real
+        engine_module._with_forced, engine_module._forced_k = real, real_k
 
 
 def _cpu() -> str:
@@ -81,24 +85,27 @@ def main() -> None:
     llm = LLM("smollm2-135m-instruct")
     for question in QUESTIONS[:2]:  # warm-up: kernels, grammar compiler
         llm.generate(question, SamplingParams(max_new_tokens=8))
-    configs = [("none", False), ("ngram", False), ("ngram", True), ("suffix", False),
-               ("suffix", True)]  # fmt: skip
+    configs = [("none", False, "fixed"), ("ngram", False, "fixed"), ("ngram", True, "fixed"),
+               ("suffix", False, "fixed"), ("suffix", True, "fixed"),
+               ("ngram", False, "cost"), ("ngram", True, "cost"),
+               ("suffix", False, "cost"), ("suffix", True, "cost")]  # fmt: skip
     rows = []
     for name, choice in CHOICES.items():
         totals: dict = {}
         for _ in range(args.rounds):  # interleaved: the machine's speed drifts
-            for method, forced in configs:
-                result = run(llm, choice, method, forced)
+            for method, forced, controller in configs:
+                result = run(llm, choice, method, forced, controller)
                 empty = {"tokens": 0, "steps": 0, "seconds": 0.0, "outputs": None}
-                total = totals.setdefault((method, forced), empty)
+                total = totals.setdefault((method, forced, controller), empty)
                 for key in ("tokens", "steps", "seconds"):
                     total[key] += result[key]
                 total["outputs"] = total["outputs"] or result["outputs"]
                 assert result["outputs"] == total["outputs"]
-        plain = totals[("none", False)]
-        for (method, forced), total in totals.items():
+        plain = totals[("none", False, "fixed")]
+        for (method, forced, controller), total in totals.items():
             rows.append({
-                "tool_choice": name, "method": method, "forced_drafts": forced,
+                "tool_choice": name, "method": method, "controller": controller,
+                "forced_drafts": forced,
                 "tokens": total["tokens"], "steps": total["steps"],
                 "tokens_per_s": total["tokens"] / total["seconds"],
                 "speedup": (total["tokens"] / total["seconds"])
@@ -116,13 +123,14 @@ def main() -> None:
         f"96 tokens at most; {meta['machine']}, {meta['date']}. The suffix drafter's "
         "cross-request cache lives through the whole run (later passes find earlier outputs).",
         "",
-        "| tool_choice | method | forced drafts | tokens | steps | tokens/s | vs plain | "
-        "identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tool_choice | method | controller | forced drafts | tokens | steps | tokens/s | "
+        "vs plain | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['tool_choice']} | {r['method']} | {'yes' if r['forced_drafts'] else 'no'} | "
+            f"| {r['tool_choice']} | {r['method']} | {r['controller']} | "
+            f"{'yes' if r['forced_drafts'] else 'no'} | "
             f"{r['tokens']} | {r['steps']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
             f"{'yes' if r['identical_to_plain'] else 'NO'} |"
         )

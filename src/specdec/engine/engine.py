@@ -516,6 +516,7 @@ class Engine:
             else:
                 view = StepView(cap, cost, len(verified), other_tokens - 1, len(verified) - 1.0)
             k = check_choice(seq.control, seq.control.choose(view), cap)
+            k = _forced_k(seq, k, cap)
             if k and seq.tree_builder is not None and seq.tree_builder.uses_row_cost:
                 seq.row_cost = _row_cost(view.cost, view.other_tokens + 1 + seq.max_aux_rows)
             other_tokens += math.ceil(k * seq.control_info.tree_nodes_per_depth)
@@ -1124,6 +1125,16 @@ def _draft_tree(seq: Sequence, max_depth: int) -> TreeProposal:
         return builder.build(session, max_depth, sampling, seq.generator)
     finally:
         session.close()
+
+
+def _forced_k(seq: Sequence, k: int, cap: int) -> int:
+    """The step's draft size ``k`` raised to the tokens the request's grammar forces (at
+    most ``cap``): they are accepted whatever the controller expects of the drafter, so a
+    controller that chose few or none (``cost`` where drafts have not paid) still gets the
+    scaffolding in one step. Chains only; a function of the history, so lossless."""
+    if k >= cap or seq.grammar is None or seq.tree_builder is not None:
+        return k
+    return max(k, len(seq.grammar.forced_tokens(cap)))
 
 
 def _with_forced(draft: DraftProposal, forced: list[int]) -> DraftProposal:
