@@ -276,6 +276,7 @@ class GrammarState:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
+        self._forced: list[int] | None = None  # forced_tokens at the committed output
 
     # ------------------------------------------------------------ masks
 
@@ -364,7 +365,9 @@ class GrammarState:
         m = self.matcher
         if max_tokens <= 0 or m.is_stopped() or m.is_error():
             return []
-        return [int(t) for t in m.compute_ff_tokens()[:max_tokens]]
+        if self._forced is None:  # once per committed state (a step plans, then drafts)
+            self._forced = [int(t) for t in m.compute_ff_tokens()]
+        return self._forced[:max_tokens]
 
     # ------------------------------------------------------------ commit
 
@@ -380,6 +383,7 @@ class GrammarState:
             RuntimeError: a token the grammar forbids (verification never commits one).
         """
         m = self.matcher
+        self._forced = None
         for i, token in enumerate(tokens):
             if m.is_stopped():
                 return i

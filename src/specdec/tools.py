@@ -584,7 +584,7 @@ class ToolCallStream:
 
     def _push_buffered(self, finish_reason: str | None) -> tuple[dict | None, str | None]:
         if finish_reason is None:
-            if self.choice.mode != "auto" or self.calls_at is not None:
+            if self.calls_at is not None:
                 return None, None
             start = self.parser.split(self.text)
             if start is not None:
@@ -599,7 +599,7 @@ class ToolCallStream:
         content, calls, reason = finish(self.choice, self.parser, self.text, finish_reason)
         delta: dict = {}
         if calls:
-            rest = (content or "")[self.sent :] if self.choice.mode == "auto" else ""
+            rest = (content or "")[self.sent :]
             if rest:
                 delta["content"] = rest
             delta["tool_calls"] = [c.openai(i) for i, c in enumerate(calls)]
