@@ -533,8 +533,8 @@ class ChatMessage(BaseModel):
     #: a tool message's answer to the call with this id (passed to the chat template,
     #: which may show it; OpenAI's SDK always sends it)
     tool_call_id: str | None = None
-    #: an assistant's tool calls (OpenAI's form), checked by ``_screen_message`` and given
-    #: to the chat template with their arguments as objects
+    #: an assistant's tool calls (OpenAI's form), checked by ``_screen_message``; the chat
+    #: template gets their arguments as objects (``LLM.encode``)
     tool_calls: list[dict] | None = None
 
     def template_message(self) -> dict:
@@ -542,8 +542,8 @@ class ChatMessage(BaseModel):
         out = {"role": self.role, "content": self.content}
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            out["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_calls:  # LLM.encode gives the template their arguments as objects
+            out["tool_calls"] = self.tool_calls
         return out
 
 
